@@ -1,0 +1,1 @@
+"""The `ditango` command line: a thin shell over runtime/, planner/ and slurm/."""

@@ -1,0 +1,320 @@
+"""`ditango` commands: generate, check, models.
+
+Parsing and validation only; the work is done by runtime/ (and, for multi-rank runs,
+launched by slurm/). Predictable mistakes print one `error: ...` line on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from typer.core import TyperGroup
+
+from ditango_cli.prompts import Overrides, build_items
+from runtime.config import RunConfig
+from runtime.errors import ConfigError
+from runtime.models.registry import MODEL_ROOT_ENV, REGISTRY, ResolvedModel, model_root, resolve_model
+
+EXIT_USAGE = 2
+EXIT_FAILED_ITEMS = 1
+
+
+def _is_click_exception(exc: BaseException) -> bool:
+    # Typer >= 0.25 vendors click (typer._click), older releases use click itself:
+    # recognise either by class name rather than importing a private module.
+    return any(cls.__name__ == "ClickException" for cls in type(exc).__mro__)
+
+
+class OneLineErrors(TyperGroup):
+    """Usage and configuration errors become one `error: ...` line and exit code 2."""
+
+    def main(self, *args, **kwargs):  # type: ignore[override]
+        kwargs["standalone_mode"] = False
+        try:
+            result = super().main(*args, **kwargs)
+        except ConfigError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_USAGE)
+        except typer.Abort:
+            typer.echo("aborted", err=True)
+            sys.exit(130)
+        except Exception as exc:
+            if not _is_click_exception(exc):
+                raise
+            message = exc.format_message()
+            if message:  # empty for "no arguments: help shown"
+                typer.echo(f"error: {message}", err=True)
+            sys.exit(exc.exit_code)
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+app = typer.Typer(
+    cls=OneLineErrors,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Batch video generation with Diffusion Transformers.",
+)
+
+
+class DeviceChoice(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DTypeChoice(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+ModelOpt = Annotated[
+    str,
+    typer.Option("--model", "-m", help="Registry name (see `ditango models`) or a diffusers-format directory."),
+]
+ModelRootOpt = Annotated[
+    Path | None,
+    typer.Option("--model-root", help=f"Folder holding named checkpoints [env: {MODEL_ROOT_ENV}]."),
+]
+PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="One prompt.")]
+PromptsOpt = Annotated[
+    Path | None,
+    typer.Option("--prompts", help="Batch file: .txt (a prompt per line) or .jsonl (an object per line)."),
+]
+NegativeOpt = Annotated[str | None, typer.Option("--negative-prompt", help="Negative prompt (default: empty).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the initial noise (per-item seeds override).")]
+StepsOpt = Annotated[int | None, typer.Option("--steps", help="Denoising steps [default: the model's].")]
+GuidanceOpt = Annotated[float | None, typer.Option("--guidance", help="CFG scale; <= 1 runs one branch.")]
+HeightOpt = Annotated[int | None, typer.Option("--height", help="Pixels, a multiple of 16.")]
+WidthOpt = Annotated[int | None, typer.Option("--width", help="Pixels, a multiple of 16.")]
+FramesOpt = Annotated[int | None, typer.Option("--frames", help="Video frames, 4k+1.")]
+OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Output folder.")]
+DeviceOpt = Annotated[DeviceChoice, typer.Option("--device", help="auto picks CUDA when available.")]
+DTypeOpt = Annotated[
+    DTypeChoice | None,
+    typer.Option("--dtype", help="Transformer/text-encoder dtype [default: float32 on CPU, bfloat16 on CUDA]."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+
+
+def check_writable(out: Path, create: bool) -> None:
+    """Fail early (before loading anything) when outputs could not be written."""
+    out = out.expanduser()
+    if create:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=out):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"output dir {out} is not writable: {exc.strerror or exc}") from None
+        return
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise ConfigError(f"output dir {out} is not writable: {probe} is not a writable directory")
+
+
+def build_run_config(
+    *,
+    model: str,
+    model_root_dir: Path | None,
+    prompt: str | None,
+    prompts: Path | None,
+    overrides: Overrides,
+    out: Path,
+    device: DeviceChoice,
+    dtype: DTypeChoice | None,
+    save_latents: bool = False,
+    overwrite: bool = False,
+    create_out: bool,
+) -> tuple[RunConfig, ResolvedModel]:
+    resolved = resolve_model(model, model_root_dir)
+    items = build_items(prompt, prompts, overrides, resolved.spec.defaults)
+    check_writable(out, create=create_out)
+    cfg = RunConfig(
+        model=model,
+        model_path=resolved.path,
+        items=items,
+        out_dir=out.expanduser(),
+        device=device.value,
+        dtype=None if dtype is None else dtype.value,
+        save_latents=save_latents,
+        overwrite=overwrite,
+        max_text_len=resolved.spec.defaults.max_text_len,
+        fps=resolved.spec.defaults.fps,
+    )
+    return cfg, resolved
+
+
+@app.command()
+def generate(
+    model: ModelOpt = "tiny-wan",
+    model_root_dir: ModelRootOpt = None,
+    prompt: PromptOpt = None,
+    prompts: PromptsOpt = None,
+    negative_prompt: NegativeOpt = None,
+    seed: SeedOpt = 0,
+    steps: StepsOpt = None,
+    guidance: GuidanceOpt = None,
+    height: HeightOpt = None,
+    width: WidthOpt = None,
+    frames: FramesOpt = None,
+    out: OutOpt = Path("out"),
+    save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write <id>.latents.safetensors.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Regenerate items whose outputs exist.")] = False,
+    dtype: DTypeOpt = None,
+    device: DeviceOpt = DeviceChoice.auto,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+    as_json: JsonOpt = False,
+) -> int:
+    """Generate one MP4 per prompt, plus a sidecar JSON per item and report.json."""
+    from ditango_cli.progress import RichObserver
+    from runtime.run import SilentObserver  # heavy imports only when work is asked for
+    from slurm.launch import launch
+
+    overrides = Overrides(negative_prompt, seed, height, width, frames, steps, guidance)
+    cfg, _ = build_run_config(
+        model=model, model_root_dir=model_root_dir, prompt=prompt, prompts=prompts, overrides=overrides,
+        out=out, device=device, dtype=dtype, save_latents=save_latents, overwrite=overwrite, create_out=True,
+    )  # fmt: skip
+    err = Console(stderr=True, soft_wrap=True)
+    observer = contextlib.nullcontext(SilentObserver()) if quiet else RichObserver(err)
+    with observer as obs:
+        report = launch(cfg, obs)
+    report_path = cfg.out_dir / "report.json"
+    counts = report["counts"]
+    if as_json:
+        print(report_path)
+    elif not quiet:
+        err.print(
+            f"{counts['done']} generated, {counts['skipped']} skipped, {counts['failed']} failed; report: {report_path}",
+            highlight=False,
+        )
+    if counts["failed"]:
+        failed = [r["id"] for r in report["items"] if r["status"] == "failed"]
+        typer.echo(f"error: {len(failed)} item(s) failed: {', '.join(failed)} (see {report_path})", err=True)
+        return EXIT_FAILED_ITEMS
+    return 0
+
+
+@app.command()
+def check(
+    model: ModelOpt = "tiny-wan",
+    model_root_dir: ModelRootOpt = None,
+    prompt: PromptOpt = None,
+    prompts: PromptsOpt = None,
+    negative_prompt: NegativeOpt = None,
+    seed: SeedOpt = 0,
+    steps: StepsOpt = None,
+    guidance: GuidanceOpt = None,
+    height: HeightOpt = None,
+    width: WidthOpt = None,
+    frames: FramesOpt = None,
+    out: OutOpt = Path("out"),
+    dtype: DTypeOpt = None,
+    device: DeviceOpt = DeviceChoice.auto,
+    as_json: JsonOpt = False,
+) -> int:
+    """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
+    from runtime.models.loading import resolve_placement
+
+    overrides = Overrides(negative_prompt, seed, height, width, frames, steps, guidance)
+    cfg, resolved = build_run_config(
+        model=model, model_root_dir=model_root_dir, prompt=prompt, prompts=prompts, overrides=overrides,
+        out=out, device=device, dtype=dtype, create_out=False,
+    )  # fmt: skip
+    placement = resolve_placement(cfg.device, cfg.dtype)
+    spec = resolved.spec
+    summary = {
+        "model": cfg.model,
+        "model_path": None if resolved.path is None else str(resolved.path),
+        "transformer": {"params": spec.params, "heads": spec.heads, "layers": spec.layers, "head_dim": spec.head_dim},
+        "device": str(placement.device),
+        "dtype": placement.dtype_name,
+        "out_dir": str(cfg.out_dir),
+        "layout": cfg.layout.to_json(),
+        "items": [
+            {
+                "id": i.id, "prompt": i.prompt, "negative_prompt": i.negative_prompt, "seed": i.seed,
+                "height": i.height, "width": i.width, "frames": i.frames, "steps": i.steps,
+                "guidance": i.guidance, "tokens": i.tokens(),
+            }
+            for i in cfg.items
+        ],
+    }  # fmt: skip
+    if as_json:
+        print(json.dumps(summary, indent=2, ensure_ascii=False))
+        return 0
+    console = Console()
+    console.print(
+        f"model {summary['model']} ({summary['model_path'] or 'built-in'}), {spec.layers} layers, "
+        f"{spec.heads} heads; device {summary['device']}, dtype {summary['dtype']}; out {summary['out_dir']}",
+        highlight=False,
+    )
+    table = Table("id", "prompt", "seed", "size", "frames", "steps", "guidance", "tokens")
+    for i in summary["items"]:
+        short = i["prompt"] if len(i["prompt"]) <= 48 else i["prompt"][:45] + "..."
+        table.add_row(
+            i["id"], short, str(i["seed"]), f"{i['width']}x{i['height']}", str(i["frames"]),
+            str(i["steps"]), f"{i['guidance']:g}", str(i["tokens"]),
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"ok: {len(cfg.items)} item(s) would be generated", highlight=False)
+    return 0
+
+
+@app.command()
+def models(
+    model_root_dir: ModelRootOpt = None,
+    as_json: JsonOpt = False,
+) -> int:
+    """List registry names with size, heads, layers and where each resolves."""
+    root = model_root(model_root_dir)
+    rows = []
+    for spec in REGISTRY.values():
+        if spec.builtin:
+            where = "built-in"
+        elif root is None:
+            where = f"not configured (set --model-root or {MODEL_ROOT_ENV})"
+        else:
+            path = root / spec.dir_name
+            where = str(path) if path.is_dir() else f"missing: {path}"
+        rows.append(
+            {"name": spec.name, "params": spec.params, "heads": spec.heads, "layers": spec.layers,
+             "head_dim": spec.head_dim, "resolves_to": where, "description": spec.description}
+        )  # fmt: skip
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table("name", "params", "heads", "layers", "resolves to")
+    for r in rows:
+        table.add_row(r["name"], _human(r["params"]), str(r["heads"]), str(r["layers"]), r["resolves_to"])
+    Console().print(table)
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

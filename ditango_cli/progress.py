@@ -1,0 +1,57 @@
+"""Rich progress over items and denoising steps (stderr, so stdout stays parseable)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from runtime.config import Item
+
+
+class RichObserver:
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        self._items = None
+        self._steps = None
+
+    def __enter__(self) -> RichObserver:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def run_started(self, total: int) -> None:
+        if total:
+            self._items = self.progress.add_task("items", total=total)
+
+    def item_started(self, item: Item) -> None:
+        if self._steps is not None:
+            self.progress.remove_task(self._steps)
+        self._steps = self.progress.add_task(f"  {item.id}", total=item.steps)
+
+    def step_done(self, step: int, steps: int) -> None:
+        if self._steps is not None:
+            self.progress.update(self._steps, completed=step)
+
+    def item_finished(self, record: dict) -> None:
+        if self._items is not None:
+            self.progress.advance(self._items)
+        if record["status"] == "failed":
+            self.console.print(f"[red]failed[/red] {record['id']}: {record['error']}", highlight=False)
+        else:
+            total = (record.get("timing") or {}).get("total_s", 0.0)
+            self.console.print(
+                f"[green]done[/green] {record['id']} -> {record['video']} ({total:.2f} s)", highlight=False
+            )
+
+    def message(self, text: str) -> None:
+        self.console.print(text, highlight=False, markup=False)

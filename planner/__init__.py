@@ -1,0 +1,5 @@
+"""Pure decision logic (DiTango reuse plans, Hybridiff schedules, cost model).
+
+Everything here is a function of replicated inputs; it never calls torch.distributed
+except through an explicit group argument.
+"""

@@ -1,0 +1,1 @@
+"""Per-rank execution: model loading, the denoising loop, attention states, outputs."""

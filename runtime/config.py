@@ -1,0 +1,134 @@
+"""Frozen descriptions of a run: what to generate (items) and how (RunConfig, layout).
+
+These objects are built by the CLI, validated at construction, pickled to each rank by
+the launcher, and never mutated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from runtime.errors import ConfigError
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+# Wan2.1's VAE compresses 4x in time and 8x in space; the transformer patchifies 2x2.
+TEMPORAL_STRIDE = 4
+SPATIAL_MULTIPLE = 16
+
+
+def _nearest_multiples(value: int, multiple: int) -> str:
+    lo = max(multiple, value // multiple * multiple)
+    hi = lo + multiple if lo <= value else lo
+    return f"{lo}" if lo == hi else f"{lo} or {hi}"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One video to generate. `source` says where it came from, for error messages."""
+
+    id: str
+    prompt: str
+    negative_prompt: str
+    seed: int
+    height: int
+    width: int
+    frames: int
+    steps: int
+    guidance: float
+    index: int = 0
+    source: str = "--prompt"
+
+    def __post_init__(self) -> None:
+        where = f"{self.source}: " if self.source else ""
+        if not self.prompt.strip():
+            raise ConfigError(f"{where}prompt is empty")
+        if self.frames < 1 or (self.frames - 1) % TEMPORAL_STRIDE:
+            k = max(0, round((self.frames - 1) / TEMPORAL_STRIDE))
+            raise ConfigError(
+                f"{where}frames must be 4k+1 (Wan's VAE compresses time 4x), got {self.frames}; "
+                f"try {4 * k + 1}" + (f" or {4 * k + 5}" if 4 * k + 1 < self.frames else "")
+            )
+        for name, value in (("height", self.height), ("width", self.width)):
+            if value < SPATIAL_MULTIPLE or value % SPATIAL_MULTIPLE:
+                raise ConfigError(
+                    f"{where}{name} must be a positive multiple of {SPATIAL_MULTIPLE} "
+                    f"(VAE 8x times patch 2x), got {value}; try {_nearest_multiples(value, SPATIAL_MULTIPLE)}"
+                )
+        if self.steps < 1:
+            raise ConfigError(f"{where}steps must be >= 1, got {self.steps}")
+        if not self.guidance >= 0:  # also rejects NaN
+            raise ConfigError(f"{where}guidance must be >= 0, got {self.guidance}")
+        if self.seed < 0 or self.seed >= 2**63:
+            raise ConfigError(f"{where}seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(frames, height, width) of the latent video."""
+        return ((self.frames - 1) // TEMPORAL_STRIDE + 1, self.height // 8, self.width // 8)
+
+    def tokens(self, patch: tuple[int, int, int] = (1, 2, 2)) -> int:
+        """Length of the transformer's token sequence for this item."""
+        f, h, w = self.latent_shape
+        return (f // patch[0]) * (h // patch[1]) * (w // patch[2])
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the world is split. A single process for now: world 1, no CFG or CP split."""
+
+    nodes: int = 1
+    gpus_per_node: int = 1
+    cfg_degree: int = 1
+    cp_degree: int = 1
+    strategy: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.world_size != self.cfg_degree * self.cp_degree:
+            raise ConfigError(
+                f"world size {self.world_size} (nodes {self.nodes} x gpus {self.gpus_per_node}) must equal "
+                f"cfg degree {self.cfg_degree} x cp degree {self.cp_degree}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def to_json(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "cfg_degree": self.cfg_degree,
+            "cp_degree": self.cp_degree,
+            "strategy": self.strategy,
+        }
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one `ditango generate` needs; picklable so a launcher can ship it to ranks."""
+
+    model: str  # registry name or directory, as the user gave it
+    model_path: Path | None  # resolved directory; None for a built-in model
+    items: tuple[Item, ...]
+    out_dir: Path
+    device: Device = "auto"
+    dtype: DType | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    save_latents: bool = False
+    overwrite: bool = False
+    max_text_len: int = 512
+    fps: int = 16
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+
+    def __post_init__(self) -> None:
+        if not self.items:
+            raise ConfigError("nothing to generate: no items")
+        seen: dict[str, str] = {}
+        for item in self.items:
+            if item.id in seen:
+                raise ConfigError(f"{item.source}: duplicate id {item.id!r} (first at {seen[item.id]})")
+            seen[item.id] = item.source

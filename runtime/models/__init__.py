@@ -1,0 +1,1 @@
+"""Model registry, local checkpoint loading and the built-in tiny model."""

@@ -1,0 +1,74 @@
+"""Load a resolved model's components onto a device, in the requested dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.errors import ConfigError
+from runtime.models.registry import ResolvedModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    dtype: torch.dtype  # text encoder and transformer; the VAE always runs in float32
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def resolve_placement(device: str = "auto", dtype: str | None = None) -> Placement:
+    """`auto` picks CUDA when available; the default dtype is float32 on CPU, bfloat16 on CUDA."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda requested but no CUDA device is available; use --device cpu or auto")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if dtype is None:
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return Placement(torch.device(device), DTYPES[dtype])
+
+
+def _dtype_kwarg() -> str:
+    # diffusers renamed `torch_dtype` to `dtype` (0.36+); older releases only know the former.
+    try:
+        from diffusers.utils import deprecation_utils
+
+        return "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
+    except ImportError:
+        return "torch_dtype"
+
+
+def load_components(model: ResolvedModel, placement: Placement) -> dict:
+    """Return {tokenizer, text_encoder, transformer, vae, scheduler} ready for inference.
+
+    The VAE is kept in float32 (as Wan2.1's reference code and diffusers' examples do);
+    the text encoder and transformer take `placement.dtype`, with the float32 modules
+    diffusers/transformers keep when loading. The built-in model is written to a cache
+    directory once and loaded through the same path as a user checkpoint.
+    """
+    from diffusers import WanPipeline
+
+    if model.spec.builtin:
+        from runtime.models.tiny import materialize
+
+        path = materialize()
+    else:
+        path = model.path
+    dtypes = {"default": placement.dtype, "vae": torch.float32}
+    pipe = WanPipeline.from_pretrained(
+        str(path), local_files_only=True, use_safetensors=True, **{_dtype_kwarg(): dtypes}
+    )
+    components = {k: v for k, v in pipe.components.items() if v is not None}
+    for name in ("text_encoder", "transformer", "vae"):
+        # Device only: a dtype cast here would undo the float32 modules kept by from_pretrained.
+        components[name].to(placement.device).eval().requires_grad_(False)
+    return components

@@ -1,0 +1,134 @@
+"""Registry of model names and how a `--model` argument resolves to components.
+
+`--model` is a registry name (`tiny-wan`, `wan2.1-1.3b`, `wan2.1-14b`) or a path to a
+diffusers-format directory. Real checkpoints are never downloaded: named ones resolve
+under `--model-root` or `$DITANGO_MODEL_ROOT`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import ConfigError, ModelDirError
+from runtime.models.checkpoint import inspect_model_dir
+
+MODEL_ROOT_ENV = "DITANGO_MODEL_ROOT"
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Per-model generation defaults; the command line and prompt files override them."""
+
+    steps: int = 50
+    guidance: float = 5.0
+    height: int = 480
+    width: int = 832
+    frames: int = 81
+    fps: int = 16
+    max_text_len: int = 512
+    negative_prompt: str = ""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    description: str
+    params: int  # transformer parameters
+    heads: int
+    layers: int
+    head_dim: int
+    defaults: Defaults
+    dir_name: str | None = None  # directory under the model root, for named checkpoints
+    builtin: bool = False  # built in code; no directory
+
+
+# Wan2.1 settings: diffusers' WanPipeline defaults (50 steps, guidance 5.0, 832x480, 81 frames,
+# 512 text tokens) and the checkpoints' transformer configs.
+WAN_DEFAULTS = Defaults()
+
+REGISTRY: dict[str, ModelSpec] = {
+    "tiny-wan": ModelSpec(
+        name="tiny-wan",
+        description="built-in tiny Wan (real diffusers classes, tiny config)",
+        params=250_496,
+        heads=4,
+        layers=4,
+        head_dim=16,
+        defaults=Defaults(steps=20, guidance=5.0, height=128, width=128, frames=17, max_text_len=32),
+        builtin=True,
+    ),
+    "wan2.1-1.3b": ModelSpec(
+        name="wan2.1-1.3b",
+        description="Wan2.1 text-to-video 1.3B",
+        params=1_418_996_800,
+        heads=12,
+        layers=30,
+        head_dim=128,
+        defaults=WAN_DEFAULTS,
+        dir_name="Wan2.1-T2V-1.3B-Diffusers",
+    ),
+    "wan2.1-14b": ModelSpec(
+        name="wan2.1-14b",
+        description="Wan2.1 text-to-video 14B",
+        params=14_288_491_584,
+        heads=40,
+        layers=40,
+        head_dim=128,
+        defaults=WAN_DEFAULTS,
+        dir_name="Wan2.1-T2V-14B-Diffusers",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    spec: ModelSpec
+    path: Path | None  # None for a built-in model
+
+
+def model_root(cli_root: str | Path | None) -> Path | None:
+    root = cli_root or os.environ.get(MODEL_ROOT_ENV) or None
+    return Path(root).expanduser() if root else None
+
+
+def resolve_model(model: str, root: str | Path | None = None) -> ResolvedModel:
+    """Turn a `--model` argument into a spec and a validated directory (weights not loaded)."""
+    if model in REGISTRY:
+        spec = REGISTRY[model]
+        if spec.builtin:
+            return ResolvedModel(spec, None)
+        base = model_root(root)
+        if base is None:
+            raise ConfigError(
+                f"model {model!r} needs a local checkpoint: pass --model-root DIR or set {MODEL_ROOT_ENV} "
+                f"so that DIR/{spec.dir_name} exists (weights are never downloaded)"
+            )
+        path = base / spec.dir_name
+        if not path.is_dir():
+            raise ModelDirError(f"model {model!r}: {path} does not exist (expected a diffusers-format checkpoint)")
+        inspect_model_dir(path)
+        return ResolvedModel(spec, path)
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        info = inspect_model_dir(path)
+        return ResolvedModel(spec_from_dir(path, info.transformer_config, info.transformer_params), path)
+    if path.exists():
+        raise ModelDirError(f"--model {model}: not a directory (expected a diffusers-format model directory)")
+    names = ", ".join(REGISTRY)
+    raise ConfigError(f"unknown model {model!r}: use one of {names}, or a path to a diffusers-format directory")
+
+
+def spec_from_dir(path: Path, transformer_config: dict, params: int) -> ModelSpec:
+    """A spec for a user-supplied directory: Wan defaults, shapes from its transformer config."""
+    return ModelSpec(
+        name=str(path),
+        description="local diffusers-format directory",
+        params=params,
+        heads=int(transformer_config.get("num_attention_heads", 0)),
+        layers=int(transformer_config.get("num_layers", 0)),
+        head_dim=int(transformer_config.get("attention_head_dim", 0)),
+        defaults=WAN_DEFAULTS,
+    )

@@ -1,0 +1,125 @@
+"""Versioned JSON records: one sidecar per item and `report.json` for the run (schema 1)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from runtime.config import Item, RunConfig
+
+SCHEMA = 1
+
+
+def versions() -> dict[str, str]:
+    import diffusers
+
+    try:
+        ours = metadata.version("ditango")
+    except metadata.PackageNotFoundError:
+        ours = "0+unknown"
+    return {
+        "ditango": ours,
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what was measured): CUDA allocator peak on GPU, process peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_memory_allocated"
+    # ru_maxrss is in KiB on Linux.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "process_max_rss"
+
+
+@dataclass
+class ItemTiming:
+    text_encode_s: float = 0.0
+    denoise_s: float = 0.0
+    decode_s: float = 0.0
+    write_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        total = self.text_encode_s + self.denoise_s + self.decode_s + self.write_s
+        return {
+            "total_s": round(total, 6),
+            "text_encode_s": round(self.text_encode_s, 6),
+            "denoise_s": round(self.denoise_s, 6),
+            "decode_s": round(self.decode_s, 6),
+            "write_s": round(self.write_s, 6),
+            "step_s": [round(s, 6) for s in self.step_s],
+        }
+
+
+def item_record(
+    item: Item,
+    *,
+    status: str,
+    video: str | None,
+    latents: str | None,
+    timing: ItemTiming | None,
+    error: str | None = None,
+) -> dict:
+    """The per-item record: the sidecar's body and one entry of report.json's `items`."""
+    return {
+        "schema": SCHEMA,
+        "id": item.id,
+        "status": status,
+        "prompt": item.prompt,
+        "negative_prompt": item.negative_prompt,
+        "seed": item.seed,
+        "video": video,
+        "latents": latents,
+        "frames": item.frames,
+        "height": item.height,
+        "width": item.width,
+        "steps": item.steps,
+        "guidance": item.guidance,
+        "tokens": item.tokens(),
+        "timing": None if timing is None else timing.to_json(),
+        # A single process moves no bytes and computes every attention partition.
+        "comm": {"intra_node_bytes": 0, "inter_node_bytes": 0},
+        "attention": {"computed_fraction": 1.0},
+        "error": error,
+    }
+
+
+def read_sidecar(path: Path) -> dict | None:
+    """The sidecar at `path` if it is a readable schema-1 record, else None."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        return None
+    return data
+
+
+def run_report(
+    cfg: RunConfig, records: list[dict], device: torch.device, dtype: str, started: str, wall_s: float
+) -> dict:
+    peak, source = peak_memory(device)
+    counts = {s: sum(r.get("status") == s for r in records) for s in ("done", "skipped", "failed")}
+    return {
+        "schema": SCHEMA,
+        "model": cfg.model,
+        "model_path": None if cfg.model_path is None else str(cfg.model_path),
+        "device": str(device),
+        "dtype": dtype,
+        "layout": cfg.layout.to_json(),
+        "started_at": started,
+        "wall_s": round(wall_s, 6),
+        "counts": counts,
+        "peak_memory_bytes": peak,
+        "peak_memory_source": source,
+        "versions": versions(),
+        "items": records,
+    }

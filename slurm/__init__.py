@@ -1,0 +1,1 @@
+"""Where ranks come from: the local executor today, Slurm (submitit) next."""

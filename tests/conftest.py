@@ -1,0 +1,46 @@
+"""Shared fixtures: a tiny random Wan (different from tiny-wan) on disk and in memory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from runtime.models.tiny import TinyWanConfig, build_tiny_wan
+
+# Deliberately unlike tiny-wan (other seed, heads, head dim, depth, text width) so parity
+# tests do not only pass for the built-in configuration.
+PARITY_CONFIG = TinyWanConfig(seed=11, heads=2, head_dim=12, layers=3, ffn_dim=40, text_dim=24, text_heads=2)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Keep the materialized built-in model out of the user's ~/.cache during tests."""
+    old = os.environ.get("DITANGO_CACHE_DIR")
+    os.environ["DITANGO_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        os.environ.pop("DITANGO_CACHE_DIR", None)
+    else:
+        os.environ["DITANGO_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def parity_components() -> dict:
+    return build_tiny_wan(PARITY_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def saved_model_dir(tmp_path_factory, parity_components):
+    """The parity model written as a diffusers-format directory of safetensors."""
+    from diffusers import WanPipeline
+
+    path = tmp_path_factory.mktemp("models") / "tiny-random-wan"
+    WanPipeline(**parity_components).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()

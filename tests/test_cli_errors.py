@@ -1,0 +1,203 @@
+"""Every predictable mistake: one `error:` line on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from ditango_cli.app import app
+
+
+def run_error(runner, args, *needles):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.stderr + result.stdout
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def out(tmp_path):
+    return str(tmp_path / "out")
+
+
+def gen(out, *extra):
+    return ["generate", "--prompt", "a red circle", "--out", out, "--device", "cpu", *extra]
+
+
+def test_unknown_model(runner, out):
+    run_error(runner, gen(out, "--model", "wan9-huge"), "unknown model 'wan9-huge'", "tiny-wan")
+
+
+def test_named_model_without_root(runner, out, monkeypatch):
+    monkeypatch.delenv("DITANGO_MODEL_ROOT", raising=False)
+    run_error(
+        runner,
+        gen(out, "--model", "wan2.1-14b"),
+        "--model-root",
+        "DITANGO_MODEL_ROOT",
+        "Wan2.1-T2V-14B-Diffusers",
+    )
+
+
+def test_named_model_missing_under_root(runner, out, tmp_path, monkeypatch):
+    monkeypatch.setenv("DITANGO_MODEL_ROOT", str(tmp_path))
+    run_error(runner, gen(out, "--model", "wan2.1-1.3b"), "does not exist", "Wan2.1-T2V-1.3B-Diffusers")
+
+
+def test_model_dir_without_index(runner, out, tmp_path):
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    run_error(runner, gen(out, "--model", str(empty)), "model_index.json is missing")
+
+
+def test_partial_model_dir_missing_component(runner, out, tmp_path, saved_model_dir):
+    partial = tmp_path / "partial"
+    shutil.copytree(saved_model_dir, partial)
+    shutil.rmtree(partial / "vae")
+    run_error(runner, gen(out, "--model", str(partial)), "incomplete", "vae")
+
+
+def test_partial_model_dir_missing_weights(runner, out, tmp_path, saved_model_dir):
+    partial = tmp_path / "partial"
+    shutil.copytree(saved_model_dir, partial)
+    (partial / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    run_error(runner, gen(out, "--model", str(partial)), "no .safetensors weights", "transformer")
+
+
+def test_pickle_weights_refused(runner, out, tmp_path, saved_model_dir):
+    pickled = tmp_path / "pickled"
+    shutil.copytree(saved_model_dir, pickled)
+    weights = pickled / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.rename(weights.with_suffix(".bin"))
+    run_error(runner, gen(out, "--model", str(pickled)), "refusing to load pickle weights", ".bin", "safetensors")
+
+
+def test_unsupported_pipeline_class(runner, out, tmp_path, saved_model_dir):
+    other = tmp_path / "other"
+    shutil.copytree(saved_model_dir, other)
+    index = json.loads((other / "model_index.json").read_text())
+    index["_class_name"] = "StableDiffusionPipeline"
+    (other / "model_index.json").write_text(json.dumps(index))
+    run_error(runner, gen(out, "--model", str(other)), "StableDiffusionPipeline", "WanPipeline")
+
+
+@pytest.mark.parametrize("frames,hint", [("20", "try 21"), ("0", "try 1")])
+def test_frames_not_4k_plus_1(runner, out, frames, hint):
+    run_error(runner, gen(out, "--frames", frames), "frames must be 4k+1", hint)
+
+
+@pytest.mark.parametrize("flag,value", [("--height", "100"), ("--width", "8")])
+def test_size_not_multiple_of_16(runner, out, flag, value):
+    run_error(runner, gen(out, flag, value), f"{flag[2:]} must be a positive multiple of 16", f"got {value}")
+
+
+def test_steps_below_one(runner, out):
+    run_error(runner, gen(out, "--steps", "0"), "steps must be >= 1")
+
+
+def test_negative_guidance(runner, out):
+    run_error(runner, gen(out, "--guidance", "-1"), "guidance must be >= 0")
+
+
+def test_prompt_and_prompts_together(runner, out, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("a red circle\n")
+    run_error(runner, gen(out, "--prompts", str(f)), "either --prompt or --prompts")
+
+
+def test_no_prompt(runner, out):
+    run_error(runner, ["generate", "--out", out], "give --prompt TEXT or --prompts FILE")
+
+
+def test_empty_prompt_file(runner, out, tmp_path):
+    f = tmp_path / "empty.txt"
+    f.write_text("# only a comment\n\n   \n")
+    run_error(runner, ["generate", "--prompts", str(f), "--out", out], "no prompts")
+
+
+def test_missing_prompt_file(runner, out, tmp_path):
+    run_error(runner, ["generate", "--prompts", str(tmp_path / "nope.jsonl"), "--out", out], "file not found")
+
+
+def test_wrong_prompt_file_type(runner, out, tmp_path):
+    f = tmp_path / "prompts.csv"
+    f.write_text("a,b\n")
+    run_error(runner, ["generate", "--prompts", str(f), "--out", out], ".txt or .jsonl")
+
+
+def test_malformed_jsonl_reports_line_number(runner, out, tmp_path):
+    f = tmp_path / "batch.jsonl"
+    f.write_text('{"prompt": "ok"}\n\n{"prompt": "broken"\n')
+    run_error(runner, ["generate", "--prompts", str(f), "--out", out], "batch.jsonl line 3", "not valid JSON")
+
+
+def test_unknown_jsonl_key(runner, out, tmp_path):
+    f = tmp_path / "batch.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": "x", "fps": 8}\n')
+    run_error(runner, ["generate", "--prompts", str(f), "--out", out], "line 2", "unknown key(s) fps")
+
+
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ('{"seed": 1}', '"prompt" is required'),
+        ('{"prompt": "x", "steps": "10"}', '"steps" must be an integer'),
+        ('{"prompt": "x", "guidance": true}', '"guidance" must be a number'),
+        ('["prompt"]', "expected a JSON object"),
+        ('{"prompt": "   "}', "prompt is empty"),
+        ('{"prompt": "x", "frames": 10}', "frames must be 4k+1"),
+        ('{"prompt": "x", "id": "../escape"}', "not a usable file name"),
+        ('{"prompt": "x", "id": "report"}', "not a usable file name"),
+    ],
+)
+def test_invalid_jsonl_item(runner, out, tmp_path, line, needle):
+    f = tmp_path / "batch.jsonl"
+    f.write_text('{"prompt": "fine"}\n' + line + "\n")
+    run_error(runner, ["generate", "--prompts", str(f), "--out", out], "batch.jsonl line 2", needle)
+
+
+def test_duplicate_ids(runner, out, tmp_path):
+    f = tmp_path / "batch.jsonl"
+    f.write_text('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n')
+    run_error(runner, ["generate", "--prompts", str(f), "--out", out], "duplicate id 'x'", "line 1")
+
+
+def test_output_dir_not_writable(runner, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    run_error(runner, gen(str(blocker / "out")), "output dir", "is not writable")
+
+
+def test_check_reports_unwritable_output(runner, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    run_error(runner, ["check", "--prompt", "x", "--out", str(blocker / "o")], "is not writable")
+
+
+def test_bad_choice_is_one_line(runner, out):
+    run_error(runner, gen(out, "--dtype", "float8"), "float8")
+
+
+def test_cuda_requested_without_gpu(runner, out):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    run_error(runner, [*gen(out)[:-2], "--device", "cuda"], "--device cuda", "no CUDA device")
+
+
+def test_existing_output_is_skipped_not_overwritten(runner, tmp_path):
+    out = tmp_path / "out"
+    args = ["generate", "--prompt", "a red circle", "--out", str(out), "--device", "cpu",
+            "--steps", "1", "--height", "32", "--width", "32", "--frames", "5"]  # fmt: skip
+    assert runner.invoke(app, args).exit_code == 0
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0
+    assert "skipping" in result.stderr and "use --overwrite" in result.stderr
