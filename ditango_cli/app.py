@@ -184,6 +184,7 @@ def generate(
     from runtime.run import SilentObserver  # heavy imports only when work is asked for
     from slurm.launch import launch
 
+    _quiet_libraries()
     overrides = Overrides(negative_prompt, seed, height, width, frames, steps, guidance)
     cfg, _ = build_run_config(
         model=model, model_root_dir=model_root_dir, prompt=prompt, prompts=prompts, overrides=overrides,
@@ -303,6 +304,15 @@ def models(
         table.add_row(r["name"], _human(r["params"]), str(r["heads"]), str(r["layers"]), r["resolves_to"])
     Console().print(table)
     return 0
+
+
+def _quiet_libraries() -> None:
+    """Our progress bar is the only one: hide diffusers'/transformers' loading bars."""
+    import diffusers.utils.logging
+    import transformers.utils.logging
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
 
 
 def _human(n: int) -> str:
