@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -23,6 +24,9 @@ from typer.core import TyperGroup
 from ditango_cli.prompts import Overrides, build_items
 from runtime.config import RunConfig
 from runtime.errors import ConfigError
+from runtime.kernels import resolve_backend
+from runtime.mesh import ParallelLayout
+from runtime.models.loading import resolve_placement
 from runtime.models.registry import MODEL_ROOT_ENV, REGISTRY, ResolvedModel, model_root, resolve_model
 
 EXIT_USAGE = 2
@@ -108,6 +112,65 @@ DTypeOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 
 
+class ParallelChoice(str, Enum):
+    none = "none"
+    ring = "ring"
+    ulysses = "ulysses"
+    usp = "usp"
+
+
+class ExecutorChoice(str, Enum):
+    local = "local"
+
+
+class BackendChoice(str, Enum):
+    auto = "auto"
+    flash = "flash"
+    torch = "torch"
+    reference = "reference"
+
+
+NodesOpt = Annotated[
+    int, typer.Option("--nodes", help="Nodes (locally: virtual nodes for topology and byte accounting).")
+]
+GpusOpt = Annotated[int, typer.Option("--gpus-per-node", "--gpus", help="Ranks per node.")]
+ParallelOpt = Annotated[
+    ParallelChoice | None,
+    typer.Option(
+        "--parallel", help="Context-parallel strategy [default: none on 1 rank, ring on more].", case_sensitive=False
+    ),
+]
+UlyssesOpt = Annotated[
+    int | None,
+    typer.Option("--ulysses-degree", help="USP: Ulysses degree inside the cp axis [default: largest within a node]."),
+]
+ExecutorOpt = Annotated[ExecutorChoice, typer.Option("--executor", help="Where ranks run.")]
+TimeoutOpt = Annotated[
+    float, typer.Option("--timeout", help="Process-group timeout in seconds (a stuck rank fails after it).")
+]
+BackendOpt = Annotated[
+    BackendChoice, typer.Option("--attention-backend", help="Attention kernel for parallel strategies.")
+]
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    nodes: int = 1
+    gpus_per_node: int = 1
+    parallel: ParallelChoice | None = None
+    ulysses_degree: int | None = None
+    timeout: float = 600.0
+    attention_backend: BackendChoice = BackendChoice.auto
+
+    def layout(self, heads: int) -> ParallelLayout:
+        world = self.nodes * self.gpus_per_node
+        strategy = self.parallel.value if self.parallel else ("ring" if world > 1 else "none")
+        layout = ParallelLayout(self.nodes, self.gpus_per_node, 1, strategy, self.ulysses_degree)
+        layout = layout.with_default_ulysses(heads)
+        layout.check_model(heads)
+        return layout
+
+
 def check_writable(out: Path, create: bool) -> None:
     """Fail early (before loading anything) when outputs could not be written."""
     out = out.expanduser()
@@ -138,10 +201,23 @@ def build_run_config(
     dtype: DTypeChoice | None,
     save_latents: bool = False,
     overwrite: bool = False,
+    parallel: ParallelArgs,
     create_out: bool,
 ) -> tuple[RunConfig, ResolvedModel]:
+    placement = resolve_placement(device.value, None if dtype is None else dtype.value)  # before touching --out
     resolved = resolve_model(model, model_root_dir)
     items = build_items(prompt, prompts, overrides, resolved.spec.defaults)
+    layout = parallel.layout(resolved.spec.heads)
+    for item in items:
+        if item.tokens() < layout.cp_degree:
+            raise ConfigError(
+                f"{item.source}: {item.tokens()} tokens cannot be split over {layout.cp_degree} ranks; "
+                "use a larger size or fewer ranks"
+            )
+    if parallel.timeout <= 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {parallel.timeout:g}")
+    if layout.strategy != "none":
+        resolve_backend(parallel.attention_backend.value, placement.device)
     check_writable(out, create=create_out)
     cfg = RunConfig(
         model=model,
@@ -154,6 +230,9 @@ def build_run_config(
         overwrite=overwrite,
         max_text_len=resolved.spec.defaults.max_text_len,
         fps=resolved.spec.defaults.fps,
+        layout=layout,
+        attention_backend=parallel.attention_backend.value,
+        timeout_s=parallel.timeout,
     )
     return cfg, resolved
 
@@ -176,6 +255,13 @@ def generate(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Regenerate items whose outputs exist.")] = False,
     dtype: DTypeOpt = None,
     device: DeviceOpt = DeviceChoice.auto,
+    nodes: NodesOpt = 1,
+    gpus_per_node: GpusOpt = 1,
+    parallel: ParallelOpt = None,
+    ulysses_degree: UlyssesOpt = None,
+    executor: ExecutorOpt = ExecutorChoice.local,
+    timeout: TimeoutOpt = 600.0,
+    attention_backend: BackendOpt = BackendChoice.auto,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
     as_json: JsonOpt = False,
 ) -> int:
@@ -183,17 +269,24 @@ def generate(
     from ditango_cli.progress import RichObserver
     from runtime.run import SilentObserver  # heavy imports only when work is asked for
     from slurm.launch import launch
+    from slurm.local import RankFailed
 
     _quiet_libraries()
     overrides = Overrides(negative_prompt, seed, height, width, frames, steps, guidance)
     cfg, _ = build_run_config(
         model=model, model_root_dir=model_root_dir, prompt=prompt, prompts=prompts, overrides=overrides,
-        out=out, device=device, dtype=dtype, save_latents=save_latents, overwrite=overwrite, create_out=True,
+        out=out, device=device, dtype=dtype, save_latents=save_latents, overwrite=overwrite,
+        parallel=ParallelArgs(nodes, gpus_per_node, parallel, ulysses_degree, timeout, attention_backend),
+        create_out=True,
     )  # fmt: skip
     err = Console(stderr=True, soft_wrap=True)
     observer = contextlib.nullcontext(SilentObserver()) if quiet else RichObserver(err)
-    with observer as obs:
-        report = launch(cfg, obs)
+    try:
+        with observer as obs:
+            report = launch(cfg, obs)
+    except RankFailed as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return EXIT_FAILED_ITEMS
     report_path = cfg.out_dir / "report.json"
     counts = report["counts"]
     if as_json:
@@ -226,17 +319,26 @@ def check(
     out: OutOpt = Path("out"),
     dtype: DTypeOpt = None,
     device: DeviceOpt = DeviceChoice.auto,
+    nodes: NodesOpt = 1,
+    gpus_per_node: GpusOpt = 1,
+    parallel: ParallelOpt = None,
+    ulysses_degree: UlyssesOpt = None,
+    executor: ExecutorOpt = ExecutorChoice.local,
+    timeout: TimeoutOpt = 600.0,
+    attention_backend: BackendOpt = BackendChoice.auto,
     as_json: JsonOpt = False,
 ) -> int:
     """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
-    from runtime.models.loading import resolve_placement
-
     overrides = Overrides(negative_prompt, seed, height, width, frames, steps, guidance)
     cfg, resolved = build_run_config(
         model=model, model_root_dir=model_root_dir, prompt=prompt, prompts=prompts, overrides=overrides,
         out=out, device=device, dtype=dtype, create_out=False,
+        parallel=ParallelArgs(nodes, gpus_per_node, parallel, ulysses_degree, timeout, attention_backend),
     )  # fmt: skip
+    from runtime.run import plan_resume
+
     placement = resolve_placement(cfg.device, cfg.dtype)
+    skipped = plan_resume(cfg) if cfg.out_dir.is_dir() else {}
     spec = resolved.spec
     summary = {
         "model": cfg.model,
@@ -246,6 +348,10 @@ def check(
         "dtype": placement.dtype_name,
         "out_dir": str(cfg.out_dir),
         "layout": cfg.layout.to_json(),
+        "attention_backend": "diffusers"
+        if cfg.layout.strategy == "none"
+        else resolve_backend(cfg.attention_backend, placement.device),
+        "skipped": sorted(skipped),
         "items": [
             {
                 "id": i.id, "prompt": i.prompt, "negative_prompt": i.negative_prompt, "seed": i.seed,
@@ -261,7 +367,9 @@ def check(
     console = Console()
     console.print(
         f"model {summary['model']} ({summary['model_path'] or 'built-in'}), {spec.layers} layers, "
-        f"{spec.heads} heads; device {summary['device']}, dtype {summary['dtype']}; out {summary['out_dir']}",
+        f"{spec.heads} heads; device {summary['device']}, dtype {summary['dtype']}; out {summary['out_dir']}; "
+        f"{cfg.layout.world_size} rank(s), strategy {cfg.layout.strategy} "
+        f"(ulysses {cfg.layout.ulysses} x ring {cfg.layout.ring}, attention {summary['attention_backend']})",
         highlight=False,
     )
     table = Table("id", "prompt", "seed", "size", "frames", "steps", "guidance", "tokens")
@@ -272,7 +380,8 @@ def check(
             str(i["steps"]), f"{i['guidance']:g}", str(i["tokens"]),
         )  # fmt: skip
     console.print(table)
-    console.print(f"ok: {len(cfg.items)} item(s) would be generated", highlight=False)
+    todo = len(cfg.items) - len(skipped)
+    console.print(f"ok: {todo} item(s) would be generated, {len(skipped)} skipped (outputs exist)", highlight=False)
     return 0
 
 

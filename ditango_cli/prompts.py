@@ -108,7 +108,7 @@ def read_prompt_file(path: Path) -> list[tuple[dict, str]]:
     if suffix not in (".txt", ".jsonl"):
         raise ConfigError(f"--prompts {path}: expected a .txt or .jsonl file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # tolerate a byte-order mark
     except FileNotFoundError:
         raise ConfigError(f"--prompts {path}: file not found") from None
     except UnicodeDecodeError:

@@ -6,11 +6,13 @@ the launcher, and never mutated.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from runtime.errors import ConfigError
+from runtime.mesh import ParallelLayout
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -60,8 +62,8 @@ class Item:
                 )
         if self.steps < 1:
             raise ConfigError(f"{where}steps must be >= 1, got {self.steps}")
-        if not self.guidance >= 0:  # also rejects NaN
-            raise ConfigError(f"{where}guidance must be >= 0, got {self.guidance}")
+        if not (math.isfinite(self.guidance) and self.guidance >= 0):
+            raise ConfigError(f"{where}guidance must be a finite number >= 0, got {self.guidance}")
         if self.seed < 0 or self.seed >= 2**63:
             raise ConfigError(f"{where}seed must be in [0, 2**63), got {self.seed}")
 
@@ -74,38 +76,6 @@ class Item:
         """Length of the transformer's token sequence for this item."""
         f, h, w = self.latent_shape
         return (f // patch[0]) * (h // patch[1]) * (w // patch[2])
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """How the world is split. A single process for now: world 1, no CFG or CP split."""
-
-    nodes: int = 1
-    gpus_per_node: int = 1
-    cfg_degree: int = 1
-    cp_degree: int = 1
-    strategy: str = "none"
-
-    def __post_init__(self) -> None:
-        if self.world_size != self.cfg_degree * self.cp_degree:
-            raise ConfigError(
-                f"world size {self.world_size} (nodes {self.nodes} x gpus {self.gpus_per_node}) must equal "
-                f"cfg degree {self.cfg_degree} x cp degree {self.cp_degree}"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    def to_json(self) -> dict:
-        return {
-            "world_size": self.world_size,
-            "nodes": self.nodes,
-            "gpus_per_node": self.gpus_per_node,
-            "cfg_degree": self.cfg_degree,
-            "cp_degree": self.cp_degree,
-            "strategy": self.strategy,
-        }
 
 
 @dataclass(frozen=True)
@@ -123,6 +93,8 @@ class RunConfig:
     max_text_len: int = 512
     fps: int = 16
     layout: ParallelLayout = field(default_factory=ParallelLayout)
+    attention_backend: str = "auto"  # auto | flash | torch | reference (ignored by strategy "none")
+    timeout_s: float = 600.0  # process-group timeout: a stuck collective fails after this long
 
     def __post_init__(self) -> None:
         if not self.items:

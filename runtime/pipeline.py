@@ -37,6 +37,9 @@ class DenoiseResult:
     latents_BCFHW: torch.Tensor  # float32, exactly what WanPipeline(output_type="latent") returns
     step_s: list[float] = field(default_factory=list)
 
+    def __repr__(self) -> str:
+        return f"DenoiseResult(latents_BCFHW={tuple(self.latents_BCFHW.shape)}, steps={len(self.step_s)})"
+
 
 def synchronize(device: torch.device) -> None:
     """Make wall-clock timings honest on asynchronous devices."""

@@ -62,10 +62,12 @@ class ItemTiming:
 def item_record(
     item: Item,
     *,
+    model: str,
     status: str,
     video: str | None,
     latents: str | None,
     timing: ItemTiming | None,
+    comm: dict | None = None,
     error: str | None = None,
 ) -> dict:
     """The per-item record: the sidecar's body and one entry of report.json's `items`."""
@@ -73,6 +75,7 @@ def item_record(
         "schema": SCHEMA,
         "id": item.id,
         "status": status,
+        "model": model,
         "prompt": item.prompt,
         "negative_prompt": item.negative_prompt,
         "seed": item.seed,
@@ -85,8 +88,9 @@ def item_record(
         "guidance": item.guidance,
         "tokens": item.tokens(),
         "timing": None if timing is None else timing.to_json(),
-        # A single process moves no bytes and computes every attention partition.
-        "comm": {"intra_node_bytes": 0, "inter_node_bytes": 0},
+        # Bytes summed over ranks, by the link class they crossed (see runtime/comm.py).
+        "comm": comm or {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}},
+        # Exact strategies compute every attention partition fresh.
         "attention": {"computed_fraction": 1.0},
         "error": error,
     }
@@ -95,7 +99,7 @@ def item_record(
 def read_sidecar(path: Path) -> dict | None:
     """The sidecar at `path` if it is a readable schema-1 record, else None."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
@@ -104,9 +108,17 @@ def read_sidecar(path: Path) -> dict | None:
 
 
 def run_report(
-    cfg: RunConfig, records: list[dict], device: torch.device, dtype: str, started: str, wall_s: float
+    cfg: RunConfig,
+    records: list[dict],
+    device: torch.device,
+    dtype: str,
+    started: str,
+    wall_s: float,
+    *,
+    attention_backend: str,
+    rank_peaks: list[int],
+    peak_source: str,
 ) -> dict:
-    peak, source = peak_memory(device)
     counts = {s: sum(r.get("status") == s for r in records) for s in ("done", "skipped", "failed")}
     return {
         "schema": SCHEMA,
@@ -115,11 +127,13 @@ def run_report(
         "device": str(device),
         "dtype": dtype,
         "layout": cfg.layout.to_json(),
+        "attention_backend": attention_backend,
         "started_at": started,
         "wall_s": round(wall_s, 6),
         "counts": counts,
-        "peak_memory_bytes": peak,
-        "peak_memory_source": source,
+        "peak_memory_bytes": max(rank_peaks),
+        "peak_memory_source": peak_source,
+        "per_rank_peak_memory_bytes": rank_peaks,
         "versions": versions(),
         "items": records,
     }

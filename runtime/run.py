@@ -1,23 +1,32 @@
-"""Execute a RunConfig on this process: load the model once, generate every item.
+"""Execute a RunConfig on this rank: load the model once, generate every item.
 
-Per item: text encode -> initial latents -> denoise -> decode -> MP4 (+ latents) ->
-sidecar JSON. The sidecar is written last, so "MP4 and sidecar exist" means the item is
-complete; such items are skipped unless `overwrite` is set. report.json is rewritten
-after every item so an interrupted batch still has an up-to-date report.
+Per item: text encode -> initial latents -> denoise (all ranks; context-parallel
+strategies installed on the transformer) -> on rank 0 only: decode -> MP4 (+ latents)
+-> sidecar JSON. The sidecar is written last, so "MP4 and sidecar exist" means the item
+is complete; rank 0 decides which items are complete and tells the others. report.json
+is rewritten after every item so an interrupted batch still has an up-to-date report.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
+import torch.distributed as dist
+
+from runtime.comm import Comm
 from runtime.config import Item, RunConfig
+from runtime.errors import ConfigError
+from runtime.kernels import resolve_backend
+from runtime.mesh import Mesh, build_mesh
 from runtime.models.loading import load_components, resolve_placement
 from runtime.models.registry import resolve_model
 from runtime.pipeline import WanDenoiser, synchronize
-from runtime.report import ItemTiming, item_record, read_sidecar, run_report
+from runtime.report import ItemTiming, item_record, peak_memory, read_sidecar, run_report
+from runtime.strategies import parallelize_wan
 from runtime.video import write_json, write_latents, write_mp4
 
 
@@ -39,6 +48,41 @@ class SilentObserver:
     def message(self, text: str) -> None: ...
 
 
+@dataclass
+class RankContext:
+    """This rank's mesh and transport; a single process has a trivial one (no collectives)."""
+
+    mesh: Mesh
+    comm: Comm
+
+    @classmethod
+    def single(cls, cfg: RunConfig) -> RankContext:
+        mesh = build_mesh(cfg.layout, 0, (0,))
+        return cls(mesh, Comm(mesh))
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh.world_size > 1
+
+    @property
+    def is_writer(self) -> bool:
+        return self.mesh.rank == 0
+
+    def gather(self, obj) -> list:
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.mesh.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def from_writer(self, obj):
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
 def output_paths(out_dir: Path, item_id: str) -> dict[str, Path]:
     return {
         "video": out_dir / f"{item_id}.mp4",
@@ -47,21 +91,65 @@ def output_paths(out_dir: Path, item_id: str) -> dict[str, Path]:
     }
 
 
-def completed_record(out_dir: Path, item: Item) -> dict | None:
-    """The existing sidecar of a finished item (MP4 and sidecar both present), else None."""
-    paths = output_paths(out_dir, item.id)
-    if not paths["video"].is_file():
-        return None
+# What must match for an existing output to count as this item's (the layout may differ:
+# exact strategies produce the same video).
+RESUME_KEYS = ("model", "prompt", "negative_prompt", "seed", "height", "width", "frames", "steps", "guidance")
+
+
+def completed_record(cfg: RunConfig, item: Item) -> dict | None:
+    """The sidecar of this item if its outputs are complete, else None.
+
+    Complete: MP4 and a "done" sidecar exist (and the latents file when asked for).
+    Outputs made with other settings raise instead of being skipped or overwritten.
+    """
+    paths = output_paths(cfg.out_dir, item.id)
     record = read_sidecar(paths["sidecar"])
-    if record is None or record.get("status") != "done":
+    if record is None or record.get("status") != "done" or not paths["video"].is_file():
+        return None
+    wanted = {"model": cfg.model, **{k: getattr(item, k) for k in RESUME_KEYS if k != "model"}}
+    differ = [k for k in RESUME_KEYS if record.get(k) != wanted[k]]
+    if differ:
+        k = differ[0]
+        raise ConfigError(
+            f"{item.source}: {paths['video']} exists but was made with {k} {record.get(k)!r}, not {wanted[k]!r}; "
+            "use --overwrite to replace it, or another --out"
+        )
+    if cfg.save_latents and not paths["latents"].is_file():
         return None
     return record
 
 
-def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, observer: Observer) -> dict:
+def plan_resume(cfg: RunConfig) -> dict[str, dict]:
+    """{item id: existing record} for the items a run will skip (none with `overwrite`)."""
+    if cfg.overwrite:
+        return {}
+    done = {}
+    for item in cfg.items:
+        record = completed_record(cfg, item)
+        if record is not None:
+            done[item.id] = {**record, "status": "skipped"}
+    return done
+
+
+def sum_comm(per_rank: list[dict]) -> dict:
+    total = {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}}
+    for t in per_rank:
+        for link in ("intra_node_bytes", "inter_node_bytes"):
+            total[link] += t[link]
+        for purpose, links in t["by_purpose"].items():
+            slot = total["by_purpose"].setdefault(purpose, {})
+            for link, n in links.items():
+                slot[link] = slot.get(link, 0) + n
+    return total
+
+
+def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer) -> dict:
     paths = output_paths(cfg.out_dir, item.id)
     timing = ItemTiming()
     device = denoiser.device
+    ctx.comm.reset()
+    if ctx.is_writer:
+        paths["sidecar"].unlink(missing_ok=True)  # an old "done" sidecar must not outlive a redo
 
     start = time.perf_counter()
     text = denoiser.encode_text(item.prompt, item.negative_prompt, item.guidance)
@@ -73,6 +161,9 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, observer: O
     result = denoiser.denoise(latents, text, item.steps, item.guidance, on_step=observer.step_done)
     timing.denoise_s = time.perf_counter() - start
     timing.step_s = result.step_s
+    comm = sum_comm(ctx.gather(ctx.comm.totals()))
+    if not ctx.is_writer:
+        return {}
 
     start = time.perf_counter()
     frames = denoiser.decode(result.latents_BCFHW)
@@ -88,34 +179,54 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, observer: O
         latents_name = paths["latents"].name
     timing.write_s = time.perf_counter() - start
 
-    record = item_record(item, status="done", video=paths["video"].name, latents=latents_name, timing=timing)
+    record = item_record(
+        item, model=cfg.model, status="done", video=paths["video"].name, latents=latents_name, timing=timing,
+        comm=comm,
+    )  # fmt: skip
     write_json(paths["sidecar"], record)  # last: its presence marks the item complete
     return record
 
 
-def execute(cfg: RunConfig, observer: Observer | None = None) -> dict:
-    """Run every item of `cfg` on this process; returns the run report (also written to disk)."""
+def execute(
+    cfg: RunConfig,
+    observer: Observer | None = None,
+    ctx: RankContext | None = None,
+    skipped: dict[str, dict] | None = None,
+) -> dict | None:
+    """Run every item of `cfg` on this rank; rank 0 returns the run report (also written to disk).
+
+    `skipped` holds the records of items whose outputs are complete (see `plan_resume`;
+    the launcher decides once, before any rank starts); None: decide here.
+
+    A single process records a failing item and goes on with the others. With several
+    ranks a failure raises instead: the peers are inside collectives of the same item,
+    and the launcher ends them all; finished items stay on disk and a rerun resumes.
+    """
     observer = observer or SilentObserver()
+    ctx = ctx or RankContext.single(cfg)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     wall_start = time.perf_counter()
-    placement = resolve_placement(cfg.device, cfg.dtype)
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    placement = resolve_placement(cfg.device, cfg.dtype, index=ctx.mesh.rank)
+    if cfg.layout.strategy == "none":
+        backend = "diffusers"  # diffusers' own attention processor, untouched
+    else:
+        backend = resolve_backend(cfg.attention_backend, placement.device)
 
-    records: dict[str, dict] = {}
-    todo: list[Item] = []
-    for item in cfg.items:
-        done = None if cfg.overwrite else completed_record(cfg.out_dir, item)
-        if done is not None:
-            records[item.id] = {**done, "status": "skipped"}
-            observer.message(f"skipping {item.id}: {item.id}.mp4 and {item.id}.json exist (use --overwrite)")
-        else:
-            todo.append(item)
+    skipped = plan_resume(cfg) if skipped is None else skipped
+    records: dict[str, dict] = dict(skipped)
+    if ctx.is_writer:
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        for item_id in skipped:
+            observer.message(f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)")
+    todo = [item for item in cfg.items if item.id not in skipped]
 
-    def write_report() -> dict:
+    def write_report(rank_peaks: list[int] | None = None) -> dict:
+        peak, source = peak_memory(placement.device)
         ordered = [records[i.id] for i in cfg.items if i.id in records]
         report = run_report(
-            cfg, ordered, placement.device, placement.dtype_name, started, time.perf_counter() - wall_start
-        )
+            cfg, ordered, placement.device, placement.dtype_name, started, time.perf_counter() - wall_start,
+            attention_backend=backend, rank_peaks=rank_peaks or [peak], peak_source=source,
+        )  # fmt: skip
         write_json(cfg.out_dir / "report.json", report)
         return report
 
@@ -123,20 +234,22 @@ def execute(cfg: RunConfig, observer: Observer | None = None) -> dict:
     if todo:
         resolved = resolve_model(cfg.model if cfg.model_path is None else str(cfg.model_path))
         denoiser = WanDenoiser(load_components(resolved, placement), placement, cfg.max_text_len)
+        if cfg.layout.strategy != "none":
+            parallelize_wan(denoiser.transformer, ctx.mesh, ctx.comm, backend)
         for item in todo:
             observer.item_started(item)
             try:
-                record = generate_item(denoiser, item, cfg, observer)
-            except Exception as exc:  # one failed item must not lose the others
+                record = generate_item(denoiser, item, cfg, ctx, observer)
+            except Exception as exc:
+                if ctx.distributed:
+                    raise
+                error = f"{type(exc).__name__}: {exc}"
                 record = item_record(
-                    item,
-                    status="failed",
-                    video=None,
-                    latents=None,
-                    timing=None,
-                    error=f"{type(exc).__name__}: {exc}",
+                    item, model=cfg.model, status="failed", video=None, latents=None, timing=None, error=error
                 )
-            records[item.id] = record
-            observer.item_finished(record)
-            write_report()
-    return write_report()
+            if ctx.is_writer:
+                records[item.id] = record
+                observer.item_finished(record)
+                write_report()
+    rank_peaks = [p for p, _ in ctx.gather(peak_memory(placement.device))]
+    return write_report(rank_peaks) if ctx.is_writer else None

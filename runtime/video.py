@@ -54,7 +54,8 @@ def write_latents(path: Path, latents: torch.Tensor, metadata: dict[str, str]) -
 def write_json(path: Path, data: dict) -> None:
     tmp = _partial(path)
     try:
-        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        # allow_nan=False: NaN/Infinity are not JSON; fail here rather than write a file parsers reject.
+        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n", encoding="utf-8")
         _commit(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -11,7 +11,9 @@ from runtime.models.tiny import TinyWanConfig, build_tiny_wan
 
 # Deliberately unlike tiny-wan (other seed, heads, head dim, depth, text width) so parity
 # tests do not only pass for the built-in configuration.
-PARITY_CONFIG = TinyWanConfig(seed=11, heads=2, head_dim=12, layers=3, ffn_dim=40, text_dim=24, text_heads=2)
+PARITY_CONFIG = TinyWanConfig(
+    seed=11, heads=2, head_dim=12, layers=3, ffn_dim=40, text_dim=24, text_heads=2, latents_stats=(0.3, 1.6, 0.05)
+)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -103,7 +103,7 @@ def test_steps_below_one(runner, out):
 
 
 def test_negative_guidance(runner, out):
-    run_error(runner, gen(out, "--guidance", "-1"), "guidance must be >= 0")
+    run_error(runner, gen(out, "--guidance", "-1"), "guidance must be a finite number >= 0")
 
 
 def test_prompt_and_prompts_together(runner, out, tmp_path):
@@ -201,3 +201,77 @@ def test_existing_output_is_skipped_not_overwritten(runner, tmp_path):
     result = runner.invoke(app, args)
     assert result.exit_code == 0
     assert "skipping" in result.stderr and "use --overwrite" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        (["--gpus", "2", "--parallel", "none"], ["2 ranks need a context-parallel strategy"]),
+        (["--gpus", "3", "--parallel", "ulysses"], ["Ulysses degree 3", "4 attention heads", "use --parallel ring"]),
+        (["--gpus", "8", "--parallel", "ulysses"], ["Ulysses degree 8", "--parallel usp --ulysses-degree 4"]),
+        (["--gpus", "4", "--parallel", "usp", "--ulysses-degree", "3"], ["must divide the cp degree 4", "1, 2, 4"]),
+        (["--gpus", "2", "--parallel", "ring", "--ulysses-degree", "2"], ["only applies to --parallel usp"]),
+        (["--gpus", "0"], ["must be >= 1"]),
+        (["--gpus", "2", "--timeout", "0"], ["--timeout must be > 0"]),
+        (
+            ["--gpus", "2", "--height", "16", "--width", "16", "--frames", "1"],
+            ["1 tokens cannot be split over 2 ranks"],
+        ),
+        (["--parallel", "ring", "--attention-backend", "flash"], ["flash needs CUDA"]),
+        (["--parallel", "spiral"], ["spiral"]),
+    ],
+)
+def test_illegal_layouts(runner, out, extra, needles):
+    run_error(runner, gen(out, *extra), *needles)
+
+
+def test_infinite_guidance(runner, out):
+    run_error(runner, gen(out, "--guidance", "inf"), "guidance must be a finite number")
+
+
+def test_missing_shard_of_sharded_checkpoint(runner, out, tmp_path, saved_model_dir):
+    """Real Wan checkpoints are sharded: a partly copied one must be refused before loading."""
+    from diffusers import WanTransformer3DModel
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(saved_model_dir, sharded)
+    shutil.rmtree(sharded / "transformer")
+    WanTransformer3DModel.from_pretrained(saved_model_dir / "transformer").save_pretrained(
+        sharded / "transformer", max_shard_size="20KB", safe_serialization=True
+    )
+    shards = sorted((sharded / "transformer").glob("*.safetensors"))
+    assert len(shards) > 1
+    shards[1].unlink()
+    run_error(runner, gen(out, "--model", str(sharded)), "incomplete", f"missing shard {shards[1].name}")
+
+
+def test_unloadable_component_is_one_line(runner, out, tmp_path, saved_model_dir):
+    broken = tmp_path / "broken"
+    shutil.copytree(saved_model_dir, broken)
+    config = json.loads((broken / "transformer" / "config.json").read_text())
+    config["num_layers"] += 5  # weights no longer match the architecture
+    (broken / "transformer" / "config.json").write_text(json.dumps(config))
+    run_error(runner, gen(out, "--model", str(broken), "--steps", "1"), "cannot load the model from", str(broken))
+
+
+def test_existing_output_with_other_settings_is_refused(runner, tmp_path):
+    out = tmp_path / "out"
+    base = ["generate", "--prompt", "a red circle", "--out", str(out), "--device", "cpu",
+            "--height", "32", "--width", "32", "--frames", "5"]  # fmt: skip
+    assert runner.invoke(app, [*base, "--steps", "1"]).exit_code == 0
+    run_error(runner, [*base, "--steps", "2"], "was made with steps 1, not 2", "--overwrite")
+    # Same settings but latents now asked for: regenerated, not skipped.
+    result = runner.invoke(app, [*base, "--steps", "1", "--save-latents"])
+    assert result.exit_code == 0 and "skipping" not in result.stderr
+    assert len(list(out.glob("*.latents.safetensors"))) == 1
+
+
+def test_byte_order_mark_in_prompt_files(tmp_path):
+    from ditango_cli.prompts import Overrides, build_items
+    from runtime.models.registry import REGISTRY
+
+    for name, body in (("p.txt", "a red circle\n"), ("p.jsonl", '{"prompt": "a red circle"}\n')):
+        f = tmp_path / name
+        f.write_bytes("\ufeff".encode() + body.encode())
+        (item,) = build_items(None, f, Overrides(), REGISTRY["tiny-wan"].defaults)
+        assert item.prompt == "a red circle"

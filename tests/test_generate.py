@@ -40,8 +40,16 @@ def test_batch_writes_videos_sidecars_latents_and_report(batch_run):
     assert report["schema"] == 1
     assert report["model"] == "tiny-wan"
     assert report["layout"] == {
-        "world_size": 1, "nodes": 1, "gpus_per_node": 1, "cfg_degree": 1, "cp_degree": 1, "strategy": "none"
-    }  # fmt: skip
+        "world_size": 1,
+        "nodes": 1,
+        "gpus_per_node": 1,
+        "cfg_degree": 1,
+        "cp_degree": 1,
+        "strategy": "none",
+        "ulysses_degree": 1,
+        "ring_degree": 1,
+    }
+    assert report["attention_backend"] == "diffusers"  # fmt: skip
     assert report["counts"] == {"done": 2, "skipped": 0, "failed": 0}
     assert report["peak_memory_bytes"] > 0
     assert set(report["versions"]) >= {"torch", "diffusers", "ditango"}
@@ -62,7 +70,7 @@ def test_batch_writes_videos_sidecars_latents_and_report(batch_run):
         assert len(timing["step_s"]) == item["steps"] == 2
         parts = sum(timing[k] for k in ("text_encode_s", "denoise_s", "decode_s", "write_s"))
         assert timing["total_s"] == pytest.approx(parts, abs=1e-5)
-        assert item["comm"] == {"intra_node_bytes": 0, "inter_node_bytes": 0}
+        assert item["comm"] == {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}}
         assert item["attention"] == {"computed_fraction": 1.0}
         sidecar = json.loads((out / f"{item['id']}.json").read_text())
         assert sidecar == item

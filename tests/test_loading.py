@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from runtime.models.loading import load_components, resolve_placement
@@ -32,3 +34,21 @@ def test_bf16_load_keeps_float32_modules_and_fp32_vae(tmp_path, monkeypatch):
 def test_default_dtype_per_device():
     assert resolve_placement("cpu").dtype == torch.float32
     assert resolve_placement("cpu", "bfloat16").dtype == torch.bfloat16
+
+
+def _materialize_target(rank, world, events, root):
+    from runtime.models.checkpoint import inspect_model_dir
+
+    path = materialize(TINY_WAN, root=root)  # inside an initialized process group
+    inspect_model_dir(path)  # complete, whichever process wrote it
+    return str(path)
+
+
+def test_concurrent_materialize_yields_one_complete_directory(tmp_path):
+    """Guards a bug seen with 4 local ranks building the cache: transformers' save_pretrained
+    writes nothing on ranks != 0 of an initialized process group (an empty text_encoder/)."""
+    from slurm.local import run_ranks
+
+    paths = run_ranks(_materialize_target, 3, (tmp_path,), timeout_s=60)
+    assert len(set(paths)) == 1
+    assert [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")] == [Path(paths[0]).name]

@@ -90,3 +90,21 @@ def test_cli_latents_match_pipeline_from_directory(runner, saved_model_dir, tmp_
     ).frames  # fmt: skip
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() <= PARITY_ATOL
+
+
+def test_decode_matches_wan_pipeline(parity_components):
+    """VAE decode incl. latents_mean/std un-normalisation (non-trivial in the parity config)."""
+    assert parity_components["vae"].config.latents_std[3] != 1.0
+    pipe = WanPipeline(**parity_components)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = dict(prompt="a red ball", negative_prompt="", height=32, width=48, num_frames=5, num_inference_steps=2)
+    theirs = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(9), output_type="np",
+                  max_sequence_length=TEXT_LEN).frames[0]  # fmt: skip
+    latents = reference_latents(
+        parity_components, prompt="a red ball", negative="", seed=9, steps=2, guidance=5.0, height=32, width=48,
+        frames=5,
+    )  # fmt: skip
+    ours = WanDenoiser(parity_components, resolve_placement("cpu"), TEXT_LEN).decode(latents)
+    assert ours.shape == theirs.shape == (5, 32, 48, 3)
+    expected = (theirs.clip(0, 1) * 255).round().astype("uint8")
+    assert (ours == expected).all()

@@ -33,7 +33,7 @@ class ModelDirInfo:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelDirError(f"model directory is incomplete: {path} is missing") from None
     except (OSError, json.JSONDecodeError) as exc:
@@ -49,6 +49,18 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 def _check_weights(folder: Path, name: str) -> list[Path]:
     files = _safetensors_files(folder)
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    for index in indexes:  # sharded checkpoints: every shard the index names must be present
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelDirError(f"{index} has no weight_map")
+        missing = sorted({str(f) for f in weight_map.values()} - {f.name for f in files})
+        if missing:
+            raise ModelDirError(
+                f"model directory is incomplete: {folder} is missing shard {missing[0]}"
+                + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                + f" named in {index.name}"
+            )
     if files:
         return files
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)

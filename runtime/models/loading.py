@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, ModelDirError
 from runtime.models.registry import ResolvedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,8 +22,10 @@ class Placement:
         return str(self.dtype).removeprefix("torch.")
 
 
-def resolve_placement(device: str = "auto", dtype: str | None = None) -> Placement:
-    """`auto` picks CUDA when available; the default dtype is float32 on CPU, bfloat16 on CUDA."""
+def resolve_placement(device: str = "auto", dtype: str | None = None, index: int | None = None) -> Placement:
+    """`auto` picks CUDA when available; the default dtype is float32 on CPU, bfloat16 on CUDA.
+
+    `index` selects the GPU of a local rank (ignored on CPU)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -34,6 +36,8 @@ def resolve_placement(device: str = "auto", dtype: str | None = None) -> Placeme
         dtype = "bfloat16" if device == "cuda" else "float32"
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if device == "cuda" and index is not None:
+        return Placement(torch.device("cuda", index % torch.cuda.device_count()), DTYPES[dtype])
     return Placement(torch.device(device), DTYPES[dtype])
 
 
@@ -64,11 +68,15 @@ def load_components(model: ResolvedModel, placement: Placement) -> dict:
     else:
         path = model.path
     dtypes = {"default": placement.dtype, "vae": torch.float32}
-    pipe = WanPipeline.from_pretrained(
-        str(path), local_files_only=True, use_safetensors=True, **{_dtype_kwarg(): dtypes}
-    )
-    components = {k: v for k, v in pipe.components.items() if v is not None}
-    for name in ("text_encoder", "transformer", "vae"):
-        # Device only: a dtype cast here would undo the float32 modules kept by from_pretrained.
-        components[name].to(placement.device).eval().requires_grad_(False)
+    try:
+        pipe = WanPipeline.from_pretrained(
+            str(path), local_files_only=True, use_safetensors=True, **{_dtype_kwarg(): dtypes}
+        )
+        components = {k: v for k, v in pipe.components.items() if v is not None}
+        for name in ("text_encoder", "transformer", "vae"):
+            # Device only: a dtype cast here would undo the float32 modules kept by from_pretrained.
+            components[name].to(placement.device).eval().requires_grad_(False)
+    except Exception as exc:  # diffusers/transformers raise many types for a broken directory
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ModelDirError(f"cannot load the model from {path}: {type(exc).__name__}: {first}") from exc
     return components

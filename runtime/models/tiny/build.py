@@ -7,9 +7,12 @@ real ones. Weights come from a fixed seed; no hub access.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +50,8 @@ class TinyWanConfig:
     vae_base_dim: int = 8
     z_dim: int = 16
     flow_shift: float = 3.0
+    # VAE latent statistics (mean, std) of channel 0, growing per channel; identity by default.
+    latents_stats: tuple[float, float, float] = (0.0, 1.0, 0.0)  # (mean, std, step per channel)
     vocab: tuple[str, ...] = field(default=VOCAB_WORDS)
 
 
@@ -106,8 +111,8 @@ def build_tiny_wan(cfg: TinyWanConfig = TINY_WAN) -> dict:
         dim_mult=[1, 1, 1, 1],
         num_res_blocks=1,
         temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * cfg.z_dim,
-        latents_std=[1.0] * cfg.z_dim,
+        latents_mean=[cfg.latents_stats[0] + cfg.latents_stats[2] * c for c in range(cfg.z_dim)],
+        latents_std=[cfg.latents_stats[1] + cfg.latents_stats[2] * c for c in range(cfg.z_dim)],
     )
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction",
@@ -136,24 +141,44 @@ def materialize(cfg: TinyWanConfig = TINY_WAN, root: Path | None = None) -> Path
     The built-in model then loads through exactly the code path of a user checkpoint
     (`WanPipeline.from_pretrained`, safetensors, per-library float32 rules for bf16/fp16).
     The key covers the config and the library versions that decide the seeded weights.
-    Concurrent ranks may race: each writes a private temp dir and the first rename wins.
+    Concurrent processes (ranks, parallel runs) serialise on a lock file; the directory is
+    written under a temporary name, validated, then renamed into place.
     """
     import diffusers
     from diffusers import WanPipeline
 
+    from runtime.errors import ModelDirError
+    from runtime.models.checkpoint import inspect_model_dir
+
     key = hashlib.sha256(repr((cfg, torch.__version__, diffusers.__version__)).encode()).hexdigest()[:12]
     path = (root or cache_root()) / "models" / f"tiny-wan-{key}"
-    if (path / "model_index.json").is_file():
-        return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        WanPipeline(**build_tiny_wan(cfg)).save_pretrained(tmp, safe_serialization=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            try:
+                inspect_model_dir(path)
+                return path
+            except ModelDirError:  # a damaged cache entry: rebuild it
+                shutil.rmtree(path)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
         try:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                # transformers' save_pretrained silently writes nothing on ranks != 0 of an
+                # initialized process group: build in a clean interpreter instead.
+                if cfg != TINY_WAN:
+                    raise RuntimeError("only the default tiny-wan config can be built inside a process group")
+                subprocess.run([sys.executable, "-m", "runtime.models.tiny.build", str(tmp)], check=True)
+            else:
+                WanPipeline(**build_tiny_wan(cfg)).save_pretrained(tmp, safe_serialization=True)
+            inspect_model_dir(tmp)
             os.rename(tmp, path)
-        except OSError:
-            if not (path / "model_index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+if __name__ == "__main__":  # python -m runtime.models.tiny.build DIR: write the default model to DIR
+    from diffusers import WanPipeline
+
+    WanPipeline(**build_tiny_wan()).save_pretrained(sys.argv[1], safe_serialization=True)

@@ -1,0 +1,102 @@
+"""Transport with explicit groups and byte counters per link class.
+
+Bytes are counted on the receiving rank, by the link the bytes crossed (the sender's
+node vs ours: `intra_node` or `inter_node`) and by purpose (`attention` for KV/QKV
+exchange, `gather` for collecting the sharded output). Summed over ranks, received
+bytes equal sent bytes, so the totals are what crossed each kind of link.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from runtime.mesh import Mesh
+
+
+class PendingRecv:
+    """An in-flight P2P exchange; `wait()` returns the received tensor."""
+
+    def __init__(self, works: list, buffer: torch.Tensor) -> None:
+        self._works = works
+        self.buffer = buffer
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        return self.buffer
+
+
+class Comm:
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.bytes: defaultdict[tuple[str, str], int] = defaultdict(int)
+
+    def reset(self) -> None:
+        self.bytes.clear()
+
+    def totals(self) -> dict:
+        """{"intra_node_bytes", "inter_node_bytes", "by_purpose": {purpose: {link: bytes}}}."""
+        out = {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}}
+        for (purpose, link), n in sorted(self.bytes.items()):
+            out[f"{link}_bytes"] += n
+            out["by_purpose"].setdefault(purpose, {})[f"{link}_bytes"] = n
+        return out
+
+    def _count(self, src: int, nbytes: int, purpose: str) -> None:
+        if src != self.mesh.rank:
+            self.bytes[(purpose, self.mesh.link(src))] += nbytes
+
+    def exchange(
+        self, send: torch.Tensor, dst: int, src: int, recv_shape: Sequence[int], group, purpose: str = "attention"
+    ) -> PendingRecv:
+        """Post send(send -> dst) and recv(src) together and return at once (overlap with compute).
+
+        Every rank of a ring calls this in the same step, so sends and receives pair up.
+        """
+        buffer = torch.empty(tuple(recv_shape), dtype=send.dtype, device=send.device)
+        ops = [
+            dist.P2POp(dist.isend, send.contiguous(), dst, group=group),
+            dist.P2POp(dist.irecv, buffer, src, group=group),
+        ]
+        works = dist.batch_isend_irecv(ops)
+        self._count(src, buffer.numel() * buffer.element_size(), purpose)
+        return PendingRecv(works, buffer)
+
+    def all_to_all(
+        self,
+        send_NX: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        group_ranks: Sequence[int],
+        group,
+        purpose: str = "attention",
+    ) -> torch.Tensor:
+        """Uneven all-to-all along dim 0: rows [sum(send_splits[:j]), ...) go to group member j."""
+        recv = send_NX.new_empty((sum(recv_splits), *send_NX.shape[1:]))
+        dist.all_to_all_single(recv, send_NX.contiguous(), recv_splits, send_splits, group=group)
+        row = send_NX[0].numel() * send_NX.element_size() if send_NX.shape[0] else 0
+        for peer, n in zip(group_ranks, recv_splits, strict=True):
+            self._count(peer, n * row, purpose)
+        return recv
+
+    def all_gather_seq(
+        self, x_BSX: torch.Tensor, sizes: list[int], group_ranks: Sequence[int], group, purpose: str = "gather"
+    ) -> torch.Tensor:
+        """Concatenate every member's [B, S_j, ...] shard along dim 1 (uneven S_j allowed).
+
+        Shards are padded to the largest size for the collective and trimmed after; the
+        counters record the padded bytes, which is what moves.
+        """
+        longest = max(sizes)
+        pad = longest - x_BSX.shape[1]
+        padded = torch.nn.functional.pad(x_BSX, (0, 0) * (x_BSX.dim() - 2) + (0, pad)) if pad else x_BSX
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        nbytes = padded.numel() * padded.element_size()
+        for peer in group_ranks:
+            self._count(peer, nbytes, purpose)
+        return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)

@@ -1,0 +1,92 @@
+"""Attention kernels that return the attention state (out, lse), converted once here
+into the canonical float32 layout of runtime/state.py.
+
+Shape legend: B batch, S query tokens, K key tokens, H heads, D head dim.
+
+Backends:
+- `flash`: flash-attn's `flash_attn_func` (CUDA only; optional dependency), lse [B, H, S];
+- `torch`: PyTorch's fused kernels: on CPU `_scaled_dot_product_flash_attention_for_cpu`
+  (lse [B, H, S]); on CUDA the flash kernel for fp16/bf16 and the memory-efficient kernel
+  for fp32 (its lse is padded along S to a multiple of 32 and is sliced back);
+- `reference`: float64 math, for tests and debugging.
+`auto` is `flash` on CUDA when flash-attn imports, else `torch`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from runtime.errors import ConfigError
+from runtime.state import AttentionState
+
+Backend = Literal["flash", "torch", "reference"]
+BACKENDS = ("auto", "flash", "torch", "reference")
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(name: str, device: torch.device) -> Backend:
+    if name not in BACKENDS:
+        raise ConfigError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "auto":
+        return "flash" if device.type == "cuda" and flash_attn_available() else "torch"
+    if name == "flash":
+        if device.type != "cuda":
+            raise ConfigError("--attention-backend flash needs CUDA; use torch (or auto) on CPU")
+        if not flash_attn_available():
+            raise ConfigError("--attention-backend flash: flash-attn is not installed (pip install 'ditango[flash]')")
+    return name  # type: ignore[return-value]
+
+
+def reference_attention(q_BSHD, k_BKHD, v_BKHD, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out_BSHD, lse_BSH) in float64: the ground truth the tests compare against."""
+    q, k, v = (t.double() for t in (q_BSHD, k_BKHD, v_BKHD))
+    scores_BHSK = torch.einsum("bshd,bkhd->bhsk", q, k) * scale
+    lse_BHS = torch.logsumexp(scores_BHSK, dim=-1)
+    probs = torch.exp(scores_BHSK - lse_BHS.unsqueeze(-1))
+    out_BSHD = torch.einsum("bhsk,bkhd->bshd", probs, v)
+    return out_BSHD, lse_BHS.transpose(1, 2)
+
+
+def _torch_kernel(q_BSHD, k_BKHD, v_BKHD, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BKHD, v_BKHD))  # -> B H S D
+    if q.device.type == "cpu":
+        out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+    elif q.dtype in (torch.float16, torch.bfloat16):
+        out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[
+            :2
+        ]
+    else:
+        out_BHSD, lse_BHS = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, False, scale=scale
+        )[:2]
+        lse_BHS = lse_BHS[..., : q.shape[2]]
+    return out_BHSD.transpose(1, 2), lse_BHS.transpose(1, 2)
+
+
+def _flash_kernel(q_BSHD, k_BKHD, v_BKHD, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from flash_attn import flash_attn_func
+
+    out_BSHD, lse_BHS, _ = flash_attn_func(q_BSHD, k_BKHD, v_BKHD, softmax_scale=scale, return_attn_probs=True)
+    return out_BSHD, lse_BHS.transpose(1, 2)
+
+
+def attention(
+    q_BSHD: torch.Tensor, k_BKHD: torch.Tensor, v_BKHD: torch.Tensor, scale: float, backend: Backend
+) -> AttentionState:
+    """Softmax attention of the queries over one KV partition, as a float32 state."""
+    if backend == "reference":
+        out, lse = reference_attention(q_BSHD, k_BKHD, v_BKHD, scale)
+    elif backend == "flash":
+        out, lse = _flash_kernel(q_BSHD, k_BKHD, v_BKHD, scale)
+    else:
+        out, lse = _torch_kernel(q_BSHD, k_BKHD, v_BKHD, scale)
+    return AttentionState.from_kernel(out, lse)
