@@ -22,12 +22,14 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from ditango_cli.prompts import Overrides, build_items
+from planner.ditango import PlannerConfig
 from runtime.config import RunConfig
 from runtime.errors import ConfigError
 from runtime.kernels import resolve_backend
 from runtime.mesh import ParallelLayout
 from runtime.models.loading import resolve_placement
 from runtime.models.registry import MODEL_ROOT_ENV, REGISTRY, ResolvedModel, model_root, resolve_model
+from runtime.strategies.ditango import DiTangoOptions
 
 EXIT_USAGE = 2
 EXIT_FAILED_ITEMS = 1
@@ -117,6 +119,7 @@ class ParallelChoice(str, Enum):
     ring = "ring"
     ulysses = "ulysses"
     usp = "usp"
+    ditango = "ditango"
 
 
 class ExecutorChoice(str, Enum):
@@ -153,6 +156,74 @@ BackendOpt = Annotated[
 ]
 
 
+CacheRatioOpt = Annotated[
+    float | None, typer.Option("--cache-ratio", help="DiTango: target fraction of remote attention reused [0.4].")
+]
+WarmupOpt = Annotated[int | None, typer.Option("--warmup", help="DiTango: exact steps at the start [5].")]
+CooldownOpt = Annotated[int | None, typer.Option("--cooldown", help="DiTango: exact steps at the end [5].")]
+GroupSizeOpt = Annotated[
+    str | None, typer.Option("--group-size", help="DiTango: adjacent ranks per group, or 'node' [2].")
+]
+TauMaxOpt = Annotated[int | None, typer.Option("--tau-max", help="DiTango: recompute a cache this many steps old.")]
+AnchorIntervalOpt = Annotated[
+    int | None, typer.Option("--anchor-interval", help="DiTango: force an anchor step this often.")
+]
+AlphaOpt = Annotated[
+    bool | None, typer.Option("--alpha/--no-alpha", help="DiTango: norm-ratio factor in the drift estimate [off].")
+]
+CacheDtypeOpt = Annotated[
+    str | None, typer.Option("--cache-dtype", help="DiTango: cached attention outputs in float32 or bfloat16.")
+]
+ReferenceOpt = Annotated[
+    str | None,
+    typer.Option("--reference", help="DiTango: 'exact' also runs the exact ring path and records PSNR/SSIM."),
+]
+CacheLimitOpt = Annotated[
+    str | None,
+    typer.Option("--cache-memory-limit", help="DiTango: cap per rank, e.g. 8GiB; adjacent groups are composed."),
+]
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB', '500MB', '1048576' -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    number = text.strip().upper().rstrip()
+    suffix = number.lstrip("0123456789.")
+    value = number[: len(number) - len(suffix)]
+    try:
+        return int(float(value) * units[suffix.strip()])
+    except (KeyError, ValueError):
+        raise ConfigError(f"--cache-memory-limit {text!r}: expected a size like 8GiB, 500MB or 1048576") from None
+
+
+@dataclass(frozen=True)
+class DiTangoArgs:
+    cache_ratio: float | None = None
+    warmup: int | None = None
+    cooldown: int | None = None
+    group_size: str | None = None
+    tau_max: int | None = None
+    anchor_interval: int | None = None
+    alpha: bool | None = None
+    cache_dtype: str | None = None
+    cache_memory_limit: str | None = None
+    reference: str | None = None
+
+    def given(self) -> list[str]:
+        return [f"--{k.replace('_', '-')}" for k, v in self.__dict__.items() if v is not None]
+
+    def options(self) -> DiTangoOptions:
+        def pick(value, default):
+            return default if value is None else value
+
+        planner = PlannerConfig(
+            cache_ratio=pick(self.cache_ratio, 0.4), warmup=pick(self.warmup, 5), cooldown=pick(self.cooldown, 5),
+            tau_max=self.tau_max, anchor_interval=self.anchor_interval, use_alpha=pick(self.alpha, False),
+        )  # fmt: skip
+        limit = None if self.cache_memory_limit is None else parse_bytes(self.cache_memory_limit)
+        return DiTangoOptions(planner, pick(self.cache_dtype, "float32"), limit)
+
+
 @dataclass(frozen=True)
 class ParallelArgs:
     nodes: int = 1
@@ -161,11 +232,20 @@ class ParallelArgs:
     ulysses_degree: int | None = None
     timeout: float = 600.0
     attention_backend: BackendChoice = BackendChoice.auto
+    ditango: DiTangoArgs = DiTangoArgs()
 
     def layout(self, heads: int) -> ParallelLayout:
         world = self.nodes * self.gpus_per_node
         strategy = self.parallel.value if self.parallel else ("ring" if world > 1 else "none")
-        layout = ParallelLayout(self.nodes, self.gpus_per_node, 1, strategy, self.ulysses_degree)
+        if strategy != "ditango" and self.ditango.given():
+            raise ConfigError(f"{', '.join(self.ditango.given())} only apply to --parallel ditango")
+        if self.ditango.reference not in (None, "exact"):
+            raise ConfigError(f"--reference must be 'exact', got {self.ditango.reference!r}")
+        group = self.ditango.group_size
+        if group is not None and group != "node" and not group.isdigit():
+            raise ConfigError(f"--group-size must be a number of ranks or 'node', got {group!r}")
+        group_size = None if group is None else (self.gpus_per_node if group == "node" else int(group))
+        layout = ParallelLayout(self.nodes, self.gpus_per_node, 1, strategy, self.ulysses_degree, group_size)
         layout = layout.with_default_ulysses(heads)
         layout.check_model(heads)
         return layout
@@ -233,6 +313,8 @@ def build_run_config(
         layout=layout,
         attention_backend=parallel.attention_backend.value,
         timeout_s=parallel.timeout,
+        ditango=parallel.ditango.options() if layout.strategy == "ditango" else None,
+        reference=parallel.ditango.reference,
     )
     return cfg, resolved
 
@@ -262,6 +344,16 @@ def generate(
     executor: ExecutorOpt = ExecutorChoice.local,
     timeout: TimeoutOpt = 600.0,
     attention_backend: BackendOpt = BackendChoice.auto,
+    cache_ratio: CacheRatioOpt = None,
+    warmup: WarmupOpt = None,
+    cooldown: CooldownOpt = None,
+    group_size: GroupSizeOpt = None,
+    tau_max: TauMaxOpt = None,
+    anchor_interval: AnchorIntervalOpt = None,
+    alpha: AlphaOpt = None,
+    cache_dtype: CacheDtypeOpt = None,
+    cache_memory_limit: CacheLimitOpt = None,
+    reference: ReferenceOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
     as_json: JsonOpt = False,
 ) -> int:
@@ -276,7 +368,11 @@ def generate(
     cfg, _ = build_run_config(
         model=model, model_root_dir=model_root_dir, prompt=prompt, prompts=prompts, overrides=overrides,
         out=out, device=device, dtype=dtype, save_latents=save_latents, overwrite=overwrite,
-        parallel=ParallelArgs(nodes, gpus_per_node, parallel, ulysses_degree, timeout, attention_backend),
+        parallel=ParallelArgs(
+            nodes, gpus_per_node, parallel, ulysses_degree, timeout, attention_backend,
+            DiTangoArgs(cache_ratio, warmup, cooldown, group_size, tau_max, anchor_interval, alpha, cache_dtype,
+                        cache_memory_limit, reference),
+        ),
         create_out=True,
     )  # fmt: skip
     err = Console(stderr=True, soft_wrap=True)
@@ -326,6 +422,16 @@ def check(
     executor: ExecutorOpt = ExecutorChoice.local,
     timeout: TimeoutOpt = 600.0,
     attention_backend: BackendOpt = BackendChoice.auto,
+    cache_ratio: CacheRatioOpt = None,
+    warmup: WarmupOpt = None,
+    cooldown: CooldownOpt = None,
+    group_size: GroupSizeOpt = None,
+    tau_max: TauMaxOpt = None,
+    anchor_interval: AnchorIntervalOpt = None,
+    alpha: AlphaOpt = None,
+    cache_dtype: CacheDtypeOpt = None,
+    cache_memory_limit: CacheLimitOpt = None,
+    reference: ReferenceOpt = None,
     as_json: JsonOpt = False,
 ) -> int:
     """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
@@ -333,7 +439,11 @@ def check(
     cfg, resolved = build_run_config(
         model=model, model_root_dir=model_root_dir, prompt=prompt, prompts=prompts, overrides=overrides,
         out=out, device=device, dtype=dtype, create_out=False,
-        parallel=ParallelArgs(nodes, gpus_per_node, parallel, ulysses_degree, timeout, attention_backend),
+        parallel=ParallelArgs(
+            nodes, gpus_per_node, parallel, ulysses_degree, timeout, attention_backend,
+            DiTangoArgs(cache_ratio, warmup, cooldown, group_size, tau_max, anchor_interval, alpha, cache_dtype,
+                        cache_memory_limit, reference),
+        ),
     )  # fmt: skip
     from runtime.run import plan_resume
 

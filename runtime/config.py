@@ -13,6 +13,7 @@ from typing import Literal
 
 from runtime.errors import ConfigError
 from runtime.mesh import ParallelLayout
+from runtime.strategies.ditango import DiTangoOptions
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -95,6 +96,8 @@ class RunConfig:
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     attention_backend: str = "auto"  # auto | flash | torch | reference (ignored by strategy "none")
     timeout_s: float = 600.0  # process-group timeout: a stuck collective fails after this long
+    ditango: DiTangoOptions | None = None  # --parallel ditango settings
+    reference: str | None = None  # "exact": also run the exact ring path and record quality
 
     def __post_init__(self) -> None:
         if not self.items:

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from runtime.errors import ConfigError
 
-Strategy = Literal["none", "ring", "ulysses", "usp"]
-STRATEGIES = ("none", "ring", "ulysses", "usp")
+Strategy = Literal["none", "ring", "ulysses", "usp", "ditango"]
+STRATEGIES = ("none", "ring", "ulysses", "usp", "ditango")
 
 
 def _divisors(n: int) -> list[int]:
@@ -34,6 +34,7 @@ class ParallelLayout:
     cfg_degree: int = 1
     strategy: Strategy = "none"
     ulysses_degree: int | None = None  # usp only; None: the largest legal degree within a node
+    group_size: int | None = None  # ditango only: adjacent cp ranks per group; None: 2 (1 if odd)
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -55,9 +56,31 @@ class ParallelLayout:
                     f"--ulysses-degree {self.ulysses_degree} must divide the cp degree {self.cp_degree} (try {legal})"
                 )
 
+        if self.group_size is not None:
+            if self.strategy != "ditango":
+                raise ConfigError("--group-size only applies to --parallel ditango")
+            if self.group_size < 1 or self.cp_degree % self.group_size:
+                legal = ", ".join(map(str, _divisors(self.cp_degree)))
+                raise ConfigError(
+                    f"--group-size {self.group_size} must divide the cp degree {self.cp_degree} (try {legal})"
+                )
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def group(self) -> int:
+        """DiTango group size: adjacent cp ranks whose KV is always computed fresh together."""
+        if self.strategy != "ditango":
+            return 1
+        if self.group_size is not None:
+            return self.group_size
+        return 2 if self.cp_degree % 2 == 0 else 1
+
+    @property
+    def groups(self) -> int:
+        return self.cp_degree // self.group
 
     @property
     def cp_degree(self) -> int:
@@ -89,7 +112,7 @@ class ParallelLayout:
             return self
         per_node = self.cp_degree if self.nodes == 1 else self.gpus_per_node
         best = max(d for d in _divisors(self.cp_degree) if heads % d == 0 and per_node % d == 0)
-        return ParallelLayout(self.nodes, self.gpus_per_node, self.cfg_degree, self.strategy, best)
+        return ParallelLayout(self.nodes, self.gpus_per_node, self.cfg_degree, self.strategy, best, self.group_size)
 
     def to_json(self) -> dict:
         return {
@@ -101,6 +124,7 @@ class ParallelLayout:
             "strategy": self.strategy,
             "ulysses_degree": self.ulysses,
             "ring_degree": self.ring,
+            "group_size": self.group,
         }
 
 
@@ -114,10 +138,12 @@ class Mesh:
     cp_ranks: tuple[int, ...]
     ulysses_ranks: tuple[int, ...]
     ring_ranks: tuple[int, ...]
+    group_ranks: tuple[int, ...]  # DiTango group (adjacent cp ranks); (rank,) for other strategies
     world_group: object = None
     cp_group: object = None
     ulysses_group: object = None
     ring_group: object = None
+    group_group: object = None
     groups: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -139,13 +165,15 @@ def rank_groups(layout: ParallelLayout) -> dict[str, list[tuple[int, ...]]]:
     """Every group of every kind, as global rank tuples, in a fixed order (all ranks agree)."""
     cp, u = layout.cp_degree, layout.ulysses
     cp_groups = [tuple(range(c * cp, (c + 1) * cp)) for c in range(layout.cfg_degree)]
-    ulysses_groups, ring_groups = [], []
+    ulysses_groups, ring_groups, ditango_groups = [], [], []
     for base in (g[0] for g in cp_groups):
+        for g in range(layout.groups):
+            ditango_groups.append(tuple(base + g * layout.group + j for j in range(layout.group)))
         for r in range(layout.ring):
             ulysses_groups.append(tuple(base + r * u + i for i in range(u)))
         for i in range(u):
             ring_groups.append(tuple(base + r * u + i for r in range(layout.ring)))
-    return {"cp": cp_groups, "ulysses": ulysses_groups, "ring": ring_groups}
+    return {"cp": cp_groups, "ulysses": ulysses_groups, "ring": ring_groups, "group": ditango_groups}
 
 
 def virtual_node_map(layout: ParallelLayout) -> tuple[int, ...]:
@@ -160,7 +188,7 @@ def build_mesh(layout: ParallelLayout, rank: int, node_of: tuple[int, ...], time
     handles: dict[str, object] = {}
     distributed = dist.is_available() and dist.is_initialized()
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-    for kind in ("cp", "ulysses", "ring"):
+    for kind in ("cp", "ulysses", "ring", "group"):
         for ranks in groups[kind]:
             handle = dist.new_group(list(ranks), timeout=timeout) if distributed and len(ranks) > 1 else None
             if rank in ranks:
@@ -172,8 +200,10 @@ def build_mesh(layout: ParallelLayout, rank: int, node_of: tuple[int, ...], time
         cp_ranks=mine["cp"],
         ulysses_ranks=mine["ulysses"],
         ring_ranks=mine["ring"],
+        group_ranks=mine["group"],
         world_group=dist.group.WORLD if distributed else None,
         cp_group=handles["cp"],
         ulysses_group=handles["ulysses"],
         ring_group=handles["ring"],
+        group_group=handles["group"],
     )

@@ -14,12 +14,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 from diffusers import WanPipeline
 
 from runtime.models.loading import Placement
+
+
+class DenoiseListener(Protocol):
+    def begin_run(self, latents_BCFHW: torch.Tensor, steps: int, branches: int) -> None: ...
+    def begin_step(self, step: int) -> None: ...
+    def begin_branch(self, branch: int) -> None: ...
+    def end_step(self, step: int) -> None: ...
 
 
 @dataclass
@@ -69,6 +77,8 @@ class WanDenoiser:
             transformer=components["transformer"],
         )
         self.pipe.set_progress_bar_config(disable=True)
+        # Told where the loop is (run, step, CFG branch): strategies that plan per step use it.
+        self.listener: DenoiseListener | None = None
 
     @property
     def device(self) -> torch.device:
@@ -127,13 +137,23 @@ class WanDenoiser:
         scheduler = self.new_scheduler(steps)
         result = DenoiseResult(latents_BCFHW)
         latents = latents_BCFHW
+        listener = self.listener
+        if listener is not None:
+            listener.begin_run(latents, steps, 1 if text.uncond_BLE is None else 2)
         for i, t in enumerate(scheduler.timesteps):
             start = time.perf_counter()
+            if listener is not None:
+                listener.begin_step(i)
+                listener.begin_branch(0)
             noise = self.predict(latents, t, text.cond_BLE)
             if text.uncond_BLE is not None:
+                if listener is not None:
+                    listener.begin_branch(1)
                 noise_uncond = self.predict(latents, t, text.uncond_BLE)
                 noise = noise_uncond + guidance * (noise - noise_uncond)
             latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+            if listener is not None:
+                listener.end_step(i)
             synchronize(self.device)
             result.step_s.append(time.perf_counter() - start)
             if on_step is not None:

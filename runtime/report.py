@@ -46,6 +46,7 @@ class ItemTiming:
     decode_s: float = 0.0
     write_s: float = 0.0
     step_s: list[float] = field(default_factory=list)
+    reference_s: float | None = None  # --reference exact: the extra exact run (not in total_s)
 
     def to_json(self) -> dict:
         total = self.text_encode_s + self.denoise_s + self.decode_s + self.write_s
@@ -56,6 +57,7 @@ class ItemTiming:
             "decode_s": round(self.decode_s, 6),
             "write_s": round(self.write_s, 6),
             "step_s": [round(s, 6) for s in self.step_s],
+            "reference_s": None if self.reference_s is None else round(self.reference_s, 6),
         }
 
 
@@ -68,6 +70,8 @@ def item_record(
     latents: str | None,
     timing: ItemTiming | None,
     comm: dict | None = None,
+    attention: dict | None = None,
+    quality: dict | None = None,
     error: str | None = None,
 ) -> dict:
     """The per-item record: the sidecar's body and one entry of report.json's `items`."""
@@ -90,8 +94,9 @@ def item_record(
         "timing": None if timing is None else timing.to_json(),
         # Bytes summed over ranks, by the link class they crossed (see runtime/comm.py).
         "comm": comm or {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}},
-        # Exact strategies compute every attention partition fresh.
-        "attention": {"computed_fraction": 1.0},
+        # Exact strategies compute every attention partition fresh; DiTango reports its plan.
+        "attention": attention or {"computed_fraction": 1.0},
+        "quality": quality,  # with --reference exact: psnr, ssim, latent_rel_err vs the exact run
         "error": error,
     }
 

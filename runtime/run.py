@@ -15,6 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from runtime.comm import Comm
@@ -25,6 +27,8 @@ from runtime.mesh import Mesh, build_mesh
 from runtime.models.loading import load_components, resolve_placement
 from runtime.models.registry import resolve_model
 from runtime.pipeline import WanDenoiser, synchronize
+from runtime.plots import write_heatmap
+from runtime.quality import quality_record
 from runtime.report import ItemTiming, item_record, peak_memory, read_sidecar, run_report
 from runtime.strategies import parallelize_wan
 from runtime.video import write_json, write_latents, write_mp4
@@ -143,6 +147,29 @@ def sum_comm(per_rank: list[dict]) -> dict:
     return total
 
 
+def attention_record(denoiser: WanDenoiser, ctx: RankContext) -> dict | None:
+    """DiTango's per-item plan record, with every rank's plan hash (they must be equal)."""
+    listener = denoiser.listener
+    ditango = None if listener is None else listener.ctx.ditango
+    if ditango is None:
+        return None
+    record = ditango.item_report()
+    record["plan_hashes"] = ctx.gather(record.pop("plan_hash"))
+    record["cache_peak_bytes"] = max(ctx.gather(record["cache_peak_bytes"]))
+    return record
+
+
+def exact_reference(denoiser: WanDenoiser, latents, text, item: Item) -> torch.Tensor:
+    """The same item through the exact ring path (DiTango's runtime switched off for one run)."""
+    listener = denoiser.listener
+    saved = listener.ctx.ditango
+    listener.ctx.ditango = None  # ShardContext falls back to ring over the cp group
+    try:
+        return denoiser.denoise(latents, text, item.steps, item.guidance).latents_BCFHW
+    finally:
+        listener.ctx.ditango = saved
+
+
 def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer) -> dict:
     paths = output_paths(cfg.out_dir, item.id)
     timing = ItemTiming()
@@ -162,6 +189,12 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
     timing.denoise_s = time.perf_counter() - start
     timing.step_s = result.step_s
     comm = sum_comm(ctx.gather(ctx.comm.totals()))
+    attention = attention_record(denoiser, ctx)
+    reference = None
+    if cfg.reference == "exact":
+        start = time.perf_counter()
+        reference = exact_reference(denoiser, latents, text, item)
+        timing.reference_s = time.perf_counter() - start
     if not ctx.is_writer:
         return {}
 
@@ -169,6 +202,10 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
     frames = denoiser.decode(result.latents_BCFHW)
     synchronize(device)
     timing.decode_s = time.perf_counter() - start
+    quality = None
+    if reference is not None:
+        ref_frames = denoiser.decode(reference)
+        quality = quality_record(frames, ref_frames, result.latents_BCFHW, reference, "exact")
 
     start = time.perf_counter()
     write_mp4(paths["video"], frames, cfg.fps)
@@ -179,9 +216,13 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
         latents_name = paths["latents"].name
     timing.write_s = time.perf_counter() - start
 
+    if attention is not None:
+        plan_png = cfg.out_dir / f"{item.id}.plan.png"
+        write_heatmap(plan_png, np.asarray(attention["plan"]["compute_map"], dtype=np.float64).reshape(item.steps, -1))
+        attention["plan_png"] = plan_png.name
     record = item_record(
         item, model=cfg.model, status="done", video=paths["video"].name, latents=latents_name, timing=timing,
-        comm=comm,
+        comm=comm, attention=attention, quality=quality,
     )  # fmt: skip
     write_json(paths["sidecar"], record)  # last: its presence marks the item complete
     return record
@@ -235,7 +276,7 @@ def execute(
         resolved = resolve_model(cfg.model if cfg.model_path is None else str(cfg.model_path))
         denoiser = WanDenoiser(load_components(resolved, placement), placement, cfg.max_text_len)
         if cfg.layout.strategy != "none":
-            parallelize_wan(denoiser.transformer, ctx.mesh, ctx.comm, backend)
+            denoiser.listener = parallelize_wan(denoiser.transformer, ctx.mesh, ctx.comm, backend, cfg.ditango)
         for item in todo:
             observer.item_started(item)
             try:

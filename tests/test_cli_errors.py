@@ -275,3 +275,33 @@ def test_byte_order_mark_in_prompt_files(tmp_path):
         f.write_bytes("\ufeff".encode() + body.encode())
         (item,) = build_items(None, f, Overrides(), REGISTRY["tiny-wan"].defaults)
         assert item.prompt == "a red circle"
+
+
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        (
+            ["--gpus", "2", "--parallel", "ring", "--cache-ratio", "0.3"],
+            ["--cache-ratio only apply to --parallel ditango"],
+        ),
+        (["--gpus", "4", "--parallel", "ditango", "--group-size", "3"], ["--group-size 3 must divide the cp degree 4"]),
+        (["--gpus", "4", "--parallel", "ditango", "--group-size", "two"], ["--group-size must be a number"]),
+        (["--gpus", "4", "--parallel", "ditango", "--cache-ratio", "1.5"], ["cache_ratio", "1.5"]),
+        (
+            ["--gpus", "4", "--parallel", "ditango", "--cache-dtype", "int8"],
+            ["--cache-dtype must be float32 or bfloat16"],
+        ),
+        (["--gpus", "4", "--parallel", "ditango", "--cache-memory-limit", "lots"], ["expected a size like 8GiB"]),
+        (["--gpus", "4", "--parallel", "ditango", "--reference", "approx"], ["--reference must be 'exact'"]),
+        (["--gpus", "4", "--parallel", "ditango", "--tau-max", "0"], ["tau_max"]),
+    ],
+)
+def test_illegal_ditango_options(runner, out, extra, needles):
+    run_error(runner, gen(out, *extra), *needles)
+
+
+def test_parse_bytes():
+    from ditango_cli.app import parse_bytes
+
+    assert parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("500MB") == 500 * 10**6 and parse_bytes("1024") == 1024
+    assert parse_bytes("1.5 kib") == 1536

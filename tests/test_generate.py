@@ -47,6 +47,7 @@ def test_batch_writes_videos_sidecars_latents_and_report(batch_run):
         "cp_degree": 1,
         "strategy": "none",
         "ulysses_degree": 1,
+        "group_size": 1,
         "ring_degree": 1,
     }
     assert report["attention_backend"] == "diffusers"  # fmt: skip

@@ -23,6 +23,7 @@ from runtime.comm import Comm
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
 from runtime.state import AttentionState
+from runtime.strategies.ditango import DiTangoOptions, DiTangoRuntime
 from runtime.strategies.ring import ring_attention
 from runtime.strategies.sharding import chunk_bounds, chunk_sizes
 from runtime.strategies.ulysses import heads_to_seq, seq_to_heads
@@ -36,6 +37,7 @@ class ShardContext:
     comm: Comm
     backend: Backend
     seq_sizes: list[int] = field(default_factory=list)  # cp chunk sizes of the current forward
+    ditango: DiTangoRuntime | None = None  # set for --parallel ditango
 
     @property
     def cp(self) -> int:
@@ -65,8 +67,14 @@ class ShardContext:
         return self.comm.all_gather_seq(output, self.seq_sizes, self.mesh.cp_ranks, self.mesh.cp_group)
 
     # -- attention ---------------------------------------------------------------------
-    def attention(self, q_BSHD, k_BSHD, v_BSHD, scale: float) -> torch.Tensor:
-        """Exact attention of the local queries over the whole sequence; returns [B, S, H, D] in q's dtype."""
+    def attention(self, q_BSHD, k_BSHD, v_BSHD, scale: float, layer: int = 0) -> torch.Tensor:
+        """Attention of the local queries over the whole sequence; returns [B, S, H, D] in q's dtype.
+
+        Exact for ring/ulysses/usp; DiTango follows its plan for this step and layer.
+        """
+        if self.ditango is not None:
+            state = self.ditango.attention(layer, q_BSHD, k_BSHD, v_BSHD, scale, self.seq_sizes)
+            return state.out_BSHD.to(q_BSHD.dtype)
         mesh, comm = self.mesh, self.comm
         u, r = mesh.layout.ulysses, mesh.layout.ring
         if self.cp == 1:
@@ -110,8 +118,9 @@ def apply_rotary(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 class ContextParallelProcessor:
     """Self-attention processor for Wan blocks under context parallelism."""
 
-    def __init__(self, ctx: ShardContext) -> None:
+    def __init__(self, ctx: ShardContext, layer: int) -> None:
         self.ctx = ctx
+        self.layer = layer
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         assert encoder_hidden_states is None and attention_mask is None, "installed on self-attention only"
@@ -123,18 +132,40 @@ class ContextParallelProcessor:
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         if rotary_emb is not None:
             query, key = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
-        out = self.ctx.attention(query, key, value, scale=query.shape[-1] ** -0.5)
+        out = self.ctx.attention(query, key, value, scale=query.shape[-1] ** -0.5, layer=self.layer)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
 
 @dataclass
 class Parallelized:
-    """Handles to undo `parallelize_wan` (tests swap strategies on one model)."""
+    """Handles to undo `parallelize_wan` (tests swap strategies on one model), and the
+    denoising loop's listener: DiTango needs to know the run, step and CFG branch."""
 
     ctx: ShardContext
     handles: list
     processors: list
+    patch: tuple[int, int, int] = (1, 2, 2)
+
+    def begin_run(self, latents_BCFHW: torch.Tensor, steps: int, branches: int) -> None:
+        if self.ctx.ditango is None:
+            return
+        _, _, F, H, W = latents_BCFHW.shape
+        pt, ph, pw = self.patch
+        sizes = chunk_sizes((F // pt) * (H // ph) * (W // pw), self.ctx.cp)
+        self.ctx.ditango.begin_run(sizes[self.ctx.mesh.cp_index], latents_BCFHW.shape[0], steps, branches)
+
+    def begin_step(self, step: int) -> None:
+        if self.ctx.ditango is not None:
+            self.ctx.ditango.begin_step(step)
+
+    def begin_branch(self, branch: int) -> None:
+        if self.ctx.ditango is not None:
+            self.ctx.ditango.begin_branch(branch)
+
+    def end_step(self, step: int) -> None:
+        if self.ctx.ditango is not None:
+            self.ctx.ditango.end_step(step)
 
     def remove(self, transformer) -> None:
         for handle in self.handles:
@@ -143,14 +174,23 @@ class Parallelized:
             block.attn1.set_processor(processor)
 
 
-def parallelize_wan(transformer, mesh: Mesh, comm: Comm, backend: Backend) -> Parallelized:
+def parallelize_wan(
+    transformer, mesh: Mesh, comm: Comm, backend: Backend, ditango: DiTangoOptions | None = None
+) -> Parallelized:
     ctx = ShardContext(mesh, comm, backend)
+    if mesh.layout.strategy == "ditango":
+        opts = ditango or DiTangoOptions()
+        cfg = transformer.config
+        ctx.ditango = DiTangoRuntime(
+            mesh, comm, backend, opts.planner, layers=cfg.num_layers, heads=cfg.num_attention_heads,
+            head_dim=cfg.attention_head_dim, cache_dtype=opts.torch_cache_dtype, cache_limit_bytes=opts.cache_limit_bytes,
+        )  # fmt: skip
     handles = [
         transformer.rope.register_forward_hook(ctx.shard_rope),
         transformer.blocks[0].register_forward_pre_hook(ctx.shard_hidden, with_kwargs=True),
         transformer.proj_out.register_forward_hook(ctx.gather_output),
     ]
     processors = [block.attn1.processor for block in transformer.blocks]
-    for block in transformer.blocks:
-        block.attn1.set_processor(ContextParallelProcessor(ctx))
-    return Parallelized(ctx, handles, processors)
+    for layer, block in enumerate(transformer.blocks):
+        block.attn1.set_processor(ContextParallelProcessor(ctx, layer))
+    return Parallelized(ctx, handles, processors, tuple(transformer.config.patch_size))

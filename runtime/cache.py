@@ -1,0 +1,84 @@
+"""Attention-state cache for DiTango: one slot per (cfg branch, layer, unit).
+
+Shape legend: N branches, L layers, U units (a unit = k adjacent remote groups whose
+states are merged into one, see `compose_factor`), B batch, S local query tokens,
+H heads, D head dim.
+
+`out` is stored in the cache dtype (float32, or bfloat16 to halve memory); `lse` always
+stays float32: merge weights are exp(lse differences), and a bf16 lse (8 mantissa bits)
+would turn a log-sum-exp of ~10 into errors of several percent in those weights.
+Buffers are allocated once per item, when the local sequence length is known.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from runtime.errors import ConfigError
+from runtime.state import AttentionState
+
+
+def slot_bytes(B: int, S: int, H: int, D: int, dtype: torch.dtype) -> int:
+    """Bytes of one cached state: out [B, S, H, D] in `dtype` + lse [B, S, H] in float32."""
+    return B * S * H * (D * torch.empty((), dtype=dtype).element_size() + 4)
+
+
+def compose_factor(groups: int, branches: int, layers: int, slot: int, limit_bytes: int | None) -> int:
+    """k adjacent remote groups per cached unit, the smallest that fits `limit_bytes`.
+
+    Composing is exact (states of disjoint partitions merge into the state of their union),
+    but a composed unit is computed or reused as a whole.
+    """
+    if limit_bytes is None or groups <= 0:
+        return 1
+    per_unit = branches * layers * slot
+    units = limit_bytes // per_unit
+    if units < 1:
+        raise ConfigError(
+            f"--cache-memory-limit {limit_bytes} bytes cannot hold one cached state per branch and layer "
+            f"({per_unit} bytes for this item); raise it to at least {per_unit} or use --cache-dtype bfloat16"
+        )
+    return math.ceil(groups / min(units, groups))
+
+
+class StateCache:
+    def __init__(self, branches: int, layers: int, units: int, dtype: torch.dtype) -> None:
+        self.shape_NLU = (branches, layers, units)
+        self.dtype = dtype
+        self.out_NLUBSHD: torch.Tensor | None = None
+        self.lse_NLUBSH: torch.Tensor | None = None
+        self.filled_NLU = torch.zeros(self.shape_NLU, dtype=torch.bool)
+        self.peak_bytes = 0
+
+    def _allocate(self, like: AttentionState) -> None:
+        B, S, H, D = like.out_BSHD.shape
+        device = like.out_BSHD.device
+        self.out_NLUBSHD = torch.empty((*self.shape_NLU, B, S, H, D), dtype=self.dtype, device=device)
+        self.lse_NLUBSH = torch.empty((*self.shape_NLU, B, S, H), dtype=torch.float32, device=device)
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+
+    def put(self, branch: int, layer: int, unit: int, state: AttentionState) -> None:
+        if self.out_NLUBSHD is None:
+            self._allocate(state)
+        self.out_NLUBSHD[branch, layer, unit].copy_(state.out_BSHD)
+        self.lse_NLUBSH[branch, layer, unit].copy_(state.lse_BSH)
+        self.filled_NLU[branch, layer, unit] = True
+
+    def get(self, branch: int, layer: int, unit: int) -> AttentionState:
+        assert self.filled_NLU[branch, layer, unit], f"no cached state for {(branch, layer, unit)}"
+        return AttentionState(self.out_NLUBSHD[branch, layer, unit].float(), self.lse_NLUBSH[branch, layer, unit])
+
+    def nbytes(self) -> int:
+        if self.out_NLUBSHD is None:
+            return 0
+        return self.out_NLUBSHD.nbytes + self.lse_NLUBSH.nbytes
+
+    def reset(self) -> None:
+        self.out_NLUBSHD = self.lse_NLUBSH = None
+        self.filled_NLU.zero_()
+
+    def __repr__(self) -> str:
+        shape = None if self.out_NLUBSHD is None else tuple(self.out_NLUBSHD.shape)
+        return f"StateCache(NLU={self.shape_NLU}, out={shape}, dtype={self.dtype}, bytes={self.nbytes()})"
