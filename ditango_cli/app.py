@@ -16,6 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -23,6 +24,8 @@ from typer.core import TyperGroup
 
 from ditango_cli.prompts import Overrides, build_items
 from planner.ditango import PlannerConfig
+from planner.hybrid import HybridConfig
+from runtime.cache import compose_factor, unit_bytes
 from runtime.config import RunConfig
 from runtime.errors import ConfigError
 from runtime.kernels import resolve_backend
@@ -30,6 +33,7 @@ from runtime.mesh import ParallelLayout
 from runtime.models.loading import resolve_placement
 from runtime.models.registry import MODEL_ROOT_ENV, REGISTRY, ResolvedModel, model_root, resolve_model
 from runtime.strategies.ditango import DiTangoOptions
+from runtime.strategies.sharding import chunk_sizes
 
 EXIT_USAGE = 2
 EXIT_FAILED_ITEMS = 1
@@ -178,6 +182,18 @@ ReferenceOpt = Annotated[
     str | None,
     typer.Option("--reference", help="DiTango: 'exact' also runs the exact ring path and records PSNR/SSIM."),
 ]
+CfgParallelOpt = Annotated[
+    bool, typer.Option("--cfg-parallel", help="Run the two CFG branches on two rank groups (world = 2 x cp).")
+]
+HybridOpt = Annotated[bool, typer.Option("--hybrid", help="Hybridiff: pipeline stage in the middle steps.")]
+HybridKOpt = Annotated[int | None, typer.Option("--hybrid-k", help="Pipeline steps [5 at 50 steps, scaled].")]
+HybridWindowOpt = Annotated[int | None, typer.Option("--hybrid-window", help="Slope window L [15 at 50 steps].")]
+HybridSlopeOpt = Annotated[float | None, typer.Option("--hybrid-slope", help="Slope threshold [5e-4 at 50 steps].")]
+HybridCapOpt = Annotated[int | None, typer.Option("--hybrid-tau-cap", help="Latest tau1 [40 at 50 steps].")]
+HybridSplitOpt = Annotated[int | None, typer.Option("--hybrid-split", help="First block of segment 2 [half].")]
+HybridTextOpt = Annotated[
+    str, typer.Option("--hybrid-first-text", help="Text of segment 1: cond (clean variant) or uncond (authors').")
+]
 CacheLimitOpt = Annotated[
     str | None,
     typer.Option("--cache-memory-limit", help="DiTango: cap per rank, e.g. 8GiB; adjacent groups are composed."),
@@ -225,6 +241,34 @@ class DiTangoArgs:
 
 
 @dataclass(frozen=True)
+class HybridArgs:
+    cfg_parallel: bool = False
+    hybrid: bool = False
+    k: int | None = None
+    window: int | None = None
+    slope: float | None = None
+    tau_cap: int | None = None
+    split: int | None = None
+    first_text: str = "cond"
+
+    def config(self, layers: int) -> HybridConfig | None:
+        tuned = {"--hybrid-k": self.k, "--hybrid-window": self.window, "--hybrid-slope": self.slope,
+                 "--hybrid-tau-cap": self.tau_cap, "--hybrid-split": self.split}  # fmt: skip
+        given = [k for k, v in tuned.items() if v is not None] + (
+            ["--hybrid-first-text"] if self.first_text != "cond" else []
+        )
+        if not self.hybrid:
+            if given:
+                raise ConfigError(f"{', '.join(given)} only apply with --hybrid")
+            return None
+        if not self.cfg_parallel:
+            raise ConfigError("--hybrid needs --cfg-parallel (the two CFG branches on two rank groups)")
+        cfg = HybridConfig(self.k, self.window, self.slope, self.tau_cap, self.split, self.first_text)  # type: ignore[arg-type]
+        cfg.split_for(layers)
+        return cfg
+
+
+@dataclass(frozen=True)
 class ParallelArgs:
     nodes: int = 1
     gpus_per_node: int = 1
@@ -233,10 +277,17 @@ class ParallelArgs:
     timeout: float = 600.0
     attention_backend: BackendChoice = BackendChoice.auto
     ditango: DiTangoArgs = DiTangoArgs()
+    hybrid: HybridArgs = HybridArgs()
 
     def layout(self, heads: int) -> ParallelLayout:
         world = self.nodes * self.gpus_per_node
-        strategy = self.parallel.value if self.parallel else ("ring" if world > 1 else "none")
+        cfg_degree = 2 if self.hybrid.cfg_parallel else 1
+        if cfg_degree == 2 and world % 2:
+            raise ConfigError(f"--cfg-parallel needs an even number of ranks, got {world}")
+        cp = world // cfg_degree
+        strategy = self.parallel.value if self.parallel else ("ring" if cp > 1 else "none")
+        if self.hybrid.hybrid and strategy == "ditango":
+            raise ConfigError("--hybrid does not combine with --parallel ditango; use ring, ulysses or usp")
         if strategy != "ditango" and self.ditango.given():
             raise ConfigError(f"{', '.join(self.ditango.given())} only apply to --parallel ditango")
         if self.ditango.reference not in (None, "exact"):
@@ -245,7 +296,7 @@ class ParallelArgs:
         if group is not None and group != "node" and not group.isdigit():
             raise ConfigError(f"--group-size must be a number of ranks or 'node', got {group!r}")
         group_size = None if group is None else (self.gpus_per_node if group == "node" else int(group))
-        layout = ParallelLayout(self.nodes, self.gpus_per_node, 1, strategy, self.ulysses_degree, group_size)
+        layout = ParallelLayout(self.nodes, self.gpus_per_node, cfg_degree, strategy, self.ulysses_degree, group_size)
         layout = layout.with_default_ulysses(heads)
         layout.check_model(heads)
         return layout
@@ -296,8 +347,22 @@ def build_run_config(
             )
     if parallel.timeout <= 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {parallel.timeout:g}")
+    ditango = parallel.ditango.options() if layout.strategy == "ditango" else None
+    if ditango is not None and ditango.cache_limit_bytes is not None:  # fail now, not inside the ranks
+        spec = resolved.spec
+        dtype = ditango.torch_cache_dtype
+        for item in items:
+            tokens = max(chunk_sizes(item.tokens(), layout.cp_degree))
+            per_unit = unit_bytes(1, tokens, spec.heads, spec.head_dim, dtype)
+            branches = 1 if layout.cfg_degree == 2 or item.guidance <= 1 else 2
+            compose_factor(layout.groups - 1, branches, spec.layers, per_unit, ditango.cache_limit_bytes)
+    if placement.device.type == "cuda" and layout.world_size > torch.cuda.device_count():
+        raise ConfigError(
+            f"{layout.world_size} ranks need {layout.world_size} GPUs on this machine, found "
+            f"{torch.cuda.device_count()} (NCCL needs one GPU per rank); use fewer ranks or --device cpu"
+        )
     if layout.strategy != "none":
-        resolve_backend(parallel.attention_backend.value, placement.device)
+        resolve_backend(parallel.attention_backend.value, placement.device, placement.dtype)
     check_writable(out, create=create_out)
     cfg = RunConfig(
         model=model,
@@ -313,8 +378,9 @@ def build_run_config(
         layout=layout,
         attention_backend=parallel.attention_backend.value,
         timeout_s=parallel.timeout,
-        ditango=parallel.ditango.options() if layout.strategy == "ditango" else None,
+        ditango=ditango,
         reference=parallel.ditango.reference,
+        hybrid=parallel.hybrid.config(resolved.spec.layers),
     )
     return cfg, resolved
 
@@ -354,6 +420,14 @@ def generate(
     cache_dtype: CacheDtypeOpt = None,
     cache_memory_limit: CacheLimitOpt = None,
     reference: ReferenceOpt = None,
+    cfg_parallel: CfgParallelOpt = False,
+    hybrid: HybridOpt = False,
+    hybrid_k: HybridKOpt = None,
+    hybrid_window: HybridWindowOpt = None,
+    hybrid_slope: HybridSlopeOpt = None,
+    hybrid_tau_cap: HybridCapOpt = None,
+    hybrid_split: HybridSplitOpt = None,
+    hybrid_first_text: HybridTextOpt = "cond",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
     as_json: JsonOpt = False,
 ) -> int:
@@ -372,6 +446,8 @@ def generate(
             nodes, gpus_per_node, parallel, ulysses_degree, timeout, attention_backend,
             DiTangoArgs(cache_ratio, warmup, cooldown, group_size, tau_max, anchor_interval, alpha, cache_dtype,
                         cache_memory_limit, reference),
+            HybridArgs(cfg_parallel, hybrid, hybrid_k, hybrid_window, hybrid_slope, hybrid_tau_cap, hybrid_split,
+                       hybrid_first_text),
         ),
         create_out=True,
     )  # fmt: skip
@@ -432,6 +508,14 @@ def check(
     cache_dtype: CacheDtypeOpt = None,
     cache_memory_limit: CacheLimitOpt = None,
     reference: ReferenceOpt = None,
+    cfg_parallel: CfgParallelOpt = False,
+    hybrid: HybridOpt = False,
+    hybrid_k: HybridKOpt = None,
+    hybrid_window: HybridWindowOpt = None,
+    hybrid_slope: HybridSlopeOpt = None,
+    hybrid_tau_cap: HybridCapOpt = None,
+    hybrid_split: HybridSplitOpt = None,
+    hybrid_first_text: HybridTextOpt = "cond",
     as_json: JsonOpt = False,
 ) -> int:
     """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
@@ -443,6 +527,8 @@ def check(
             nodes, gpus_per_node, parallel, ulysses_degree, timeout, attention_backend,
             DiTangoArgs(cache_ratio, warmup, cooldown, group_size, tau_max, anchor_interval, alpha, cache_dtype,
                         cache_memory_limit, reference),
+            HybridArgs(cfg_parallel, hybrid, hybrid_k, hybrid_window, hybrid_slope, hybrid_tau_cap, hybrid_split,
+                       hybrid_first_text),
         ),
     )  # fmt: skip
     from runtime.run import plan_resume
@@ -460,7 +546,7 @@ def check(
         "layout": cfg.layout.to_json(),
         "attention_backend": "diffusers"
         if cfg.layout.strategy == "none"
-        else resolve_backend(cfg.attention_backend, placement.device),
+        else resolve_backend(cfg.attention_backend, placement.device, placement.dtype),
         "skipped": sorted(skipped),
         "items": [
             {

@@ -25,6 +25,12 @@ def slot_bytes(B: int, S: int, H: int, D: int, dtype: torch.dtype) -> int:
     return B * S * H * (D * torch.empty((), dtype=dtype).element_size() + 4)
 
 
+def unit_bytes(B: int, S: int, H: int, D: int, dtype: torch.dtype) -> int:
+    """Per cached unit: its state slot plus the compressed local reference [B, S, H] float32
+    kept for the drift estimate."""
+    return slot_bytes(B, S, H, D, dtype) + B * S * H * 4
+
+
 def compose_factor(groups: int, branches: int, layers: int, slot: int, limit_bytes: int | None) -> int:
     """k adjacent remote groups per cached unit, the smallest that fits `limit_bytes`.
 
@@ -37,7 +43,7 @@ def compose_factor(groups: int, branches: int, layers: int, slot: int, limit_byt
     units = limit_bytes // per_unit
     if units < 1:
         raise ConfigError(
-            f"--cache-memory-limit {limit_bytes} bytes cannot hold one cached state per branch and layer "
+            f"--cache-memory-limit {limit_bytes} bytes cannot hold one cached unit per branch and layer "
             f"({per_unit} bytes for this item); raise it to at least {per_unit} or use --cache-dtype bfloat16"
         )
     return math.ceil(groups / min(units, groups))

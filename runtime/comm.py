@@ -66,6 +66,18 @@ class Comm:
         self._count(src, buffer.numel() * buffer.element_size(), purpose)
         return PendingRecv(works, buffer)
 
+    def one_way(
+        self, tensor: torch.Tensor | None, src: int, dst: int, shape, dtype, device, group, purpose: str
+    ) -> torch.Tensor | None:
+        """Blocking point-to-point: `src` sends `tensor`, `dst` returns what it received."""
+        if self.mesh.rank == src:
+            dist.send(tensor.contiguous(), dst, group=group)
+            return None
+        buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
+        dist.recv(buffer, src, group=group)
+        self._count(src, buffer.numel() * buffer.element_size(), purpose)
+        return buffer
+
     def all_to_all(
         self,
         send_NX: torch.Tensor,

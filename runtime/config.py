@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from planner.hybrid import HybridConfig
 from runtime.errors import ConfigError
 from runtime.mesh import ParallelLayout
 from runtime.strategies.ditango import DiTangoOptions
@@ -98,10 +99,19 @@ class RunConfig:
     timeout_s: float = 600.0  # process-group timeout: a stuck collective fails after this long
     ditango: DiTangoOptions | None = None  # --parallel ditango settings
     reference: str | None = None  # "exact": also run the exact ring path and record quality
+    hybrid: HybridConfig | None = None  # --hybrid (needs cfg degree 2)
 
     def __post_init__(self) -> None:
         if not self.items:
             raise ConfigError("nothing to generate: no items")
+        if self.layout.cfg_degree == 2:
+            for item in self.items:
+                if item.guidance <= 1.0:
+                    raise ConfigError(
+                        f"{item.source}: --cfg-parallel needs guidance > 1 (two CFG branches), got {item.guidance:g}"
+                    )
+        if self.hybrid is not None and self.layout.cfg_degree != 2:
+            raise ConfigError("--hybrid needs --cfg-parallel")
         seen: dict[str, str] = {}
         for item in self.items:
             if item.id in seen:

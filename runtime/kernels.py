@@ -33,14 +33,18 @@ def flash_attn_available() -> bool:
     return True
 
 
-def resolve_backend(name: str, device: torch.device) -> Backend:
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Backend:
+    """`dtype`: the transformer's compute dtype (flash-attn has fp16/bf16 kernels only)."""
     if name not in BACKENDS:
         raise ConfigError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        return "flash" if device.type == "cuda" and flash_attn_available() else "torch"
+        return "flash" if device.type == "cuda" and half and flash_attn_available() else "torch"
     if name == "flash":
         if device.type != "cuda":
             raise ConfigError("--attention-backend flash needs CUDA; use torch (or auto) on CPU")
+        if not half:
+            raise ConfigError("--attention-backend flash needs --dtype bfloat16 or float16; use torch for float32")
         if not flash_attn_available():
             raise ConfigError("--attention-backend flash: flash-attn is not installed (pip install 'ditango[flash]')")
     return name  # type: ignore[return-value]

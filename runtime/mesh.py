@@ -139,11 +139,13 @@ class Mesh:
     ulysses_ranks: tuple[int, ...]
     ring_ranks: tuple[int, ...]
     group_ranks: tuple[int, ...]  # DiTango group (adjacent cp ranks); (rank,) for other strategies
+    cfg_ranks: tuple[int, ...]  # the ranks holding this cp index in each cfg group (CFG partners)
     world_group: object = None
     cp_group: object = None
     ulysses_group: object = None
     ring_group: object = None
     group_group: object = None
+    cfg_group: object = None
     groups: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -153,6 +155,11 @@ class Mesh:
     @property
     def cp_index(self) -> int:
         return self.cp_ranks.index(self.rank)
+
+    @property
+    def cfg_index(self) -> int:
+        """0: the unconditional branch's rank group, 1: the conditional one (cfg degree 2)."""
+        return self.rank // self.layout.cp_degree
 
     def same_node(self, a: int, b: int) -> bool:
         return self.node_of[a] == self.node_of[b]
@@ -173,7 +180,8 @@ def rank_groups(layout: ParallelLayout) -> dict[str, list[tuple[int, ...]]]:
             ulysses_groups.append(tuple(base + r * u + i for i in range(u)))
         for i in range(u):
             ring_groups.append(tuple(base + r * u + i for r in range(layout.ring)))
-    return {"cp": cp_groups, "ulysses": ulysses_groups, "ring": ring_groups, "group": ditango_groups}
+    cfg_groups = [tuple(c + i * cp for i in range(layout.cfg_degree)) for c in range(cp)]
+    return {"cp": cp_groups, "ulysses": ulysses_groups, "ring": ring_groups, "group": ditango_groups, "cfg": cfg_groups}
 
 
 def virtual_node_map(layout: ParallelLayout) -> tuple[int, ...]:
@@ -188,7 +196,7 @@ def build_mesh(layout: ParallelLayout, rank: int, node_of: tuple[int, ...], time
     handles: dict[str, object] = {}
     distributed = dist.is_available() and dist.is_initialized()
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-    for kind in ("cp", "ulysses", "ring", "group"):
+    for kind in ("cp", "ulysses", "ring", "group", "cfg"):
         for ranks in groups[kind]:
             handle = dist.new_group(list(ranks), timeout=timeout) if distributed and len(ranks) > 1 else None
             if rank in ranks:
@@ -201,9 +209,11 @@ def build_mesh(layout: ParallelLayout, rank: int, node_of: tuple[int, ...], time
         ulysses_ranks=mine["ulysses"],
         ring_ranks=mine["ring"],
         group_ranks=mine["group"],
+        cfg_ranks=mine["cfg"],
         world_group=dist.group.WORLD if distributed else None,
         cp_group=handles["cp"],
         ulysses_group=handles["ulysses"],
         ring_group=handles["ring"],
         group_group=handles["group"],
+        cfg_group=handles["cfg"],
     )

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from diffusers import WanPipeline
 
+from runtime.cfg import CfgParallel, SequentialCfg
 from runtime.models.loading import Placement
 
 
@@ -79,6 +80,12 @@ class WanDenoiser:
         self.pipe.set_progress_bar_config(disable=True)
         # Told where the loop is (run, step, CFG branch): strategies that plan per step use it.
         self.listener: DenoiseListener | None = None
+        # How the CFG branches run (runtime/cfg.py); default: both here, cond then uncond.
+        self.guidance: SequentialCfg | CfgParallel = SequentialCfg()
+
+    def begin_branch(self, branch: int) -> None:
+        if self.listener is not None:
+            self.listener.begin_branch(branch)
 
     @property
     def device(self) -> torch.device:
@@ -139,18 +146,13 @@ class WanDenoiser:
         latents = latents_BCFHW
         listener = self.listener
         if listener is not None:
-            listener.begin_run(latents, steps, 1 if text.uncond_BLE is None else 2)
+            listener.begin_run(latents, steps, self.guidance.local_branches(text))
+        self.guidance.begin_run(steps)
         for i, t in enumerate(scheduler.timesteps):
             start = time.perf_counter()
             if listener is not None:
                 listener.begin_step(i)
-                listener.begin_branch(0)
-            noise = self.predict(latents, t, text.cond_BLE)
-            if text.uncond_BLE is not None:
-                if listener is not None:
-                    listener.begin_branch(1)
-                noise_uncond = self.predict(latents, t, text.uncond_BLE)
-                noise = noise_uncond + guidance * (noise - noise_uncond)
+            noise = self.guidance.noise(self, i, t, latents, text, guidance)
             latents = scheduler.step(noise, t, latents, return_dict=False)[0]
             if listener is not None:
                 listener.end_step(i)

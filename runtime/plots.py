@@ -30,3 +30,35 @@ def write_heatmap(path: Path, values_SL: np.ndarray, cell: int = 12) -> None:
     tmp = path.with_name(path.name + ".partial.png")
     imageio.imwrite(tmp, img)
     tmp.replace(path)
+
+
+def write_rel_mae_plot(
+    path: Path, rel_mae: list[float | None], stages: list[str], cell: int = 14, height: int = 120
+) -> None:
+    """Hybridiff's monitor M over steps (white dots joined by a line; gaps where no value),
+    pipeline steps shaded light blue, the fill step darker; y from 0 to max M."""
+    steps = len(stages)
+    width = max(1, steps) * cell
+    img = np.full((height, width, 3), 24, dtype=np.uint8)
+    shade = {"pipeline": (70, 110, 160), "pipeline-fill": (40, 70, 120)}
+    for i, stage in enumerate(stages):
+        if stage in shade:
+            img[:, i * cell : (i + 1) * cell] = shade[stage]
+    values = [m for m in rel_mae if m is not None]
+    top = max(values) if values and max(values) > 0 else 1.0
+    points = [
+        (i * cell + cell // 2, int(round((height - 6) - (m / top) * (height - 12))))
+        for i, m in enumerate(rel_mae)
+        if m is not None
+    ]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        n = max(abs(x1 - x0), abs(y1 - y0), 1)
+        for j in range(n + 1):
+            x = x0 + (x1 - x0) * j // n
+            y = y0 + (y1 - y0) * j // n
+            img[max(0, y - 0) : y + 1, x : x + 1] = (200, 200, 200)
+    for x, y in points:
+        img[max(0, y - 2) : y + 3, max(0, x - 2) : x + 3] = (255, 255, 255)
+    tmp = path.with_name(path.name + ".partial.png")
+    imageio.imwrite(tmp, img)
+    tmp.replace(path)

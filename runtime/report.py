@@ -72,6 +72,7 @@ def item_record(
     comm: dict | None = None,
     attention: dict | None = None,
     quality: dict | None = None,
+    hybrid: dict | None = None,
     error: str | None = None,
 ) -> dict:
     """The per-item record: the sidecar's body and one entry of report.json's `items`."""
@@ -97,6 +98,7 @@ def item_record(
         # Exact strategies compute every attention partition fresh; DiTango reports its plan.
         "attention": attention or {"computed_fraction": 1.0},
         "quality": quality,  # with --reference exact: psnr, ssim, latent_rel_err vs the exact run
+        "hybrid": hybrid,  # with --hybrid: tau1, tau2, rel_mae and stage per step, block evals, bytes per stage
         "error": error,
     }
 

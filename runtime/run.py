@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from runtime.cfg import CfgParallel, Hybrid
 from runtime.comm import Comm
 from runtime.config import Item, RunConfig
 from runtime.errors import ConfigError
@@ -27,9 +28,9 @@ from runtime.mesh import Mesh, build_mesh
 from runtime.models.loading import load_components, resolve_placement
 from runtime.models.registry import resolve_model
 from runtime.pipeline import WanDenoiser, synchronize
-from runtime.plots import write_heatmap
+from runtime.plots import write_heatmap, write_rel_mae_plot
 from runtime.quality import quality_record
-from runtime.report import ItemTiming, item_record, peak_memory, read_sidecar, run_report
+from runtime.report import SCHEMA, ItemTiming, item_record, peak_memory, read_sidecar, run_report
 from runtime.strategies import parallelize_wan
 from runtime.video import write_json, write_latents, write_mp4
 
@@ -190,6 +191,13 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
     timing.step_s = result.step_s
     comm = sum_comm(ctx.gather(ctx.comm.totals()))
     attention = attention_record(denoiser, ctx)
+    hybrid = denoiser.guidance.record()
+    if hybrid is not None:
+        hybrid["block_evals"] = ctx.gather(hybrid["block_evals"])  # [rank][step]
+        stage_bytes = ctx.gather(hybrid.pop("bytes_per_stage"))
+        hybrid["bytes_per_stage"] = {
+            s: sum(r.get(s, 0) for r in stage_bytes) for s in sorted(set().union(*stage_bytes))
+        }
     reference = None
     if cfg.reference == "exact":
         start = time.perf_counter()
@@ -216,13 +224,20 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
         latents_name = paths["latents"].name
     timing.write_s = time.perf_counter() - start
 
+    if hybrid is not None:
+        rel_mae_png = cfg.out_dir / f"{item.id}.rel_mae.png"
+        write_rel_mae_plot(rel_mae_png, hybrid["rel_mae"], hybrid["stages"])
+        hybrid["rel_mae_png"] = rel_mae_png.name
     if attention is not None:
+        plan_file = cfg.out_dir / f"{item.id}.plan.json"  # the full (step, layer, unit) decisions
+        write_json(plan_file, {"schema": SCHEMA, **attention.pop("plan_log")})
+        attention["plan_file"] = plan_file.name
         plan_png = cfg.out_dir / f"{item.id}.plan.png"
         write_heatmap(plan_png, np.asarray(attention["plan"]["compute_map"], dtype=np.float64).reshape(item.steps, -1))
         attention["plan_png"] = plan_png.name
     record = item_record(
         item, model=cfg.model, status="done", video=paths["video"].name, latents=latents_name, timing=timing,
-        comm=comm, attention=attention, quality=quality,
+        comm=comm, attention=attention, quality=quality, hybrid=hybrid,
     )  # fmt: skip
     write_json(paths["sidecar"], record)  # last: its presence marks the item complete
     return record
@@ -251,7 +266,7 @@ def execute(
     if cfg.layout.strategy == "none":
         backend = "diffusers"  # diffusers' own attention processor, untouched
     else:
-        backend = resolve_backend(cfg.attention_backend, placement.device)
+        backend = resolve_backend(cfg.attention_backend, placement.device, placement.dtype)
 
     skipped = plan_resume(cfg) if skipped is None else skipped
     records: dict[str, dict] = dict(skipped)
@@ -277,6 +292,10 @@ def execute(
         denoiser = WanDenoiser(load_components(resolved, placement), placement, cfg.max_text_len)
         if cfg.layout.strategy != "none":
             denoiser.listener = parallelize_wan(denoiser.transformer, ctx.mesh, ctx.comm, backend, cfg.ditango)
+        if cfg.hybrid is not None:
+            denoiser.guidance = Hybrid(ctx.mesh, ctx.comm, cfg.hybrid, denoiser.transformer)
+        elif cfg.layout.cfg_degree == 2:
+            denoiser.guidance = CfgParallel(ctx.mesh, ctx.comm)
         for item in todo:
             observer.item_started(item)
             try:

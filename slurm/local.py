@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +26,7 @@ import torch.multiprocessing as mp
 
 POLL_S = 0.1
 GRACE_S = 5.0
+EXIT_WAIT_S = 30.0  # after every result is in, how long ranks may take to exit
 
 
 class RankFailed(RuntimeError):
@@ -52,7 +55,18 @@ def _redirect_output(log: Path) -> None:
     os.close(fd)
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this rank if the supervisor dies (no orphans holding GPUs or ports)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _bootstrap(rank, world, init_method, backend, timeout_s, threads, log_dir, q, target, args):
+    _die_with_parent()
     try:
         if log_dir is not None:
             _redirect_output(Path(log_dir) / f"rank-{rank}.log")
@@ -100,6 +114,11 @@ def run_ranks(
         ]
         for p in procs:
             p.start()
+        # SIGTERM to the supervisor (e.g. scancel, kill) must still stop the ranks: turn it into
+        # an exception so the `finally` below runs.
+        previous = signal.getsignal(signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             while len(results) < world_size:
                 try:
@@ -116,11 +135,18 @@ def run_ranks(
                     results[rank] = rest[0]
                 else:
                     raise RankFailed(rank, rest[0], _log(log_dir, rank))
-            for p in procs:
-                p.join()
+            deadline = time.monotonic() + EXIT_WAIT_S
+            for p in procs:  # ranks only tear down now; one stuck there is stopped by `_stop`
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         finally:
             _stop(procs)
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous)
     return [results[r] for r in range(world_size)]
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _log(log_dir: Path | None, rank: int) -> Path | None:

@@ -305,3 +305,29 @@ def test_parse_bytes():
 
     assert parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("500MB") == 500 * 10**6 and parse_bytes("1024") == 1024
     assert parse_bytes("1.5 kib") == 1536
+
+
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        (["--gpus", "3", "--cfg-parallel"], ["--cfg-parallel needs an even number of ranks, got 3"]),
+        (["--cfg-parallel"], ["--cfg-parallel needs an even number of ranks, got 1"]),
+        (["--gpus", "2", "--cfg-parallel", "--guidance", "1.0"], ["--cfg-parallel needs guidance > 1"]),
+        (["--gpus", "2", "--hybrid"], ["--hybrid needs --cfg-parallel"]),
+        (["--gpus", "2", "--hybrid-k", "3"], ["--hybrid-k only apply with --hybrid"]),
+        (["--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-k", "-1"], ["--hybrid-k must be >= 0"]),
+        (["--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-split", "4"], ["--hybrid-split must be in [1, 3]"]),
+        (["--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-first-text", "x"], ["cond or uncond"]),
+        (["--gpus", "4", "--cfg-parallel", "--hybrid", "--parallel", "ditango"], ["does not combine"]),
+    ],
+)
+def test_illegal_cfg_and_hybrid_options(runner, out, extra, needles):
+    run_error(runner, gen(out, *extra), *needles)
+
+
+def test_cache_limit_too_small_is_caught_before_launch(runner, out):
+    run_error(
+        runner,
+        [*gen(out, "--gpus", "4", "--parallel", "ditango", "--group-size", "1", "--cache-memory-limit", "1KB")],
+        "cannot hold one cached unit per branch and layer",
+    )

@@ -68,8 +68,12 @@ def test_exact_attention_and_byte_counts(world, nodes):
                 h = H // world
                 qkv_in = sum(3 * B * n * h * D * 4 for j, n in enumerate(sizes) if j != rank)
                 assert got == qkv_in + (world - 1) * B * sizes[rank] * h * D * 4
-            else:  # usp 2x2: Ulysses inside a node, ring across the two nodes
-                assert t["intra_node_bytes"] > 0 and t["inter_node_bytes"] > 0
+            else:  # usp 2x2: Ulysses inside a node (pairs 0-1, 2-3), ring across nodes (0-2, 1-3)
+                h, mate = H // 2, rank ^ 1
+                span_other = sum(sizes[2:]) if rank < 2 else sum(sizes[:2])
+                uly = 3 * B * sizes[mate] * h * D * 4 + B * sizes[rank] * h * D * 4  # qkv in, output back
+                ring = 2 * B * span_other * h * D * 4  # K and V of the other ring member's span
+                assert (t["intra_node_bytes"], t["inter_node_bytes"]) == (uly, ring)
         inter = [t["inter_node_bytes"] for t in totals]
         if nodes == 1:
             assert sum(inter) == 0

@@ -108,12 +108,12 @@ def test_failing_rank_ends_the_run_with_its_error(runner, tmp_path, monkeypatch)
     monkeypatch.setenv("DITANGO_FAULT_INJECT", "1:2")
     out = tmp_path / "out"
     start = time.monotonic()
-    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--timeout", "30", *FAST]
+    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--timeout", "300", *FAST]
     result = runner.invoke(app, args)
     elapsed = time.monotonic() - start
     assert result.exit_code == 1
     line = result.stderr.strip().splitlines()[-1]
     assert "rank 1 failed" in line and "injected fault on rank 1 after step 2" in line, result.stderr
     assert "rank-1.log" in line
-    assert elapsed < 30 + 20  # ended by the supervisor, not by waiting out collectives
+    assert elapsed < 60  # ended by the supervisor, long before the 300 s group timeout
     assert not list(out.glob("*.mp4"))

@@ -41,9 +41,8 @@ from planner.ditango import (
     compressed_state,
     drift,
     importance_weights,
-    relative_drift,
 )
-from runtime.cache import StateCache, compose_factor, slot_bytes
+from runtime.cache import StateCache, compose_factor, unit_bytes
 from runtime.comm import Comm
 from runtime.errors import ConfigError
 from runtime.kernels import Backend, attention
@@ -107,22 +106,31 @@ class DiTangoRuntime:
     def unit_offsets(self, unit: int) -> range:
         return range(1 + unit * self.k, min(self.G, 1 + (unit + 1) * self.k))
 
-    def begin_run(self, local_tokens: int, batch: int, steps: int, branches: int) -> None:
-        slot = slot_bytes(batch, local_tokens, self.heads, self.head_dim, self.cache_dtype)
-        self.k = compose_factor(self.G - 1, branches, self.layers, slot, self.cache_limit_bytes)
+    def begin_run(self, max_tokens: int, batch: int, steps: int, branches: int, device=None) -> None:
+        """`max_tokens`: the LARGEST local chunk of any rank, so every rank picks the same
+        compose factor (and so the same units and plan) even when chunks are uneven."""
+        per_unit = unit_bytes(batch, max_tokens, self.heads, self.head_dim, self.cache_dtype)
+        self.k = compose_factor(self.G - 1, branches, self.layers, per_unit, self.cache_limit_bytes)
         self.branches = branches
         self.planner = DiTangoPlanner(self.planner_cfg, steps, self.layers, self.units)
         self.cache = StateCache(branches, self.layers, self.units, self.cache_dtype)
+        self._device = device or torch.device("cpu")
         U, L, N = self.units, self.layers, branches
-        self.weights_NLU = torch.zeros(N, L, U)
-        self.alpha_NLU = torch.ones(N, L, U)
+        # Planner statistics stay on the compute device; the host sees them once per step.
+        self.weights_NLU = torch.zeros(N, L, U, device=self._device)
+        self.alpha_NLU = torch.ones(N, L, U, device=self._device)
         self.c_anchor: dict[tuple[int, int], torch.Tensor] = {}
         self.c_ref: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.cache_peak_bytes = 0
         self._reset_step_stats()
 
+    def reference_bytes(self) -> int:
+        """Compressed local states kept for the drift estimate (per branch, layer, unit + anchors)."""
+        return sum(t.nbytes for t in self.c_ref.values()) + sum(t.nbytes for t in self.c_anchor.values())
+
     def _reset_step_stats(self) -> None:
-        self.ase_NLU = torch.zeros(self.branches, self.layers, self.units)
-        self.gate_NL = torch.zeros(self.branches, self.layers)
+        self.ase_NLU = torch.zeros(self.branches, self.layers, self.units, device=self._device)
+        self.gate_NL = torch.zeros(self.branches, self.layers, device=self._device)
 
     def begin_step(self, step: int) -> None:
         assert self.planner is not None, "begin_run first"
@@ -136,15 +144,21 @@ class DiTangoRuntime:
         plan = self.step_plan
         assert plan is not None
         if self.cache is not None:
-            self.cache_peak_bytes = max(self.cache_peak_bytes, self.cache.peak_bytes)
+            self.cache_peak_bytes = max(self.cache_peak_bytes, self.cache.peak_bytes + self.reference_bytes())
         if plan.kind != "selective":
             return
         # One vector for every rank (and branch): ASE [L, U] then the gate scalar.
         stats = torch.cat([self.ase_NLU.mean(0).flatten(), self.gate_NL.mean().reshape(1)])
-        if self.mesh.cp_group is not None:
-            stats = stats.to(self._device)
-            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.mesh.cp_group)
-            stats = stats.cpu() / len(self.mesh.cp_ranks)
+        # With CFG branches on different ranks the whole world averages, so both branches
+        # follow one plan (as the authors do); otherwise the cp group.
+        if self.mesh.layout.cfg_degree > 1:
+            group, size = self.mesh.world_group, self.mesh.world_size
+        else:
+            group, size = self.mesh.cp_group, len(self.mesh.cp_ranks)
+        if group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+            stats = stats / size
+        stats = stats.cpu()  # the one host sync of the step
         self.planner.observe(step, stats[:-1].reshape(self.layers, self.units), float(stats[-1]))
 
     # -- per layer -----------------------------------------------------------------------
@@ -169,7 +183,6 @@ class DiTangoRuntime:
                 ring_ranks=mesh.group_ranks, ring_group=mesh.group_group, kv_sizes=group_sizes(group),
             )  # fmt: skip
 
-        local = group_state(q_BSHD, k_BSHD, v_BSHD, g)
         if plan.kind == "selective":
             compute_U = plan.compute_LU[layer].tolist()
         else:
@@ -191,7 +204,8 @@ class DiTangoRuntime:
             )
 
         fresh: dict[int, AttentionState] = {}
-        pending = fetch(offsets[0]) if offsets else None
+        pending = fetch(offsets[0]) if offsets else None  # in flight while the own group computes
+        local = group_state(q_BSHD, k_BSHD, v_BSHD, g)
         for n, d in enumerate(offsets):
             block = pending.wait()
             pending = fetch(offsets[n + 1]) if n + 1 < len(offsets) else None  # prefetch
@@ -217,11 +231,11 @@ class DiTangoRuntime:
         n = self.branch
         c_now = compressed_state(local.out_BSHD)
         if kind == "anchor":
-            norms = torch.stack([s.lse_BSH.norm() for s in units] + [local.lse_BSH.norm()]).cpu()
+            norms = torch.stack([s.lse_BSH.norm() for s in units] + [local.lse_BSH.norm()])
             self.weights_NLU[n, layer] = importance_weights(norms)[:-1]
             if self.planner_cfg.use_alpha:
-                out_norms = torch.stack([s.out_BSHD.norm() for s in units]).cpu()
-                self.alpha_NLU[n, layer] = alpha_factors(out_norms, local.out_BSHD.norm().cpu())
+                out_norms = torch.stack([s.out_BSHD.norm() for s in units])
+                self.alpha_NLU[n, layer] = alpha_factors(out_norms, local.out_BSHD.norm())
             self.c_anchor[n, layer] = c_now
             for u in range(self.units):
                 self.c_ref[n, layer, u] = c_now
@@ -231,16 +245,18 @@ class DiTangoRuntime:
         for u in range(self.units):
             if compute_U[u]:
                 self.c_ref[n, layer, u] = c_now
-        drift_U = torch.stack([drift(c_now, self.c_ref[n, layer, u]) for u in range(self.units)]).cpu()
+        drift_U = torch.stack([drift(c_now, self.c_ref[n, layer, u]) for u in range(self.units)])
         alpha = self.alpha_NLU[n, layer] if self.planner_cfg.use_alpha else None
         self.ase_NLU[n, layer] = ase(self.weights_NLU[n, layer], drift_U, alpha)
-        self.gate_NL[n, layer] = relative_drift(c_now, self.c_anchor[n, layer])
+        anchor = self.c_anchor[n, layer]  # relative drift since the anchor (the gate), kept on device
+        self.gate_NL[n, layer] = (c_now - anchor).norm() / anchor.norm().clamp_min(torch.finfo(torch.float32).tiny)
 
     def item_report(self) -> dict:
         assert self.planner is not None
         log = self.planner.log()
         summary = log.summary()
         return {
+            "plan_log": log.to_json(),
             "computed_fraction": summary["computed_fraction"],
             "per_step": summary["per_step"],
             "plan": summary,

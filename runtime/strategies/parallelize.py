@@ -153,7 +153,7 @@ class Parallelized:
         _, _, F, H, W = latents_BCFHW.shape
         pt, ph, pw = self.patch
         sizes = chunk_sizes((F // pt) * (H // ph) * (W // pw), self.ctx.cp)
-        self.ctx.ditango.begin_run(sizes[self.ctx.mesh.cp_index], latents_BCFHW.shape[0], steps, branches)
+        self.ctx.ditango.begin_run(max(sizes), latents_BCFHW.shape[0], steps, branches, latents_BCFHW.device)
 
     def begin_step(self, step: int) -> None:
         if self.ctx.ditango is not None:

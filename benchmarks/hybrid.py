@@ -1,0 +1,83 @@
+"""1 process vs CFG-parallel vs Hybridiff on the built-in model.
+
+    .venv/bin/python benchmarks/hybrid.py [--steps 50] [--ks 3,5,10] [--out DIR]
+
+Rows: 1 process (both CFG branches in turn, as diffusers' WanPipeline runs them; it
+uses both cores), `--cfg-parallel` on 2 ranks (one core each), and `--hybrid` on 2
+ranks for each k (segment 1 on the conditional text), plus k = 5 with the authors'
+unconditional first segment. Columns: denoise wall time and its ratio to 1 process,
+transformer block evaluations per rank (from the report), and PSNR / latent relative
+error of the video against the 1-process output. At 50 steps the paper's SD3 defaults
+apply unscaled (window 15, slope 5e-4, tau_cap 40).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from runtime.quality import latent_rel_err, psnr
+from runtime.video import read_mp4
+
+
+def run(exe: Path, out: Path, steps: int, extra: list[str]) -> dict:
+    cmd = [
+        str(exe), "generate", "--prompt", "a red circle moving left on a black background", "--out", str(out),
+        "--steps", str(steps), "--device", "cpu", "--quiet", "--overwrite", "--save-latents", *extra,
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    return json.loads((out / "report.json").read_text())["items"][0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--ks", default="3,5,10")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    root = args.out or Path(tempfile.mkdtemp(prefix="ditango-hybrid-bench-"))
+    exe = Path(sys.executable).with_name("ditango")
+    configs = [("1 process", "one", []), ("cfg-parallel (2)", "cfg", ["--gpus", "2", "--cfg-parallel"])]
+    for k in [int(k) for k in args.ks.split(",")]:
+        configs.append(
+            (f"hybrid k={k} (2)", f"k{k}", ["--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-k", str(k)])
+        )
+    configs.append(
+        ("hybrid k=5, uncond segment 1 (2)", "k5u",
+         ["--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-k", "5", "--hybrid-first-text", "uncond"])
+    )  # fmt: skip
+    items = {name: (run(exe, root / tag, args.steps, extra), root / tag) for name, tag, extra in configs}
+    base, base_dir = items["1 process"]
+    base_video = read_mp4(base_dir / base["video"])
+    base_latents = load_file(base_dir / base["latents"])["latents"]
+    print(f"tiny-wan 128x128x17, {args.steps} steps, guidance 5.0, CPU (2 cores); outputs in {root}\n")
+    print(
+        "| run | denoise (s) | speedup vs 1 process | tau1..tau2 | block evals per rank | PSNR vs 1 process (dB) | latent rel err |"
+    )
+    print("|---|---:|---:|---|---|---:|---:|")
+    for name, (item, folder) in items.items():
+        t = item["timing"]["denoise_s"]
+        hybrid = item.get("hybrid") or {}
+        window = f"{hybrid['tau1']}..{hybrid['tau2']}" if hybrid else "-"
+        if hybrid:
+            evals = " / ".join(str(sum(r)) for r in hybrid["block_evals"])
+        else:
+            branches = 2 if name == "1 process" else 1
+            evals = str(item["steps"] * branches * 4)  # 4 blocks per branch per step
+        video = read_mp4(folder / item["video"])
+        latents = load_file(folder / item["latents"])["latents"]
+        p = psnr(video, base_video)
+        print(
+            f"| {name} | {t:.2f} | {base['timing']['denoise_s'] / t:.2f}x | {window} | {evals} "
+            f"| {'inf' if p == float('inf') else f'{p:.2f}'} | {latent_rel_err(latents, base_latents):.2e} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

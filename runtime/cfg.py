@@ -1,0 +1,235 @@
+"""Classifier-free guidance execution: both branches on one rank group (sequential),
+one branch per rank group (CFG-parallel), and Hybridiff's switch to a two-segment
+pipeline in the middle steps (ALGORITHMS.md section 3).
+
+Shape legend: B batch, C latent channels, F/H/W latent frames/height/width, S local
+tokens, X hidden width.
+
+Rank groups: cfg index 0 runs the unconditional branch, cfg index 1 the conditional
+one, both on the same x_t. Predictions are exchanged between CFG partners (same cp
+index), and the guidance combine and the scheduler step run identically on both, so
+no latent broadcast is needed.
+
+Hybridiff's pipeline stage cuts the transformer at block `split`: the cfg-0 group runs
+segment A (blocks [0, split)) on the current x_t and sends the boundary activations;
+the cfg-1 group runs segment B (blocks [split, L) and the output head) on the boundary
+activations of the PREVIOUS step (one step stale, AsyncDiff style) with the current
+timestep and the conditional text, and sends the prediction back. Only segment B's
+output is used: guidance is off in that window. The first pipeline step ("fill") runs
+the whole model on the cfg-1 group, which keeps its own boundary activations for the
+next step. Segment A's cross-attention uses `first_segment_text`: "cond" (default, the
+clean variant) or "uncond" (the authors' released code).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from planner.hybrid import HybridConfig, HybridSchedule
+from runtime.comm import Comm
+from runtime.mesh import Mesh
+
+
+class BlockCounter:
+    """Counts transformer block evaluations (forward pre-hooks), per step."""
+
+    def __init__(self, transformer) -> None:
+        self.count = 0
+        self.per_step: list[int] = []
+        self.handles = [b.register_forward_pre_hook(self._hook) for b in transformer.blocks]
+
+    def _hook(self, module, args) -> None:
+        self.count += 1
+
+    def end_step(self) -> None:
+        self.per_step.append(self.count)
+        self.count = 0
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class SequentialCfg:
+    """Both branches on this rank: cond then uncond, exactly as diffusers' WanPipeline."""
+
+    def local_branches(self, text) -> int:
+        return 1 if text.uncond_BLE is None else 2
+
+    def begin_run(self, steps: int) -> None: ...
+
+    def noise(self, den, step: int, t, latents, text, guidance: float) -> torch.Tensor:
+        den.begin_branch(0)
+        noise = den.predict(latents, t, text.cond_BLE)
+        if text.uncond_BLE is not None:
+            den.begin_branch(1)
+            noise_uncond = den.predict(latents, t, text.uncond_BLE)
+            noise = noise_uncond + guidance * (noise - noise_uncond)
+        return noise
+
+    def record(self) -> dict | None:
+        return None
+
+
+class CfgParallel:
+    """One branch per cfg rank group; predictions exchanged with the CFG partner."""
+
+    def __init__(self, mesh: Mesh, comm: Comm) -> None:
+        assert mesh.layout.cfg_degree == 2
+        self.mesh, self.comm = mesh, comm
+        self.partner = next(r for r in mesh.cfg_ranks if r != mesh.rank)
+        self.uncond_side = mesh.cfg_index == 0
+
+    def local_branches(self, text) -> int:
+        return 1
+
+    def begin_run(self, steps: int) -> None: ...
+
+    def predictions(self, den, t, latents, text, purpose: str = "cfg") -> tuple[torch.Tensor, torch.Tensor]:
+        """(eps_uncond, eps_cond) on both partners."""
+        assert text.uncond_BLE is not None, "CFG-parallel needs guidance > 1"
+        den.begin_branch(0)
+        mine = den.predict(latents, t, text.uncond_BLE if self.uncond_side else text.cond_BLE)
+        other = self.exchange(mine, mine.shape, purpose)
+        return (mine, other) if self.uncond_side else (other, mine)
+
+    def exchange(self, send: torch.Tensor, recv_shape, purpose: str) -> torch.Tensor:
+        return self.comm.exchange(
+            send, dst=self.partner, src=self.partner, recv_shape=recv_shape, group=self.mesh.cfg_group,
+            purpose=purpose,
+        ).wait()  # fmt: skip
+
+    def noise(self, den, step: int, t, latents, text, guidance: float) -> torch.Tensor:
+        eps_u, eps_c = self.predictions(den, t, latents, text)
+        return eps_u + guidance * (eps_c - eps_u)
+
+    def record(self) -> dict | None:
+        return None
+
+
+class _Boundary(Exception):
+    """Raised by a hook to end segment A's forward at the cut (nothing after it runs)."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+
+
+class Hybrid(CfgParallel):
+    """Hybridiff: CFG-parallel, a k-step two-segment pipeline after tau1, CFG-parallel again."""
+
+    def __init__(self, mesh: Mesh, comm: Comm, cfg: HybridConfig, transformer) -> None:
+        super().__init__(mesh, comm)
+        self.cfg = cfg
+        self.transformer = transformer
+        self.split = cfg.split_for(len(transformer.blocks))
+        self.counter = BlockCounter(transformer)
+        self.schedule: HybridSchedule | None = None
+        self.boundary: torch.Tensor | None = None  # cfg-1 side: segment A's output of the previous step
+        self.stage_bytes: dict[str, int] = defaultdict(int)
+
+    def begin_run(self, steps: int) -> None:
+        self.schedule = HybridSchedule(self.cfg, steps)
+        self.boundary = None
+        self.counter.per_step.clear()
+        self.counter.count = 0
+        self.stage_bytes = defaultdict(int)
+
+    def _bytes(self) -> int:
+        totals = self.comm.totals()
+        return totals["intra_node_bytes"] + totals["inter_node_bytes"]
+
+    def noise(self, den, step: int, t, latents, text, guidance: float) -> torch.Tensor:
+        assert self.schedule is not None, "begin_run first"
+        stage = self.schedule.begin(step)
+        before = self._bytes()
+        if stage == "cfg-parallel":
+            eps_u, eps_c = self.predictions(den, t, latents, text)
+            m = (eps_c.double() - eps_u.double()).abs().mean() / eps_u.double().abs().mean()
+            self.schedule.observe(step, float(m))
+            out = eps_u + guidance * (eps_c - eps_u)
+        else:
+            out = self._pipeline_step(den, stage, t, latents, text)
+            self.schedule.observe(step, None)
+        self.stage_bytes[stage] += self._bytes() - before
+        self.counter.end_step()
+        return out
+
+    # -- segments ------------------------------------------------------------------------
+    def _first_text(self, text) -> torch.Tensor:
+        return text.cond_BLE if self.cfg.first_segment_text == "cond" else text.uncond_BLE
+
+    def _projected_cond(self, t, text, latents) -> torch.Tensor:
+        """Segment B's cross-attention input: the conditional text through the condition embedder."""
+        tr = self.transformer
+        timestep = t.expand(latents.shape[0])
+        return tr.condition_embedder(timestep, text.cond_BLE, None)[2]
+
+    def _pipeline_step(self, den, stage: str, t, latents, text) -> torch.Tensor:
+        tr = self.transformer
+        blocks = tr.blocks
+        cut = blocks[self.split]
+        den.begin_branch(0)
+        if self.uncond_side:  # segment A on the current latents
+            boundary = None
+            if stage == "pipeline":
+
+                def stop(module, args, output):
+                    raise _Boundary(output)
+
+                handle = blocks[self.split - 1].register_forward_hook(stop)
+                try:
+                    den.predict(latents, t, self._first_text(text))
+                    raise AssertionError("segment A did not reach the cut")
+                except _Boundary as b:
+                    boundary = b.hidden
+                finally:
+                    handle.remove()
+                return self.exchange(boundary, latents.shape, "pipeline")  # boundary out, prediction in
+            # fill: the partner runs the whole model; we only receive its prediction
+            return self.comm.one_way(
+                None, self.partner, self.mesh.rank, latents.shape, latents.dtype, latents.device,
+                self.mesh.cfg_group, "pipeline",
+            )  # fmt: skip
+
+        # cfg-1 side: segment B
+        captured = {}
+
+        def keep_boundary(module, args):
+            captured["h"] = args[0]
+
+        def inject(module, args):
+            hidden = self.boundary if stage == "pipeline" else args[0]
+            return (hidden, cond_proj, *args[2:])
+
+        cond_proj = self._projected_cond(t, text, latents)
+        if stage == "pipeline-fill":
+            handles = [cut.register_forward_pre_hook(keep_boundary), cut.register_forward_pre_hook(inject)]
+            try:
+                eps = den.predict(latents, t, self._first_text(text))
+            finally:
+                for h in handles:
+                    h.remove()
+            self.boundary = captured["h"]
+            self.comm.one_way(eps, self.mesh.rank, self.partner, None, None, None, self.mesh.cfg_group, "pipeline")
+            return eps
+        assert self.boundary is not None, "pipeline step without a filled boundary"
+        handle = cut.register_forward_pre_hook(inject)
+        tr.blocks = torch.nn.ModuleList(list(blocks)[self.split :])
+        try:
+            eps = den.predict(latents, t, text.cond_BLE)
+        finally:
+            tr.blocks = blocks
+            handle.remove()
+        self.boundary = self.exchange(eps, self.boundary.shape, "pipeline")
+        return eps
+
+    def record(self) -> dict:
+        assert self.schedule is not None
+        return {
+            **self.schedule.to_json(),
+            "split": self.split,
+            "block_evals": list(self.counter.per_step),
+            "bytes_per_stage": dict(self.stage_bytes),
+        }

@@ -1,0 +1,151 @@
+"""CFG-parallel and Hybridiff across processes (gloo): parity with the 1-process CFG
+latents, alone and composed with ring/Ulysses/DiTango; k = 0 equals CFG-parallel; the
+pipeline window's block-evaluation accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner.ditango import PlannerConfig
+from planner.hybrid import HybridConfig
+from runtime.cfg import CfgParallel, Hybrid
+from runtime.comm import Comm
+from runtime.mesh import ParallelLayout, build_mesh, virtual_node_map
+from runtime.models.loading import resolve_placement
+from runtime.models.tiny import build_tiny_wan
+from runtime.pipeline import WanDenoiser
+from runtime.strategies import parallelize_wan
+from runtime.strategies.ditango import DiTangoOptions
+from slurm.local import run_ranks
+from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
+
+LATENT_ATOL = 1e-4
+TIMEOUT_S = 90
+STEPS = 8
+
+
+def generate(denoiser: WanDenoiser) -> torch.Tensor:
+    text = denoiser.encode_text("a yellow circle moving down", "blurry", 4.0)
+    x = denoiser.initial_latents(5, 48, 80, 5)
+    return denoiser.denoise(x, text, STEPS, 4.0).latents_BCFHW
+
+
+def _target(rank, world, events, runs):
+    denoiser = WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN)
+    out = {}
+    for name, strategy, hybrid, ditango in runs:
+        group = 1 if strategy == "ditango" else None  # 2 cp ranks, 2 groups: one remote unit to plan
+        layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, cfg_degree=2, strategy=strategy, group_size=group)
+        mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
+        comm = Comm(mesh)
+        handle = parallelize_wan(denoiser.transformer, mesh, comm, "torch", ditango) if strategy != "none" else None
+        denoiser.listener = handle
+        runner = Hybrid(mesh, comm, hybrid, denoiser.transformer) if hybrid else CfgParallel(mesh, comm)
+        denoiser.guidance = runner
+        latents = generate(denoiser)
+        record = runner.record()
+        if hybrid:
+            runner.counter.remove()
+        plan = None
+        if handle and handle.ctx.ditango:
+            report = handle.ctx.ditango.item_report()
+            plan = (report["plan_hash"], report["computed_fraction"])
+        if handle:
+            handle.remove(denoiser.transformer)
+        out[name] = (latents, comm.totals(), record, plan)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return generate(WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN))
+
+
+HYB = dict(window=2, slope=10.0, tau_cap=6)  # tau1 = 1 (flat enough at once): pipeline from step 2
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    runs = [
+        ("cfg", "none", None, None),
+        ("k0", "none", HybridConfig(k=0, **HYB), None),
+        ("k3", "none", HybridConfig(k=3, **HYB), None),
+        ("k3_uncond", "none", HybridConfig(k=3, first_segment_text="uncond", **HYB), None),
+    ]
+    return run_ranks(_target, 2, (runs,), timeout_s=TIMEOUT_S)
+
+
+def test_cfg_parallel_matches_one_process(two_ranks, reference):
+    for rank in range(2):
+        latents, totals, _, _ = two_ranks[rank]["cfg"]
+        assert (latents - reference).abs().max().item() <= LATENT_ATOL
+        # Only the predictions cross (one per step each way), and the two nodes are the two branches.
+        assert totals["by_purpose"] == {"cfg": {"inter_node_bytes": STEPS * reference.numel() * 4}}
+
+
+def test_hybrid_k0_is_cfg_parallel(two_ranks):
+    for rank in range(2):
+        assert torch.equal(two_ranks[rank]["k0"][0], two_ranks[rank]["cfg"][0])
+        record = two_ranks[rank]["k0"][2]
+        assert set(record["stages"]) == {"cfg-parallel"} and record["tau1"] is not None
+
+
+def test_hybrid_pipeline_window_and_block_accounting(two_ranks):
+    layers, split = CP_MODEL.layers, CP_MODEL.layers // 2
+    for name in ("k3", "k3_uncond"):
+        records = [two_ranks[r][name][2] for r in range(2)]
+        assert records[0]["stages"] == records[1]["stages"]
+        r = records[0]
+        assert (r["tau1"], r["tau2"]) == (1, 4)
+        assert r["stages"] == ["cfg-parallel"] * 2 + ["pipeline-fill"] + ["pipeline"] * 2 + ["cfg-parallel"] * 3
+        # Expected block evaluations per step: cfg-parallel L on each rank; fill: the cfg-1 rank
+        # runs the whole model, the cfg-0 rank nothing; pipeline: split and L - split.
+        expected = {"cfg-parallel": (layers, layers), "pipeline-fill": (0, layers), "pipeline": (split, layers - split)}
+        for rank in range(2):
+            assert records[rank]["block_evals"] == [expected[s][rank] for s in r["stages"]]
+        assert [m is None for m in r["rel_mae"]] == [s != "cfg-parallel" for s in r["stages"]]
+        a, b = two_ranks[0][name][0], two_ranks[1][name][0]
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+    # The first segment's text matters (it changes the boundary activations).
+    assert not torch.equal(two_ranks[0]["k3"][0], two_ranks[0]["k3_uncond"][0])
+
+
+def test_cfg_parallel_composes_with_context_parallelism(reference):
+    ditango = DiTangoOptions(PlannerConfig(cache_ratio=0.5, warmup=1, cooldown=1))
+    runs = [("ring", "ring", None, None), ("ulysses", "ulysses", None, None), ("ditango", "ditango", None, ditango)]
+    per_rank = run_ranks(_target, 4, (runs,), timeout_s=TIMEOUT_S)
+    for rank in range(4):
+        for name in ("ring", "ulysses"):
+            latents = per_rank[rank][name][0]
+            assert (latents - reference).abs().max().item() <= LATENT_ATOL, (name, rank)
+            # cfg groups = nodes: the cp traffic stays inside a node, predictions cross.
+            assert per_rank[rank][name][1]["by_purpose"]["cfg"]["inter_node_bytes"] > 0
+    # DiTango: ASE averaged over the whole world, so both branches follow one plan.
+    plans = {per_rank[r]["ditango"][3] for r in range(4)}
+    assert len(plans) == 1
+    ((_, computed),) = plans
+    assert 0.0 <= computed < 1.0  # reuse happened
+
+
+def test_cli_hybrid_report(runner, tmp_path):
+    import json
+
+    from ditango_cli.app import app
+
+    out = tmp_path / "out"
+    args = ["generate", "--prompt", "a blue square moving up", "--out", str(out), "--device", "cpu", "--quiet",
+            "--steps", "10", "--height", "32", "--width", "64", "--frames", "5", "--gpus", "2",
+            "--cfg-parallel", "--hybrid", "--hybrid-window", "2", "--hybrid-slope", "10"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["layout"]["cfg_degree"] == 2 and report["layout"]["cp_degree"] == 1
+    hybrid = report["items"][0]["hybrid"]
+    assert hybrid["k"] == 1 and hybrid["tau_cap"] == 8  # 50-step defaults scaled to 10 steps
+    tau1 = hybrid["tau1"]
+    assert tau1 is not None and hybrid["tau2"] == tau1 + 1 and hybrid["stages"][tau1 + 1] == "pipeline-fill"
+    assert hybrid["stages"].count("pipeline-fill") == 1 and hybrid["stages"].count("pipeline") == 0
+    assert len(hybrid["block_evals"]) == 2 and len(hybrid["rel_mae"]) == 10
+    assert set(hybrid["bytes_per_stage"]) == {"cfg-parallel", "pipeline-fill"}
+    assert (out / hybrid["rel_mae_png"]).stat().st_size > 0

@@ -1,0 +1,74 @@
+"""Hybridiff's tau1 detection on synthetic monitor curves, and its defaults."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from planner.hybrid import HybridConfig, HybridSchedule, detect_tau1, scaled_defaults
+from runtime.errors import ConfigError
+
+
+def u_shape(n: int, bottom: int) -> list[float]:
+    return [0.5 * ((i - bottom) / n) ** 2 + 0.01 for i in range(n)]
+
+
+def test_u_shape_switches_near_the_bottom():
+    m = u_shape(50, bottom=20)
+    tau1 = detect_tau1(m, window=5, slope=1e-3, tau_cap=40)
+    assert tau1 is not None and 14 <= tau1 <= 22  # where the descent flattens out
+    # Before tau1 the window slope was still steep (>= threshold) or the window not full.
+    for i in range(4, tau1):
+        assert (m[i - 4] - m[i]) / 5 >= 1e-3
+
+
+def test_rising_curve_is_not_a_plateau():
+    m = [0.1 + 0.01 * i for i in range(30)]  # slope negative: G < 0 never qualifies
+    assert detect_tau1(m, window=5, slope=1e-3, tau_cap=25) == 25
+
+
+def test_flat_curve_switches_as_soon_as_the_window_is_full():
+    assert detect_tau1([0.2] * 30, window=6, slope=1e-4, tau_cap=25) == 5
+
+
+def test_noisy_plateau():
+    rng = random.Random(0)
+    m = [1.0 - 0.04 * i for i in range(20)] + [0.2 + rng.uniform(-1e-5, 1e-5) for _ in range(30)]
+    tau1 = detect_tau1(m, window=4, slope=1e-3, tau_cap=45)
+    assert 20 <= tau1 <= 24
+
+
+def test_never_converging_hits_the_cap():
+    m = [1.0 - 0.02 * i for i in range(50)]  # steady descent of 0.02 per step
+    assert detect_tau1(m, window=5, slope=1e-3, tau_cap=30) == 30
+    assert detect_tau1(m[:10], window=5, slope=1e-3, tau_cap=30) is None  # undecided yet
+
+
+def test_schedule_stages_and_k0():
+    sched = HybridSchedule(HybridConfig(k=3, window=2, slope=1.0, tau_cap=10), steps=12)
+    stages = []
+    for step in range(12):
+        stages.append(sched.begin(step))
+        sched.observe(step, None if stages[-1] != "cfg-parallel" else 0.5)
+    assert sched.tau1 == 1 and sched.tau2 == 4
+    assert stages[:6] == ["cfg-parallel", "cfg-parallel", "pipeline-fill", "pipeline", "pipeline", "cfg-parallel"]
+    plain = HybridSchedule(HybridConfig(k=0, window=2, slope=1.0, tau_cap=10), steps=5)
+    assert [plain.begin(i) or plain.observe(i, 0.5) or plain.stages[-1] for i in range(5)] == ["cfg-parallel"] * 5
+
+
+def test_defaults_scale_with_steps():
+    assert scaled_defaults(50) == {"k": 5, "window": 15, "slope": 5e-4, "tau_cap": 40}
+    d = scaled_defaults(20)
+    assert (d["k"], d["window"], d["tau_cap"]) == (2, 6, 16) and math.isclose(d["slope"], 1.25e-3)
+    cfg = HybridConfig(k=7).resolved(20)
+    assert cfg.k == 7 and cfg.window == 6
+
+
+@pytest.mark.parametrize("kwargs", [{"k": -1}, {"window": 1}, {"slope": 0.0}, {"tau_cap": -2}])
+def test_config_validation(kwargs):
+    with pytest.raises(ConfigError):
+        HybridConfig(**kwargs)
+    with pytest.raises(ConfigError, match="--hybrid-split"):
+        HybridConfig(split=4).split_for(4)
