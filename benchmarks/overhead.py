@@ -24,7 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import diffusers.utils.logging
 import torch
+import transformers.utils.logging
 from diffusers import WanPipeline
 from diffusers.utils import export_to_video
 from safetensors.torch import load_file
@@ -46,6 +48,8 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=17)
     ap.add_argument("--guidance", type=float, default=5.0)
     args = ap.parse_args()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
     if args.runs < 5:
         ap.error("--runs must be >= 5 (medians of fewer runs are noise)")
 

@@ -279,6 +279,22 @@ class ParallelArgs:
     ditango: DiTangoArgs = DiTangoArgs()
     hybrid: HybridArgs = HybridArgs()
 
+    @classmethod
+    def from_options(cls, o: dict) -> ParallelArgs:
+        """From the keyword arguments of `generate` / `check` (they share these options)."""
+        ditango = DiTangoArgs(
+            o["cache_ratio"], o["warmup"], o["cooldown"], o["group_size"], o["tau_max"], o["anchor_interval"],
+            o["alpha"], o["cache_dtype"], o["cache_memory_limit"], o["reference"],
+        )  # fmt: skip
+        hybrid = HybridArgs(
+            o["cfg_parallel"], o["hybrid"], o["hybrid_k"], o["hybrid_window"], o["hybrid_slope"], o["hybrid_tau_cap"],
+            o["hybrid_split"], o["hybrid_first_text"],
+        )  # fmt: skip
+        return cls(
+            o["nodes"], o["gpus_per_node"], o["parallel"], o["ulysses_degree"], o["timeout"], o["attention_backend"],
+            ditango, hybrid,
+        )  # fmt: skip
+
     def layout(self, heads: int) -> ParallelLayout:
         world = self.nodes * self.gpus_per_node
         cfg_degree = 2 if self.hybrid.cfg_parallel else 1
@@ -442,13 +458,7 @@ def generate(
     cfg, _ = build_run_config(
         model=model, model_root_dir=model_root_dir, prompt=prompt, prompts=prompts, overrides=overrides,
         out=out, device=device, dtype=dtype, save_latents=save_latents, overwrite=overwrite,
-        parallel=ParallelArgs(
-            nodes, gpus_per_node, parallel, ulysses_degree, timeout, attention_backend,
-            DiTangoArgs(cache_ratio, warmup, cooldown, group_size, tau_max, anchor_interval, alpha, cache_dtype,
-                        cache_memory_limit, reference),
-            HybridArgs(cfg_parallel, hybrid, hybrid_k, hybrid_window, hybrid_slope, hybrid_tau_cap, hybrid_split,
-                       hybrid_first_text),
-        ),
+        parallel=ParallelArgs.from_options(locals()),
         create_out=True,
     )  # fmt: skip
     err = Console(stderr=True, soft_wrap=True)
@@ -523,13 +533,7 @@ def check(
     cfg, resolved = build_run_config(
         model=model, model_root_dir=model_root_dir, prompt=prompt, prompts=prompts, overrides=overrides,
         out=out, device=device, dtype=dtype, create_out=False,
-        parallel=ParallelArgs(
-            nodes, gpus_per_node, parallel, ulysses_degree, timeout, attention_backend,
-            DiTangoArgs(cache_ratio, warmup, cooldown, group_size, tau_max, anchor_interval, alpha, cache_dtype,
-                        cache_memory_limit, reference),
-            HybridArgs(cfg_parallel, hybrid, hybrid_k, hybrid_window, hybrid_slope, hybrid_tau_cap, hybrid_split,
-                       hybrid_first_text),
-        ),
+        parallel=ParallelArgs.from_options(locals()),
     )  # fmt: skip
     from runtime.run import plan_resume
 

@@ -111,10 +111,20 @@ def test_hybrid_pipeline_window_and_block_accounting(two_ranks):
     assert not torch.equal(two_ranks[0]["k3"][0], two_ranks[0]["k3_uncond"][0])
 
 
-def test_cfg_parallel_composes_with_context_parallelism(reference):
+def test_cfg_parallel_composes_with_context_parallelism(reference, two_ranks):
     ditango = DiTangoOptions(PlannerConfig(cache_ratio=0.5, warmup=1, cooldown=1))
-    runs = [("ring", "ring", None, None), ("ulysses", "ulysses", None, None), ("ditango", "ditango", None, ditango)]
+    runs = [
+        ("ring", "ring", None, None),
+        ("ulysses", "ulysses", None, None),
+        ("ditango", "ditango", None, ditango),
+        ("hybrid_ring", "ring", HybridConfig(k=3, **HYB), None),
+    ]
     per_rank = run_ranks(_target, 4, (runs,), timeout_s=TIMEOUT_S)
+    # Hybridiff over 2 x 2 ranks: segments run context-parallel, boundaries travel chunk by chunk.
+    for rank in range(4):
+        latents, _, record, _ = per_rank[rank]["hybrid_ring"]
+        assert record["stages"] == two_ranks[0]["k3"][2]["stages"]
+        assert (latents - two_ranks[0]["k3"][0]).abs().max().item() <= LATENT_ATOL
     for rank in range(4):
         for name in ("ring", "ulysses"):
             latents = per_rank[rank][name][0]
