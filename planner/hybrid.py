@@ -5,7 +5,7 @@ Ascending step index i = 0, 1, ... (the paper's Algorithm 1 counts steps downwar
 can never enter the pipeline stage as written). The monitor is the relative mean
 absolute discrepancy of the two CFG predictions,
     M_i = mean|eps_c - eps_u| / mean|eps_u|,
-which is U-shaped over a run. For i >= L - 1 the slope over the last L values is
+which is U-shaped over a run. For i >= L the slope over the last L values is
     G_i = (M_{i-L+1} - M_i) / L,
 and tau1 is the first i with 0 <= G_i < g_slope (M has stopped falling); if none has
 been found at i = tau_cap - 1, tau1 = tau_cap. The pipeline stage covers steps
@@ -83,7 +83,7 @@ def scaled_defaults(steps: int) -> dict:
 def detect_tau1(m: list[float], window: int, slope: float, tau_cap: int) -> int | None:
     """tau1 from the monitor values M_0..M_{n-1} seen so far, or None if not decided yet."""
     for i in range(len(m)):
-        if i >= window - 1:
+        if i >= window:
             g = (m[i - window + 1] - m[i]) / window
             if 0 <= g < slope:
                 return i
@@ -104,7 +104,7 @@ class HybridSchedule:
 
     @property
     def tau2(self) -> int | None:
-        return None if self.tau1 is None else self.tau1 + self.cfg.k
+        return None if self.tau1 is None else min(self.tau1 + self.cfg.k, self.steps - 1)
 
     def __post_init__(self) -> None:
         self.cfg = self.cfg.resolved(self.steps)

@@ -16,8 +16,8 @@ the cfg-1 group runs segment B (blocks [split, L) and the output head) on the bo
 activations of the PREVIOUS step (one step stale, AsyncDiff style) with the current
 timestep and the conditional text, and sends the prediction back. Only segment B's
 output is used: guidance is off in that window. The first pipeline step ("fill") runs
-the whole model on the cfg-1 group, which keeps its own boundary activations for the
-next step. Segment A's cross-attention uses `first_segment_text`: "cond" (default, the
+both segments on the cfg-1 group (A, then B on that same step's boundary), which keeps
+the boundary for the next step. Segment A's cross-attention uses `first_segment_text`: "cond" (default, the
 clean variant) or "uncond" (the authors' released code).
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
 from planner.hybrid import HybridConfig, HybridSchedule
 from runtime.comm import Comm
@@ -147,7 +148,14 @@ class Hybrid(CfgParallel):
         if stage == "cfg-parallel":
             eps_u, eps_c = self.predictions(den, t, latents, text)
             m = (eps_c.double() - eps_u.double()).abs().mean() / eps_u.double().abs().mean()
+            undecided = self.schedule.tau1 is None
             self.schedule.observe(step, float(m))
+            if undecided and self.mesh.world_group is not None:
+                # Every rank saw the same M, but a stage mismatch would pair different exchanges:
+                # rank 0's decision is the one everybody follows.
+                box = [self.schedule.tau1]
+                dist.broadcast_object_list(box, src=0)
+                self.schedule.tau1 = box[0]
             out = eps_u + guidance * (eps_c - eps_u)
         else:
             out = self._pipeline_step(den, stage, t, latents, text)
@@ -160,68 +168,56 @@ class Hybrid(CfgParallel):
     def _first_text(self, text) -> torch.Tensor:
         return text.cond_BLE if self.cfg.first_segment_text == "cond" else text.uncond_BLE
 
-    def _projected_cond(self, t, text, latents) -> torch.Tensor:
-        """Segment B's cross-attention input: the conditional text through the condition embedder."""
-        tr = self.transformer
-        timestep = t.expand(latents.shape[0])
-        return tr.condition_embedder(timestep, text.cond_BLE, None)[2]
+    def _segment_a(self, den, t, latents, text) -> torch.Tensor:
+        """Blocks [0, split) on the current latents; returns the boundary activations (this
+        rank's token chunk). The forward is stopped at the cut: nothing after it runs."""
 
-    def _pipeline_step(self, den, stage: str, t, latents, text) -> torch.Tensor:
+        def stop(module, args, output):
+            raise _Boundary(output)
+
+        handle = self.transformer.blocks[self.split - 1].register_forward_hook(stop)
+        try:
+            den.predict(latents, t, self._first_text(text))
+        except _Boundary as b:
+            return b.hidden
+        finally:
+            handle.remove()
+        raise AssertionError("segment A did not reach the cut")
+
+    def _segment_b(self, den, t, latents, text, boundary: torch.Tensor) -> torch.Tensor:
+        """Blocks [split, L) and the head on `boundary`, conditional text, timestep t."""
         tr = self.transformer
         blocks = tr.blocks
-        cut = blocks[self.split]
-        den.begin_branch(0)
-        if self.uncond_side:  # segment A on the current latents
-            boundary = None
-            if stage == "pipeline":
 
-                def stop(module, args, output):
-                    raise _Boundary(output)
+        def inject(module, args):  # replaces the (unused) patch-embedded input of the first B block
+            return (boundary, *args[1:])
 
-                handle = blocks[self.split - 1].register_forward_hook(stop)
-                try:
-                    den.predict(latents, t, self._first_text(text))
-                    raise AssertionError("segment A did not reach the cut")
-                except _Boundary as b:
-                    boundary = b.hidden
-                finally:
-                    handle.remove()
-                return self.exchange(boundary, latents.shape, "pipeline")  # boundary out, prediction in
-            # fill: the partner runs the whole model; we only receive its prediction
-            return self.comm.one_way(
-                None, self.partner, self.mesh.rank, latents.shape, latents.dtype, latents.device,
-                self.mesh.cfg_group, "pipeline",
-            )  # fmt: skip
-
-        # cfg-1 side: segment B
-        captured = {}
-
-        def keep_boundary(module, args):
-            captured["h"] = args[0]
-
-        def inject(module, args):
-            hidden = self.boundary if stage == "pipeline" else args[0]
-            return (hidden, cond_proj, *args[2:])
-
-        cond_proj = self._projected_cond(t, text, latents)
-        if stage == "pipeline-fill":
-            handles = [cut.register_forward_pre_hook(keep_boundary), cut.register_forward_pre_hook(inject)]
-            try:
-                eps = den.predict(latents, t, self._first_text(text))
-            finally:
-                for h in handles:
-                    h.remove()
-            self.boundary = captured["h"]
-            self.comm.one_way(eps, self.mesh.rank, self.partner, None, None, None, self.mesh.cfg_group, "pipeline")
-            return eps
-        assert self.boundary is not None, "pipeline step without a filled boundary"
-        handle = cut.register_forward_pre_hook(inject)
+        handle = blocks[self.split].register_forward_pre_hook(inject)
         tr.blocks = torch.nn.ModuleList(list(blocks)[self.split :])
         try:
-            eps = den.predict(latents, t, text.cond_BLE)
+            return den.predict(latents, t, text.cond_BLE)
         finally:
             tr.blocks = blocks
             handle.remove()
+
+    def _pipeline_step(self, den, stage: str, t, latents, text) -> torch.Tensor:
+        den.begin_branch(0)
+        eps_dtype = self.transformer.dtype  # the model's output dtype (bf16 on GPU)
+        if self.uncond_side:
+            if stage == "pipeline-fill":  # the partner runs both segments; we receive its prediction
+                return self.comm.one_way(
+                    None, self.partner, self.mesh.rank, latents.shape, eps_dtype, latents.device,
+                    self.mesh.cfg_group, "pipeline",
+                )  # fmt: skip
+            boundary = self._segment_a(den, t, latents, text)
+            return self.exchange(boundary, latents.shape, "pipeline")  # boundary out, prediction in
+        if stage == "pipeline-fill":  # whole model here: A then B on the same step's boundary
+            self.boundary = self._segment_a(den, t, latents, text)
+            eps = self._segment_b(den, t, latents, text, self.boundary)
+            self.comm.one_way(eps, self.mesh.rank, self.partner, None, None, None, self.mesh.cfg_group, "pipeline")
+            return eps
+        assert self.boundary is not None, "pipeline step without a filled boundary"
+        eps = self._segment_b(den, t, latents, text, self.boundary)  # previous step's boundary: one step stale
         self.boundary = self.exchange(eps, self.boundary.shape, "pipeline")
         return eps
 

@@ -47,18 +47,39 @@ def write_rel_mae_plot(
     values = [m for m in rel_mae if m is not None]
     top = max(values) if values and max(values) > 0 else 1.0
     points = [
-        (i * cell + cell // 2, int(round((height - 6) - (m / top) * (height - 12))))
+        None if m is None else (i * cell + cell // 2, int(round((height - 6) - (m / top) * (height - 12))))
         for i, m in enumerate(rel_mae)
-        if m is not None
     ]
-    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+    for a, b in zip(points, points[1:], strict=False):
+        if a is None or b is None:  # no line across steps without a value
+            continue
+        (x0, y0), (x1, y1) = a, b
         n = max(abs(x1 - x0), abs(y1 - y0), 1)
         for j in range(n + 1):
             x = x0 + (x1 - x0) * j // n
             y = y0 + (y1 - y0) * j // n
             img[max(0, y - 0) : y + 1, x : x + 1] = (200, 200, 200)
-    for x, y in points:
+    for x, y in (p for p in points if p is not None):
         img[max(0, y - 2) : y + 3, max(0, x - 2) : x + 3] = (255, 255, 255)
+    tmp = path.with_name(path.name + ".partial.png")
+    imageio.imwrite(tmp, img)
+    tmp.replace(path)
+
+
+def write_bars(path: Path, groups: list[list[float]], bar: int = 14, gap: int = 10, height: int = 160) -> None:
+    """Grouped bar chart without text: one group per table row (left to right, in row
+    order), one bar per series inside a group (ramp colours); heights scaled to the max."""
+    top = max((v for g in groups for v in g), default=0.0) or 1.0
+    n = max((len(g) for g in groups), default=1)
+    width = len(groups) * (n * bar + gap) + gap
+    img = np.full((height, width, 3), 24, dtype=np.uint8)
+    colours = colour(np.linspace(0.15, 1.0, n))
+    for i, g in enumerate(groups):
+        x0 = gap + i * (n * bar + gap)
+        for j, v in enumerate(g):
+            h = int(round((height - 8) * max(0.0, v) / top))
+            if h:
+                img[height - 4 - h : height - 4, x0 + j * bar : x0 + (j + 1) * bar - 2] = colours[j]
     tmp = path.with_name(path.name + ".partial.png")
     imageio.imwrite(tmp, img)
     tmp.replace(path)

@@ -43,6 +43,8 @@ def _target(rank, world, events, runs):
         denoiser.listener = handle
         runner = Hybrid(mesh, comm, hybrid, denoiser.transformer) if hybrid else CfgParallel(mesh, comm)
         denoiser.guidance = runner
+        if name.endswith("_bf16"):  # last run of a list: the model stays in bf16 afterwards
+            denoiser.transformer.to(torch.bfloat16)
         latents = generate(denoiser)
         record = runner.record()
         if hybrid:
@@ -62,7 +64,7 @@ def reference():
     return generate(WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN))
 
 
-HYB = dict(window=2, slope=10.0, tau_cap=6)  # tau1 = 1 (flat enough at once): pipeline from step 2
+HYB = dict(window=2, slope=10.0, tau_cap=2)  # tau1 = 2 (the cap; the rule starts at i = L = 2): pipeline from step 3
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,7 @@ def two_ranks():
         ("k0", "none", HybridConfig(k=0, **HYB), None),
         ("k3", "none", HybridConfig(k=3, **HYB), None),
         ("k3_uncond", "none", HybridConfig(k=3, first_segment_text="uncond", **HYB), None),
+        ("k3_bf16", "none", HybridConfig(k=3, **HYB), None),
     ]
     return run_ranks(_target, 2, (runs,), timeout_s=TIMEOUT_S)
 
@@ -97,11 +100,16 @@ def test_hybrid_pipeline_window_and_block_accounting(two_ranks):
         records = [two_ranks[r][name][2] for r in range(2)]
         assert records[0]["stages"] == records[1]["stages"]
         r = records[0]
-        assert (r["tau1"], r["tau2"]) == (1, 4)
-        assert r["stages"] == ["cfg-parallel"] * 2 + ["pipeline-fill"] + ["pipeline"] * 2 + ["cfg-parallel"] * 3
+        tau1 = r["tau1"]
+        assert (tau1, r["tau2"]) == (2, 5)
+        expected_stages = ["cfg-parallel"] * (tau1 + 1) + ["pipeline-fill"] + ["pipeline"] * 2
+        assert r["stages"] == expected_stages + ["cfg-parallel"] * (STEPS - len(expected_stages))
         # Expected block evaluations per step: cfg-parallel L on each rank; fill: the cfg-1 rank
         # runs the whole model, the cfg-0 rank nothing; pipeline: split and L - split.
         expected = {"cfg-parallel": (layers, layers), "pipeline-fill": (0, layers), "pipeline": (split, layers - split)}
+        # The schedule's semantics, computed in one process by a different mechanism.
+        ref = hybrid_reference("uncond" if name.endswith("uncond") else "cond", k=3, tau1=tau1)
+        assert (two_ranks[0][name][0] - ref).abs().max().item() <= LATENT_ATOL, name
         for rank in range(2):
             assert records[rank]["block_evals"] == [expected[s][rank] for s in r["stages"]]
         assert [m is None for m in r["rel_mae"]] == [s != "cfg-parallel" for s in r["stages"]]
@@ -109,6 +117,41 @@ def test_hybrid_pipeline_window_and_block_accounting(two_ranks):
         assert torch.equal(a, b) and torch.isfinite(a).all()
     # The first segment's text matters (it changes the boundary activations).
     assert not torch.equal(two_ranks[0]["k3"][0], two_ranks[0]["k3_uncond"][0])
+
+
+def test_hybrid_in_bf16_keeps_ranks_identical(two_ranks):
+    """Guards a dtype bug: the fill step received a bf16 prediction into a float32 buffer."""
+    a, b = two_ranks[0]["k3_bf16"][0], two_ranks[1]["k3_bf16"][0]
+    assert torch.equal(a, b) and torch.isfinite(a).all()
+    assert ((a - two_ranks[0]["k3"][0]).norm() / two_ranks[0]["k3"][0].norm()).item() < 0.05
+
+
+def hybrid_reference(first_text: str, k: int, tau1: int) -> torch.Tensor:
+    """Hybridiff in one process without the runtime's segment machinery: full forwards with
+    a hook that records segment A's output and a pre-hook that feeds segment B a boundary."""
+    den = WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN)
+    blocks, split = den.transformer.blocks, CP_MODEL.layers // 2
+    text = den.encode_text("a yellow circle moving down", "blurry", 4.0)
+    first = text.cond_BLE if first_text == "cond" else text.uncond_BLE
+    x = den.initial_latents(5, 48, 80, 5)
+    scheduler = den.new_scheduler(STEPS)
+    previous = None
+    for i, t in enumerate(scheduler.timesteps):
+        if i <= tau1 or i > tau1 + k:
+            cond, uncond = den.predict(x, t, text.cond_BLE), den.predict(x, t, text.uncond_BLE)
+            noise = uncond + 4.0 * (cond - uncond)
+        else:
+            seen = {}
+            hook = blocks[split - 1].register_forward_hook(lambda m, a, o, s=seen: s.setdefault("h", o))
+            den.predict(x, t, first)
+            hook.remove()
+            boundary = seen["h"] if i == tau1 + 1 else previous  # fill uses its own; later one step stale
+            feed = blocks[split].register_forward_pre_hook(lambda m, a, b=boundary: (b, *a[1:]))
+            noise = den.predict(x, t, text.cond_BLE)
+            feed.remove()
+            previous = seen["h"]
+        x = scheduler.step(noise, t, x, return_dict=False)[0]
+    return x
 
 
 def test_cfg_parallel_composes_with_context_parallelism(reference, two_ranks):
@@ -146,16 +189,16 @@ def test_cli_hybrid_report(runner, tmp_path):
     out = tmp_path / "out"
     args = ["generate", "--prompt", "a blue square moving up", "--out", str(out), "--device", "cpu", "--quiet",
             "--steps", "10", "--height", "32", "--width", "64", "--frames", "5", "--gpus", "2",
-            "--cfg-parallel", "--hybrid", "--hybrid-window", "2", "--hybrid-slope", "10"]  # fmt: skip
+            "--cfg-parallel", "--hybrid", "--hybrid-window", "2", "--hybrid-slope", "10", "--hybrid-k", "2"]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["layout"]["cfg_degree"] == 2 and report["layout"]["cp_degree"] == 1
     hybrid = report["items"][0]["hybrid"]
-    assert hybrid["k"] == 1 and hybrid["tau_cap"] == 8  # 50-step defaults scaled to 10 steps
+    assert hybrid["k"] == 2 and hybrid["tau_cap"] == 8  # tau cap: the 50-step default scaled to 10 steps
     tau1 = hybrid["tau1"]
-    assert tau1 is not None and hybrid["tau2"] == tau1 + 1 and hybrid["stages"][tau1 + 1] == "pipeline-fill"
-    assert hybrid["stages"].count("pipeline-fill") == 1 and hybrid["stages"].count("pipeline") == 0
+    assert tau1 is not None and tau1 <= 7 and hybrid["tau2"] == tau1 + 2
+    assert hybrid["stages"][tau1 + 1 : tau1 + 3] == ["pipeline-fill", "pipeline"]
     assert len(hybrid["block_evals"]) == 2 and len(hybrid["rel_mae"]) == 10
-    assert set(hybrid["bytes_per_stage"]) == {"cfg-parallel", "pipeline-fill"}
+    assert set(hybrid["bytes_per_stage"]) == {"cfg-parallel", "pipeline-fill", "pipeline"}
     assert (out / hybrid["rel_mae_png"]).stat().st_size > 0

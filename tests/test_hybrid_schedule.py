@@ -20,8 +20,8 @@ def test_u_shape_switches_near_the_bottom():
     tau1 = detect_tau1(m, window=5, slope=1e-3, tau_cap=40)
     assert tau1 is not None and 14 <= tau1 <= 22  # where the descent flattens out
     # Before tau1 the window slope was still steep (>= threshold) or the window not full.
-    for i in range(4, tau1):
-        assert (m[i - 4] - m[i]) / 5 >= 1e-3
+    for i in range(5, tau1):  # the rule is evaluated from i = L on
+        assert not 0 <= (m[i - 4] - m[i]) / 5 < 1e-3
 
 
 def test_rising_curve_is_not_a_plateau():
@@ -29,15 +29,19 @@ def test_rising_curve_is_not_a_plateau():
     assert detect_tau1(m, window=5, slope=1e-3, tau_cap=25) == 25
 
 
-def test_flat_curve_switches_as_soon_as_the_window_is_full():
-    assert detect_tau1([0.2] * 30, window=6, slope=1e-4, tau_cap=25) == 5
+def test_flat_curve_switches_as_soon_as_the_rule_applies():
+    assert detect_tau1([0.2] * 30, window=6, slope=1e-4, tau_cap=25) == 6  # first i >= L
 
 
 def test_noisy_plateau():
+    """Noise on the plateau is as large as the threshold: rising windows (G < 0) must not
+    count, and the switch still comes on the plateau, not during the descent."""
     rng = random.Random(0)
-    m = [1.0 - 0.04 * i for i in range(20)] + [0.2 + rng.uniform(-1e-5, 1e-5) for _ in range(30)]
+    m = [1.0 - 0.04 * i for i in range(20)] + [0.2 + rng.uniform(-4e-3, 4e-3) for _ in range(30)]
     tau1 = detect_tau1(m, window=4, slope=1e-3, tau_cap=45)
-    assert 20 <= tau1 <= 24
+    assert 20 <= tau1 < 45
+    g = (m[tau1 - 3] - m[tau1]) / 4
+    assert 0 <= g < 1e-3
 
 
 def test_never_converging_hits_the_cap():
@@ -52,8 +56,8 @@ def test_schedule_stages_and_k0():
     for step in range(12):
         stages.append(sched.begin(step))
         sched.observe(step, None if stages[-1] != "cfg-parallel" else 0.5)
-    assert sched.tau1 == 1 and sched.tau2 == 4
-    assert stages[:6] == ["cfg-parallel", "cfg-parallel", "pipeline-fill", "pipeline", "pipeline", "cfg-parallel"]
+    assert sched.tau1 == 2 and sched.tau2 == 5
+    assert stages[:7] == ["cfg-parallel"] * 3 + ["pipeline-fill", "pipeline", "pipeline", "cfg-parallel"]
     plain = HybridSchedule(HybridConfig(k=0, window=2, slope=1.0, tau_cap=10), steps=5)
     assert [plain.begin(i) or plain.observe(i, 0.5) or plain.stages[-1] for i in range(5)] == ["cfg-parallel"] * 5
 
@@ -72,3 +76,10 @@ def test_config_validation(kwargs):
         HybridConfig(**kwargs)
     with pytest.raises(ConfigError, match="--hybrid-split"):
         HybridConfig(split=4).split_for(4)
+
+
+def test_tau2_is_clipped_to_the_run():
+    sched = HybridSchedule(HybridConfig(k=10, window=2, slope=1.0, tau_cap=3), steps=6)
+    for step in range(6):
+        sched.observe(step, None if sched.begin(step) != "cfg-parallel" else 0.5)
+    assert sched.tau1 == 2 and sched.tau2 == 5 and sched.stages[-1] == "pipeline"
