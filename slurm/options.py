@@ -1,0 +1,107 @@
+"""Slurm submission options -> submitit parameters (a pure function, locked by a golden file).
+
+No prompt text ever reaches a shell: the job runs a pickled Python callable (submitit),
+and only these scheduler options are rendered into the sbatch script.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Literal
+
+from runtime.config import RunConfig
+from runtime.errors import ConfigError
+
+Executor = Literal["auto", "local", "slurm"]
+_KEY = re.compile(r"[a-z][a-z0-9_-]*")
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_min: int = 60
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    constraint: str | None = None
+    extra: tuple[tuple[str, str], ...] = ()  # --slurm-arg KEY=VALUE, in order
+    job_name: str = "ditango"
+    array: int = 1
+    array_parallelism: int | None = None
+    retries: int = 0
+
+    def __post_init__(self) -> None:
+        if self.time_min < 1:
+            raise ConfigError(f"--time must be >= 1 minute, got {self.time_min}")
+        if self.array < 1:
+            raise ConfigError(f"--array must be >= 1, got {self.array}")
+        if self.array_parallelism is not None and self.array_parallelism < 1:
+            raise ConfigError(f"--array-parallelism must be >= 1, got {self.array_parallelism}")
+        for key, _ in self.extra:
+            if not _KEY.fullmatch(key):
+                raise ConfigError(f"--slurm-arg {key!r}: expected KEY=VALUE with a sbatch option name as KEY")
+
+    @classmethod
+    def parse_extra(cls, pairs: list[str]) -> tuple[tuple[str, str], ...]:
+        out = []
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"--slurm-arg {pair!r}: expected KEY=VALUE (e.g. --slurm-arg exclusive=user)")
+            out.append((key.strip().lstrip("-").replace("_", "-"), value))
+        return tuple(out)
+
+    @property
+    def any_given(self) -> bool:
+        """Whether the user asked for anything Slurm-specific (makes `auto` submit)."""
+        defaults = SlurmOptions()
+        keys = ("partition", "account", "qos", "cpus_per_task", "mem", "constraint", "extra")
+        return any(getattr(self, k) != getattr(defaults, k) for k in keys) or self.array > 1
+
+
+def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool) -> dict:
+    """`SlurmExecutor.update_parameters(**this)` for one multi-node job (or array task)."""
+    layout = cfg.layout
+    params: dict = {
+        "job_name": opts.job_name,
+        "nodes": layout.nodes,
+        "ntasks_per_node": layout.gpus_per_node,  # one task per rank
+        "time": opts.time_min,
+        "signal_delay_s": 120,  # time to write what is done before the limit (checkpoint + requeue)
+    }
+    if use_gpus:
+        params["gpus_per_node"] = layout.gpus_per_node
+    optional = {
+        "partition": opts.partition, "account": opts.account, "qos": opts.qos, "mem": opts.mem,
+        "constraint": opts.constraint, "cpus_per_task": opts.cpus_per_task,
+        "array_parallelism": opts.array_parallelism,
+    }  # fmt: skip
+    params.update({k: v for k, v in optional.items() if v is not None})
+    if opts.extra:
+        params["additional_parameters"] = {k.replace("-", "_"): v for k, v in opts.extra}
+    return params
+
+
+def choose_executor(requested: Executor, layout_nodes: int, opts: SlurmOptions) -> Literal["local", "srun", "sbatch"]:
+    """`auto`: inside an allocation (SLURM_JOB_ID) start ranks with srun there; else submit
+    with sbatch when it is on PATH and the run needs more than one node or any Slurm option
+    was given; else run locally."""
+    in_allocation = bool(os.environ.get("SLURM_JOB_ID"))
+    have_sbatch = shutil.which("sbatch") is not None
+    if requested == "local":
+        return "local"
+    if requested == "slurm":
+        if in_allocation:
+            return "srun"
+        if not have_sbatch:
+            raise ConfigError("--executor slurm: sbatch is not on PATH (is this a Slurm login node?)")
+        return "sbatch"
+    if in_allocation:
+        return "srun"
+    if have_sbatch and (layout_nodes > 1 or opts.any_given):
+        return "sbatch"
+    return "local"

@@ -1,0 +1,118 @@
+"""Slurm layer without Slurm: submitit parameters (golden file), executor choice, sharding,
+and prompts that must never be touched by a shell."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from runtime.config import Item, RunConfig
+from runtime.errors import ConfigError
+from runtime.mesh import ParallelLayout
+from slurm.options import SlurmOptions, choose_executor, submitit_parameters
+from slurm.sharding import replica_of, shard
+
+GOLDEN = Path(__file__).parent / "golden" / "submitit_params.json"
+
+
+def config(nodes: int, gpus: int) -> RunConfig:
+    item = Item("a", "a red circle", "", 0, 480, 832, 81, 50, 5.0)
+    return RunConfig("wan2.1-14b", Path("/models/wan"), (item,), Path("/out"),
+                     layout=ParallelLayout(nodes, gpus, strategy="ring"))  # fmt: skip
+
+
+def rendered() -> dict:
+    full = SlurmOptions(
+        partition="gpu", account="proj", qos="high", time_min=90, cpus_per_task=8, mem="200G", constraint="h100",
+        extra=SlurmOptions.parse_extra(["exclusive=user", "--mail_type=END"]), job_name="batch", array=8,
+        array_parallelism=2,
+    )  # fmt: skip
+    return {
+        "full_4x8_gpus": submitit_parameters(config(4, 8), full, use_gpus=True),
+        "default_2x2_cpu": submitit_parameters(config(2, 2), SlurmOptions(), use_gpus=False),
+    }
+
+
+def test_submitit_parameters_match_golden_file():
+    """Regenerate with DITANGO_UPDATE_GOLDEN=1 after an intended change, and review the diff."""
+    if os.environ.get("DITANGO_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(rendered(), indent=2, sort_keys=True) + "\n")
+    assert rendered() == json.loads(GOLDEN.read_text())
+
+
+def test_bad_options():
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        SlurmOptions.parse_extra(["exclusive"])
+    with pytest.raises(ConfigError, match="--time"):
+        SlurmOptions(time_min=0)
+    with pytest.raises(ConfigError, match="--array"):
+        SlurmOptions(array=0)
+    with pytest.raises(ConfigError, match="sbatch option name"):
+        SlurmOptions(extra=(("rm -rf /", "x"),))
+
+
+def test_auto_executor(monkeypatch, tmp_path):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
+    assert choose_executor("auto", 4, SlurmOptions(partition="gpu")) == "local"
+    with pytest.raises(ConfigError, match="sbatch is not on PATH"):
+        choose_executor("slurm", 1, SlurmOptions())
+    fake = tmp_path / "sbatch"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert choose_executor("auto", 4, SlurmOptions()) == "sbatch"
+    assert choose_executor("auto", 1, SlurmOptions()) == "local"
+    assert choose_executor("auto", 1, SlurmOptions(array=2)) == "sbatch"
+    assert choose_executor("local", 4, SlurmOptions()) == "local"
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert choose_executor("auto", 1, SlurmOptions()) == "srun"
+
+
+def test_sharding_is_a_partition():
+    items = list(range(11))
+    shards = [shard(items, i, 3) for i in range(3)]
+    assert sorted(x for s in shards for x in s) == items
+    assert [len(s) for s in shards] == [4, 4, 3]
+    assert shard(items, 1, 3) == [1, 4, 7, 10]
+    with pytest.raises(ValueError):
+        shard(items, 3, 3)
+    assert [replica_of(r, 8, 2) for r in (0, 3, 4, 7)] == [(0, 0), (0, 3), (1, 0), (1, 3)]
+    with pytest.raises(ConfigError, match="must divide"):
+        replica_of(0, 6, 4)
+
+
+def test_hostile_prompts_round_trip_unchanged(runner, tmp_path):
+    """Prompts never reach a shell: quotes, $(...), backticks, newlines, unicode, 2,000 chars."""
+    from ditango_cli.app import app
+
+    hostile = [
+        'it\'s "quoted" $(rm -rf /) `reboot` ; echo pwned && exit 1 | cat > /tmp/x',
+        "two\nlines\r\nand a tab\t and a NUL-free bell \a",
+        "单词 ünïcödé ✓ 🎬 " + "x" * 1970,
+    ]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in hostile))
+    out = tmp_path / "out"
+    args = ["generate", "--prompts", str(f), "--out", str(out), "--device", "cpu", "--quiet",
+            "--steps", "1", "--height", "16", "--width", "16", "--frames", "1"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert [i["prompt"] for i in report["items"]] == hostile
+    for item in report["items"]:
+        assert (out / f"{item['id']}.mp4").is_file()
+        assert all(c.isalnum() or c == "-" for c in item["id"])
+
+
+def test_rendered_names_are_sbatch_parameters():
+    """Every key must be a parameter submitit renders into #SBATCH lines (catches typos)."""
+    import inspect
+
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    valid = set(inspect.signature(_make_sbatch_string).parameters)
+    for params in rendered().values():
+        assert set(params) <= valid, set(params) - valid
