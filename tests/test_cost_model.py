@@ -9,12 +9,13 @@ import pytest
 
 from planner.cost_model import HARDWARE, ModelShape, estimate, plan_bits_from_log, predict_traffic
 from planner.ditango import PlannerConfig
-from runtime.cfg import CfgParallel
+from runtime.cfg import CfgParallel, SequentialCfg
 from runtime.comm import Comm
 from runtime.mesh import ParallelLayout, build_mesh, virtual_node_map
 from runtime.models.loading import resolve_placement
 from runtime.models.tiny import build_tiny_wan
 from runtime.pipeline import WanDenoiser
+from runtime.run import sum_comm
 from runtime.strategies import parallelize_wan
 from runtime.strategies.ditango import DiTangoOptions
 from slurm.local import run_ranks
@@ -43,7 +44,7 @@ def _target(rank, world, events):
         comm = Comm(mesh)
         handle = parallelize_wan(denoiser.transformer, mesh, comm, "torch", opts)
         denoiser.listener = handle
-        denoiser.guidance = CfgParallel(mesh, comm) if layout.cfg_degree == 2 else type(denoiser.guidance)()
+        denoiser.guidance = CfgParallel(mesh, comm) if layout.cfg_degree == 2 else SequentialCfg()
         text = denoiser.encode_text("a yellow circle moving down", "blurry", 4.0)
         denoiser.denoise(denoiser.initial_latents(5, H, W, F), text, STEPS, 4.0)
         log = handle.ctx.ditango.item_report()["plan_log"] if handle.ctx.ditango else None
@@ -52,22 +53,10 @@ def _target(rank, world, events):
     return out
 
 
-def summed(per_rank: list[dict]) -> dict:
-    total = {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}}
-    for t in per_rank:
-        for k in ("intra_node_bytes", "inter_node_bytes"):
-            total[k] += t[k]
-        for p, links in t["by_purpose"].items():
-            for k, v in links.items():
-                total["by_purpose"].setdefault(p, {}).setdefault(k, 0)
-                total["by_purpose"][p][k] += v
-    return total
-
-
 def test_byte_predictions_equal_runtime_counters():
     per_rank = run_ranks(_target, 4, timeout_s=120)
     for name, kwargs, _ in RUNS:
-        measured = summed([per_rank[r][name][0] for r in range(4)])
+        measured = sum_comm([per_rank[r][name][0] for r in range(4)])
         layout = ParallelLayout(nodes=2, gpus_per_node=2, **kwargs)
         bits = None
         if layout.strategy == "ditango":
