@@ -654,6 +654,7 @@ def simulate(
         MODELS,
         estimate,
         load_hardware,
+        map_plan_offsets,
         plan_fraction_from_report,
         report_dict,
         synthetic_plan_fraction,
@@ -667,9 +668,15 @@ def simulate(
     for s in strategies:
         if s not in ("ring", "ulysses", "usp", "ditango"):
             raise ConfigError(f"--parallel {s!r}: simulate knows ring, ulysses, usp, ditango")
+    plan_log = None
     if plan is not None:
         try:
-            fraction = plan_fraction_from_report(json.loads(plan.read_text(encoding="utf-8")))
+            report = json.loads(plan.read_text(encoding="utf-8"))
+            fraction = plan_fraction_from_report(report)
+            plan_files = [(i.get("attention") or {}).get("plan_file") for i in report.get("items", [])]
+            plan_file = next((plan.parent / f for f in plan_files if f), None)
+            if plan_file is not None and plan_file.is_file():
+                plan_log = json.loads(plan_file.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--plan {plan}: cannot read ({exc})") from None
     else:
@@ -687,8 +694,11 @@ def simulate(
             except (ConfigError, ValueError) as exc:
                 notes.append(f"{s} on {n} node(s): {exc}")
                 continue
+            f = fraction
+            if s == "ditango" and plan_log is not None:
+                f = map_plan_offsets(plan_log, layout.groups)  # per ring offset, by relative distance
             est = estimate(hw, layout, shape, height, width, frames, steps,
-                           compute_fraction=fraction if s == "ditango" else 1.0)  # fmt: skip
+                           compute_fraction=f if s == "ditango" else 1.0)  # fmt: skip
             found.append(est)
         exact = [e.e2e_s for e in found if e.strategy != "ditango"]
         best = min(exact) if exact else None
@@ -701,7 +711,8 @@ def simulate(
             )  # fmt: skip
     assumptions = {**report_dict(hw), "model": model, "tokens": shape.tokens(height, width, frames),
                    "steps": steps, "ditango_computed_fraction": round(fraction, 4),
-                   "ditango_plan": str(plan) if plan else f"synthetic, cache ratio {cache_ratio:g}",
+                   "ditango_plan": (f"{plan} (per ring offset from its plan file)" if plan_log is not None
+                                    else str(plan)) if plan else f"synthetic, cache ratio {cache_ratio:g}",
                    "skipped": notes}  # fmt: skip
     if as_json:
         print(json.dumps({"schema": 1, "assumptions": assumptions, "rows": rows}, indent=2))

@@ -58,8 +58,9 @@ ASSUMPTIONS = {
     "not_modelled": "text encoder, VAE decode, scheduler step, kernel launch overheads, stragglers",
     "ulysses": "all-to-all time = bytes over the slowest link class in the group, not overlapped",
     "ditango_synthetic": "without a plan: exact warm-up/cool-down, one anchor, then (1 - cache_ratio) of remote cells computed",
-    "plan_mapping": "a plan from a small run (report.json) is reduced to its mean computed fraction of remote cells, "
-    "applied to every remote group of the big layout (offset structure not kept)",
+    "plan_mapping": "a small run's plan (report.json + its <id>.plan.json) gives a computed fraction per ring "
+    "offset over all steps and layers; big offset d takes small unit round((d-1)*(U_small-1)/(G_big-2)); "
+    "a report without a plan file falls back to its mean computed fraction for every offset",
 }
 
 
@@ -341,7 +342,8 @@ def attention_time(
         spans = [sum(sizes[i * u : (i + 1) * u]) for i in range(layout.ring)]
         ring = topo.groups["ring"][0]
         return t + _ring_time(hw, topo, ring, max(spans), spans, h, D, e)
-    # ditango: own group ring always; each remote group with probability compute_fraction
+    # ditango: own group ring always; remote group at offset d computed with probability f_d
+    fractions = offset_fractions(compute_fraction, layout.groups)
     size, G = layout.group, layout.groups
     own = _ring_time(hw, topo, cp_ranks[:size], q, sizes[:size], H, D, e)
     remote = 0.0
@@ -352,7 +354,7 @@ def attention_time(
         group = _ring_time(hw, topo, cp_ranks[:size], q, sizes[:size], H, D, e)
         computed = max(fetch, group)
         reused = 0.0  # merged from the cache
-        remote += compute_fraction * computed + (1 - compute_fraction) * reused
+        remote += fractions[d - 1] * computed + (1 - fractions[d - 1]) * reused
     return own + remote
 
 
@@ -399,19 +401,51 @@ def estimate(
     traffic = predict_traffic(
         layout, shape, height, width, frames, steps, element_bytes=element_bytes, plan_bits=plan_bits
     )
-    if layout.strategy == "ditango" and plan_bits is None and compute_fraction < 1.0 and layout.groups > 1:
-        # Synthetic plan: remote bytes scale with the computed fraction (own-group bytes do not).
-        none = [[[False] * (layout.groups - 1)] * shape.layers] * (steps * forwards)
-        local = predict_traffic(
-            layout, shape, height, width, frames, steps, element_bytes=element_bytes, plan_bits=none
-        )
-        for key in ("inter_node_bytes", "intra_node_bytes"):
-            traffic[key] = round(local[key] + compute_fraction * (traffic[key] - local[key]))
+    if layout.strategy == "ditango" and plan_bits is None and layout.groups > 1:
+        # Synthetic or mapped plan: each offset's remote bytes scale with its computed fraction.
+        # Per (forward, layer) from a one-layer, one-forward count, then scaled; the rest of the
+        # traffic (gather, cfg) is what the all-computed count already holds.
+        fractions = offset_fractions(compute_fraction, layout.groups)
+        one = ModelShape(**{**asdict(shape), "layers": 1})
+        units = layout.groups - 1
 
+        def one_layer(bits) -> dict:
+            return predict_traffic(layout, one, height, width, frames, 1, guidance=False,
+                                   element_bytes=element_bytes, plan_bits=[[bits]])  # fmt: skip
+
+        local, full = one_layer([False] * units), one_layer([True] * units)
+        only = [one_layer([u == d for u in range(units)]) for d in range(units)]
+        cells = steps * forwards * shape.layers
+        for key in ("inter_node_bytes", "intra_node_bytes"):
+            expected = local[key] + sum(f * (o[key] - local[key]) for f, o in zip(fractions, only, strict=True))
+            traffic[key] = round(traffic[key] - cells * (full[key] - expected))
     return Estimate(
         layout.strategy, layout.nodes, layout.gpus_per_node, forwards * shape.layers * attn, step, steps * step,
         traffic["inter_node_bytes"], traffic["intra_node_bytes"],
     )  # fmt: skip
+
+
+def offset_fractions(compute_fraction: float | list[float], groups: int) -> list[float]:
+    """Computed fraction per remote offset 1..groups-1 (a scalar applies to all)."""
+    if isinstance(compute_fraction, (int, float)):
+        return [float(compute_fraction)] * max(0, groups - 1)
+    assert len(compute_fraction) == groups - 1
+    return list(compute_fraction)
+
+
+def map_plan_offsets(plan_log: dict, groups: int) -> list[float]:
+    """A small run's plan onto a layout with `groups` groups, by relative ring distance.
+
+    The small run's unit u (offset u+1 of its G_small - 1) has computed fraction f_u over
+    all its steps and layers; the big layout's offset d takes f at u = round((d - 1) *
+    (U_small - 1) / (G_big - 2)): nearest offsets map to nearest, farthest to farthest."""
+    rows = [row for step in plan_log["steps"] for row in step["compute"]]
+    units = len(rows[0]) if rows else 0
+    if units == 0 or groups < 2:
+        return [1.0] * max(0, groups - 1)
+    small = [sum(row[u] == "1" for row in rows) / len(rows) for u in range(units)]
+    span = max(1, groups - 2)
+    return [small[round((d - 1) * (units - 1) / span)] for d in range(1, groups)]
 
 
 def synthetic_plan_fraction(cache_ratio: float, steps: int, warmup: int = 5, cooldown: int = 5) -> float:

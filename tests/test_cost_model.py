@@ -121,3 +121,39 @@ def test_hardware_profile_file(tmp_path):
     f.write_text("{not json")
     with pytest.raises(ConfigError):
         load_hardware(str(f))
+
+
+def test_fractional_plan_bytes_interpolate_exact_counts():
+    """A fraction of 0 or 1 per offset must give exactly the counts of an all-reuse or
+    all-compute plan; the mapping keeps near offsets near."""
+    from planner.cost_model import map_plan_offsets
+
+    shape = SHAPE
+    layout = ParallelLayout(nodes=2, gpus_per_node=2, strategy="ditango", group_size=1)  # 3 remote offsets
+    hw = HARDWARE["h100"]
+    forwards = STEPS * 2
+    for f in ([1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0]):
+        est = estimate(hw, layout, shape, H, W, F, STEPS, compute_fraction=f, element_bytes=4)
+        bits = [[[bool(x) for x in f] for _ in range(shape.layers)] for _ in range(forwards)]
+        exact = predict_traffic(layout, shape, H, W, F, STEPS, element_bytes=4, plan_bits=bits)
+        assert (est.inter_node_bytes, est.intra_node_bytes) == (exact["inter_node_bytes"], exact["intra_node_bytes"])
+    log = {"steps": [{"compute": ["10", "10"]}, {"compute": ["11", "00"]}]}  # unit 0: 3/4, unit 1: 1/4
+    assert map_plan_offsets(log, 5) == [0.75, 0.75, 0.25, 0.25]
+    assert map_plan_offsets(log, 2) == [0.75]
+
+
+def test_simulate_maps_a_plan_file_by_offset(runner, tmp_path):
+    from ditango_cli.app import app
+
+    plan = {"schema": 1, "format": "x", "steps": [{"compute": ["1"] * 4}, {"compute": ["0"] * 4}]}
+    (tmp_path / "a.plan.json").write_text(json.dumps(plan))
+    report = {"items": [{"attention": {"per_step": [1.0, 0.0], "plan_file": "a.plan.json"}}]}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    args = ["simulate", "--nodes", "2", "--gpus-per-node", "8", "--plan", str(tmp_path / "report.json"), "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert "per ring offset" in data["assumptions"]["ditango_plan"]
+    rows = {(r["strategy"], r["nodes"]): r for r in data["rows"]}
+    # Half the remote attention computed: fewer inter-node bytes than USP's exact all-to-all + ring.
+    assert rows["ditango", 2]["inter_node_bytes"] < rows["ring", 2]["inter_node_bytes"]
