@@ -45,7 +45,7 @@ def main() -> None:
         cmd = [
             str(exe), "generate", "--prompt", "a red circle moving left on a black background", "--out", str(out),
             "--steps", str(args.steps), "--height", str(args.height), "--width", str(args.width),
-            "--frames", str(args.frames), "--device", "cpu", "--quiet", "--overwrite",
+            "--frames", str(args.frames), "--device", "cpu", "--quiet", "--overwrite", "--executor", "local",
             "--parallel", strategy, "--gpus-per-node", str(gpus), "--nodes", str(nodes), *extra,
         ]  # fmt: skip
         subprocess.run(cmd, check=True)

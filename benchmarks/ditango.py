@@ -26,7 +26,7 @@ from pathlib import Path
 def run(exe: Path, out: Path, args, extra: list[str]) -> dict:
     cmd = [
         str(exe), "generate", "--prompt", "a red circle moving left on a black background", "--out", str(out),
-        "--steps", str(args.steps), "--device", "cpu", "--quiet", "--overwrite",
+        "--steps", str(args.steps), "--device", "cpu", "--quiet", "--overwrite", "--executor", "local",
         "--gpus-per-node", "2", "--nodes", "2", *extra,
     ]  # fmt: skip
     subprocess.run(cmd, check=True)

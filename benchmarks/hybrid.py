@@ -35,7 +35,7 @@ from runtime.quality import latent_rel_err, psnr
 def run(exe: Path, out: Path, steps: int, extra: list[str], env: dict | None = None) -> dict:
     cmd = [
         str(exe), "generate", "--prompt", "a red circle moving left on a black background", "--out", str(out),
-        "--steps", str(steps), "--device", "cpu", "--quiet", "--overwrite", "--save-latents", *extra,
+        "--steps", str(steps), "--device", "cpu", "--quiet", "--overwrite", "--save-latents", "--executor", "local", *extra,
     ]  # fmt: skip
     subprocess.run(cmd, check=True, env=None if env is None else {**os.environ, **env})
     return json.loads((out / "report.json").read_text())["items"][0]

@@ -60,7 +60,7 @@ def main() -> None:
     for label, extra in CONFIGS:
         folder = out / "runs" / label.replace(" ", "_").replace(",", "").replace("+", "and")
         cmd = [str(exe), "generate", "--prompt", "a red circle moving left on a black background", "--out",
-               str(folder), "--steps", str(args.steps), "--device", "cpu", "--quiet", "--overwrite", "--save-latents",
+               str(folder), "--steps", str(args.steps), "--device", "cpu", "--quiet", "--overwrite", "--save-latents", "--executor", "local",
                *extra]  # fmt: skip
         subprocess.run(cmd, check=True)
         report = json.loads((folder / "report.json").read_text())

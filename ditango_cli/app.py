@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -19,6 +19,7 @@ from typing import Annotated
 import torch
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
@@ -128,6 +129,8 @@ class ParallelChoice(str, Enum):
 
 class ExecutorChoice(str, Enum):
     local = "local"
+    slurm = "slurm"
+    auto = "auto"
 
 
 class BackendChoice(str, Enum):
@@ -151,7 +154,12 @@ UlyssesOpt = Annotated[
     int | None,
     typer.Option("--ulysses-degree", help="USP: Ulysses degree inside the cp axis [default: largest within a node]."),
 ]
-ExecutorOpt = Annotated[ExecutorChoice, typer.Option("--executor", help="Where ranks run.")]
+ExecutorOpt = Annotated[
+    ExecutorChoice,
+    typer.Option(
+        "--executor", help="local processes, a Slurm job, or auto (Slurm when sbatch exists and it is needed)."
+    ),
+]
 TimeoutOpt = Annotated[
     float, typer.Option("--timeout", help="Process-group timeout in seconds (a stuck rank fails after it).")
 ]
@@ -210,6 +218,21 @@ def parse_bytes(text: str) -> int:
         return int(float(value) * units[suffix.strip()])
     except (KeyError, ValueError):
         raise ConfigError(f"--cache-memory-limit {text!r}: expected a size like 8GiB, 500MB or 1048576") from None
+
+
+PartitionOpt = Annotated[str | None, typer.Option("--partition", help="Slurm partition.")]
+AccountOpt = Annotated[str | None, typer.Option("--account", help="Slurm account.")]
+QosOpt = Annotated[str | None, typer.Option("--qos", help="Slurm QOS.")]
+TimeOpt = Annotated[int, typer.Option("--time", help="Slurm time limit per job, minutes.")]
+CpusOpt = Annotated[int | None, typer.Option("--cpus-per-task", help="Slurm CPUs per rank.")]
+MemOpt = Annotated[str | None, typer.Option("--mem", help="Slurm memory per node, e.g. 200G.")]
+ConstraintOpt = Annotated[str | None, typer.Option("--constraint", help="Slurm node constraint.")]
+SlurmArgOpt = Annotated[
+    list[str] | None, typer.Option("--slurm-arg", help="Extra sbatch option KEY=VALUE (repeatable).")
+]
+ArrayOpt = Annotated[int, typer.Option("--array", help="Split the items over N array tasks (locally: N rounds).")]
+ArrayParOpt = Annotated[int | None, typer.Option("--array-parallelism", help="At most K array tasks at once.")]
+WaitOpt = Annotated[bool, typer.Option("--wait/--no-wait", help="Slurm: wait for the job (default) or return.")]
 
 
 @dataclass(frozen=True)
@@ -423,7 +446,7 @@ def generate(
     gpus_per_node: GpusOpt = 1,
     parallel: ParallelOpt = None,
     ulysses_degree: UlyssesOpt = None,
-    executor: ExecutorOpt = ExecutorChoice.local,
+    executor: ExecutorOpt = ExecutorChoice.auto,
     timeout: TimeoutOpt = 600.0,
     attention_backend: BackendOpt = BackendChoice.auto,
     cache_ratio: CacheRatioOpt = None,
@@ -444,14 +467,28 @@ def generate(
     hybrid_tau_cap: HybridCapOpt = None,
     hybrid_split: HybridSplitOpt = None,
     hybrid_first_text: HybridTextOpt = "cond",
+    partition: PartitionOpt = None,
+    account: AccountOpt = None,
+    qos: QosOpt = None,
+    time_min: TimeOpt = 60,
+    cpus_per_task: CpusOpt = None,
+    mem: MemOpt = None,
+    constraint: ConstraintOpt = None,
+    slurm_arg: SlurmArgOpt = None,
+    array: ArrayOpt = 1,
+    array_parallelism: ArrayParOpt = None,
+    wait_for_job: WaitOpt = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
     as_json: JsonOpt = False,
 ) -> int:
     """Generate one MP4 per prompt, plus a sidecar JSON per item and report.json."""
     from ditango_cli.progress import RichObserver
     from runtime.run import SilentObserver  # heavy imports only when work is asked for
+    from slurm.aggregate import aggregate
     from slurm.launch import launch
     from slurm.local import RankFailed
+    from slurm.options import SlurmOptions, choose_executor
+    from slurm.sharding import shard
 
     _quiet_libraries()
     overrides = Overrides(negative_prompt, seed, height, width, frames, steps, guidance)
@@ -471,27 +508,35 @@ def generate(
                 + (" (k 1: the pipeline window is only its fill step)" if r.k == 1 else ""),
                 highlight=False,
             )
+    slurm_opts = SlurmOptions(
+        partition=partition, account=account, qos=qos, time_min=time_min, cpus_per_task=cpus_per_task, mem=mem,
+        constraint=constraint, extra=SlurmOptions.parse_extra(slurm_arg or []), array=array,
+        array_parallelism=array_parallelism,
+    )  # fmt: skip
+    if array > len(cfg.items):
+        raise ConfigError(f"--array {array} is more than the {len(cfg.items)} items")
+    where = choose_executor(executor.value, cfg.layout.nodes, slurm_opts)
+    if where == "srun":
+        raise ConfigError("starting ranks inside an existing allocation (srun) is not supported yet; "
+                          "use --executor local, or submit from a login node")  # fmt: skip
+    if not quiet and executor == ExecutorChoice.auto and where == "local" and cfg.layout.nodes > 1:
+        err.print(f"executor: local ({cfg.layout.nodes} virtual nodes; no sbatch on PATH)", highlight=False)
+    if where == "sbatch":
+        return _run_on_slurm(cfg, slurm_opts, wait_for_job, quiet, as_json, err)
     observer = contextlib.nullcontext(SilentObserver()) if quiet else RichObserver(err)
     try:
         with observer as obs:
-            report = launch(cfg, obs)
+            if array == 1:
+                report = launch(cfg, obs)
+            else:  # the Slurm array's sharding, one shard after the other
+                for task in range(array):
+                    shard_cfg = replace(cfg, items=tuple(shard(cfg.items, task, array)))
+                    launch(shard_cfg, obs, report_name=f"report.task-{task}.json")
+                report = aggregate(cfg.out_dir)
     except RankFailed as exc:
         typer.echo(f"error: {exc}", err=True)
         return EXIT_FAILED_ITEMS
-    report_path = cfg.out_dir / "report.json"
-    counts = report["counts"]
-    if as_json:
-        print(report_path)
-    elif not quiet:
-        err.print(
-            f"{counts['done']} generated, {counts['skipped']} skipped, {counts['failed']} failed; report: {report_path}",
-            highlight=False,
-        )
-    if counts["failed"]:
-        failed = [r["id"] for r in report["items"] if r["status"] == "failed"]
-        typer.echo(f"error: {len(failed)} item(s) failed: {', '.join(failed)} (see {report_path})", err=True)
-        return EXIT_FAILED_ITEMS
-    return 0
+    return _report_summary(report, cfg.out_dir / "report.json", quiet, as_json, err)
 
 
 @app.command()
@@ -514,7 +559,7 @@ def check(
     gpus_per_node: GpusOpt = 1,
     parallel: ParallelOpt = None,
     ulysses_degree: UlyssesOpt = None,
-    executor: ExecutorOpt = ExecutorChoice.local,
+    executor: ExecutorOpt = ExecutorChoice.auto,
     timeout: TimeoutOpt = 600.0,
     attention_backend: BackendOpt = BackendChoice.auto,
     cache_ratio: CacheRatioOpt = None,
@@ -734,6 +779,105 @@ def simulate(
     console.print(table)
     for note in notes:
         console.print(f"skipped: {note}", highlight=False)
+    return 0
+
+
+def _report_summary(report: dict, report_path: Path, quiet: bool, as_json: bool, err: Console) -> int:
+    counts = report["counts"]
+    if as_json:
+        print(report_path)
+    elif not quiet:
+        err.print(
+            f"{counts['done']} generated, {counts['skipped']} skipped, {counts['failed']} failed; report: {report_path}",
+            highlight=False,
+        )
+    if counts["failed"]:
+        failed = [r["id"] for r in report["items"] if r["status"] == "failed"]
+        typer.echo(f"error: {len(failed)} item(s) failed: {', '.join(failed)} (see {report_path})", err=True)
+        return EXIT_FAILED_ITEMS
+    return 0
+
+
+def _run_on_slurm(cfg, opts, wait_for_job: bool, quiet: bool, as_json: bool, err: Console) -> int:
+    from slurm.aggregate import aggregate
+    from slurm.submit import submit, wait
+
+    jobs = submit(cfg, opts)
+    ids = ", ".join(j.job_id for j in jobs)
+    if not wait_for_job:
+        typer.echo(f"submitted job(s) {ids}; follow with: ditango status {cfg.out_dir}")
+        return 0
+    if not quiet:
+        err.print(f"submitted job(s) {ids}; waiting (Ctrl-C stops waiting, not the job)", highlight=False)
+    last = None
+
+    def show(states):
+        nonlocal last
+        if not quiet and states != last:
+            err.print(f"  {', '.join(states)}", highlight=False)
+            last = states
+
+    errors = wait(jobs, show)
+    report = aggregate(cfg.out_dir)
+    failed = [(j.job_id, e) for j, e in zip(jobs, errors, strict=True) if e]
+    if failed:
+        for job_id, error in failed:
+            typer.echo(f"error: job {job_id} failed: {error}", err=True)
+        return EXIT_FAILED_ITEMS
+    return _report_summary(report, cfg.out_dir / "report.json", quiet, as_json, err)
+
+
+@app.command()
+def status(out: Annotated[Path, typer.Argument(help="The --out folder of a submitted batch.")]) -> int:
+    """State of the Slurm jobs submitted for OUT and of its items."""
+    from slurm.submit import failed_state, job_states
+
+    rows = job_states(out)
+    table = Table("job", "state", "submitted", "error")
+    for r in rows:
+        table.add_row(r["job_id"], r["state"], r["submitted_at"], escape(r["error"] or ""))
+    Console().print(table)
+    sidecars = [p for p in out.glob("*.json") if p.name not in ("jobs.json",) and not p.name.startswith("report")]
+    done = sum(1 for p in sidecars if '"status": "done"' in p.read_text(encoding="utf-8"))
+    Console().print(f"{done} item(s) done in {out}", highlight=False)
+    return 1 if any(failed_state(r["state"]) for r in rows) else 0
+
+
+@app.command()
+def cancel(out: Annotated[Path, typer.Argument(help="The --out folder of a submitted batch.")]) -> int:
+    """Cancel every Slurm job submitted for OUT (finished items stay; a rerun resumes)."""
+    from slurm.submit import cancel as cancel_jobs
+
+    ids = cancel_jobs(out)
+    typer.echo(f"cancelled {', '.join(ids) if ids else 'nothing'}")
+    return 0
+
+
+@app.command()
+def report(
+    out: Annotated[Path, typer.Argument(help="Output folder of a batch.")],
+    as_json: JsonOpt = False,
+) -> int:
+    """Aggregate a batch's task reports and sidecars into OUT/report.json and print a table."""
+    from slurm.aggregate import aggregate
+
+    if not out.is_dir():
+        raise ConfigError(f"{out} is not a directory")
+    merged = aggregate(out)
+    if as_json:
+        print(out / "report.json")
+        return 0
+    table = Table("id", "status", "total (s)", "inter-node MB", "intra-node MB")
+    for item in merged["items"]:
+        timing, comm = item.get("timing") or {}, item.get("comm") or {}
+        table.add_row(
+            item["id"], item["status"], f"{timing.get('total_s', 0):.2f}",
+            f"{comm.get('inter_node_bytes', 0) / 1e6:.2f}", f"{comm.get('intra_node_bytes', 0) / 1e6:.2f}",
+        )  # fmt: skip
+    console = Console()
+    console.print(table)
+    c = merged["counts"]
+    console.print(f"{c['done']} done, {c['skipped']} skipped, {c['failed']} failed -> {out / 'report.json'}")
     return 0
 
 

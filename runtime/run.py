@@ -248,6 +248,7 @@ def execute(
     observer: Observer | None = None,
     ctx: RankContext | None = None,
     skipped: dict[str, dict] | None = None,
+    report_name: str = "report.json",
 ) -> dict | None:
     """Run every item of `cfg` on this rank; rank 0 returns the run report (also written to disk).
 
@@ -283,7 +284,7 @@ def execute(
             cfg, ordered, placement.device, placement.dtype_name, started, time.perf_counter() - wall_start,
             attention_backend=backend, rank_peaks=rank_peaks or [peak], peak_source=source,
         )  # fmt: skip
-        write_json(cfg.out_dir / "report.json", report)
+        write_json(cfg.out_dir / report_name, report)
         return report
 
     observer.run_started(len(todo))

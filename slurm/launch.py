@@ -54,20 +54,23 @@ def _parse_fault() -> tuple[int, int] | None:
     return int(rank), int(step)
 
 
-def rank_main(rank: int, world: int, events: EventSink, cfg: RunConfig, skipped: dict) -> dict | None:
+def rank_main(
+    rank: int, world: int, events: EventSink, cfg: RunConfig, skipped: dict, report_name: str = "report.json"
+) -> dict | None:
     """Entry point of one local rank (after the process group is up)."""
     mesh = build_mesh(cfg.layout, rank, virtual_node_map(cfg.layout), timeout_s=cfg.timeout_s)
-    return execute(cfg, _ForwardingObserver(events, _parse_fault()), RankContext(mesh, Comm(mesh)), skipped)
+    observer = _ForwardingObserver(events, _parse_fault())
+    return execute(cfg, observer, RankContext(mesh, Comm(mesh)), skipped, report_name=report_name)
 
 
-def launch(cfg: RunConfig, observer: Observer | None = None) -> dict:
+def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = "report.json") -> dict:
     """Run `cfg` and return its report (the same dict that is written to report.json).
 
     Which items are already complete is decided here, once, before any rank starts.
     """
     skipped = plan_resume(cfg)
     if cfg.layout.world_size == 1:
-        return execute(cfg, observer, skipped=skipped)
+        return execute(cfg, observer, skipped=skipped, report_name=report_name)
     if cfg.model_path is None:  # built-in model: write its directory once, before ranks race for it
         from runtime.models.tiny import materialize
 
@@ -81,7 +84,7 @@ def launch(cfg: RunConfig, observer: Observer | None = None) -> dict:
     reports = run_ranks(
         rank_main,
         cfg.layout.world_size,
-        (cfg, skipped),
+        (cfg, skipped, report_name),
         timeout_s=cfg.timeout_s,
         backend="nccl" if use_cuda else "gloo",
         log_dir=cfg.out_dir / "logs",

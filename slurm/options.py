@@ -71,7 +71,8 @@ def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool) -> d
         "nodes": layout.nodes,
         "ntasks_per_node": layout.gpus_per_node,  # one task per rank
         "time": opts.time_min,
-        "signal_delay_s": 120,  # time to write what is done before the limit (checkpoint + requeue)
+        # Warning before the time limit (checkpoint + requeue): 2 minutes, or a quarter of short limits.
+        "signal_delay_s": min(120, opts.time_min * 15),
     }
     if use_gpus:
         params["gpus_per_node"] = layout.gpus_per_node

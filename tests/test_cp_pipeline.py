@@ -90,7 +90,9 @@ def test_cli_two_ranks_two_virtual_nodes_matches_one_process(runner, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     base = ["generate", "--prompt", "a green square moving left", "--save-latents", *FAST]
     assert runner.invoke(app, [*base, "--out", str(one)]).exit_code == 0
-    result = runner.invoke(app, [*base, "--out", str(two), "--gpus", "1", "--nodes", "2", "--parallel", "ring"])
+    result = runner.invoke(
+        app, [*base, "--out", str(two), "--gpus", "1", "--nodes", "2", "--parallel", "ring", "--executor", "local"]
+    )
     assert result.exit_code == 0, result.stderr
     a = load_file(next(one.glob("*.latents.safetensors")))["latents"]
     b = load_file(next(two.glob("*.latents.safetensors")))["latents"]

@@ -190,7 +190,7 @@ def test_cli_ditango_run_reports_plan_quality_and_heatmap(runner, tmp_path):
     out = tmp_path / "out"
     args = ["generate", "--prompt", "a blue square moving up", "--out", str(out), "--device", "cpu", "--quiet",
             "--steps", "8", "--height", "32", "--width", "64", "--frames", "5",
-            "--gpus", "2", "--nodes", "2", "--parallel", "ditango", "--cache-ratio", "0.5",
+            "--gpus", "2", "--nodes", "2", "--executor", "local", "--parallel", "ditango", "--cache-ratio", "0.5",
             "--warmup", "1", "--cooldown", "1", "--reference", "exact"]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr

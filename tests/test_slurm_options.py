@@ -116,3 +116,28 @@ def test_rendered_names_are_sbatch_parameters():
     valid = set(inspect.signature(_make_sbatch_string).parameters)
     for params in rendered().values():
         assert set(params) <= valid, set(params) - valid
+
+
+def test_aggregate_task_reports_and_sidecars(tmp_path):
+    from slurm.aggregate import aggregate
+
+    def record(item_id, status, **extra):
+        return {"schema": 1, "id": item_id, "status": status, **extra}
+
+    (tmp_path / "report.task-0.json").write_text(json.dumps({
+        "schema": 1, "started_at": "2026-01-01T00:00:00", "layout": {"nodes": 2},
+        "items": [record("a", "done"), record("b", "failed", error="boom")],
+    }))  # fmt: skip
+    (tmp_path / "report.task-1.json").write_text(json.dumps({
+        "schema": 1, "started_at": "2026-01-01T00:00:05", "items": [record("c", "skipped")],
+    }))  # fmt: skip
+    for item_id in ("a", "c"):  # sidecars of finished items
+        (tmp_path / f"{item_id}.json").write_text(json.dumps(record(item_id, "done")))
+    (tmp_path / "jobs.json").write_text("[]")
+    merged = aggregate(tmp_path)
+    assert [(i["id"], i["status"]) for i in merged["items"]] == [("a", "done"), ("b", "failed"), ("c", "done")]
+    assert merged["counts"] == {"done": 2, "skipped": 0, "failed": 1}
+    assert merged["aggregated_from"] == ["report.task-0.json", "report.task-1.json"]
+    again = aggregate(tmp_path)  # the aggregate itself is not an input
+    assert again["items"] == merged["items"]
+    assert json.loads((tmp_path / "report.json").read_text())["counts"] == merged["counts"]

@@ -1,0 +1,181 @@
+"""Slurm jobs through submitit: one multi-node job (or an array of them) per batch.
+
+Each Slurm task is one rank. The job runs a pickled callable (`SlurmRun`), never a
+shell line built from user input, on a snapshot of the code as submitted. `SlurmRun` is
+checkpointable: on preemption or at the time limit submitit calls `checkpoint()` (one
+rank, in a signal handler: no collectives) and requeues the same call, which resumes the
+batch because finished items are skipped.
+
+Bookkeeping lives in the output folder: `slurm/` (submitit logs and pickles, one folder
+per submission), `jobs.json` (what `ditango status` and `ditango cancel` read), one
+`report.task-<i>.json` per array task, and `report.json` aggregated by `ditango report`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import submitit
+import torch
+import torch.distributed as dist
+
+from runtime.comm import Comm
+from runtime.config import RunConfig
+from runtime.errors import ConfigError
+from runtime.mesh import build_mesh
+from runtime.run import RankContext, SilentObserver, execute, plan_resume
+from slurm.launch import FAULT_ENV, _parse_fault
+from slurm.options import SlurmOptions, submitit_parameters
+from slurm.sharding import shard
+
+CODE_PACKAGES = ("ditango_cli", "runtime", "planner", "slurm")
+
+
+def snapshot_code(dest: Path) -> Path:
+    """Copy the project's packages as they are now, so a queued job does not run whatever
+    is checked out when it starts."""
+    root = Path(__file__).resolve().parent.parent
+    for name in CODE_PACKAGES:
+        shutil.copytree(root / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    return dest
+
+
+class _FaultObserver(SilentObserver):
+    """The local launcher's fault hook (DITANGO_FAULT_INJECT=RANK:STEP) for Slurm tasks."""
+
+    def __init__(self, rank: int, fault: tuple[int, int] | None) -> None:
+        self.rank, self.fault = rank, fault
+
+    def step_done(self, step: int, steps: int) -> None:
+        if self.fault == (self.rank, step):
+            raise RuntimeError(f"injected fault on rank {self.rank} after step {step} ({FAULT_ENV})")
+
+
+class SlurmRun(submitit.helpers.Checkpointable):
+    """One array task of a batch, on every rank of its job."""
+
+    def __call__(self, cfg: RunConfig, task: int, tasks: int) -> dict | None:
+        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        use_cuda = torch.cuda.is_available() and cfg.device != "cpu"
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s),
+            rank=env.rank, world_size=env.world_size,
+        )  # fmt: skip
+        try:
+            # The real topology: which node each rank is on (byte counters, DiTango groups).
+            node_of = [None] * env.world_size
+            dist.all_gather_object(node_of, submitit.JobEnvironment().node)
+            items = tuple(shard(cfg.items, task, tasks))
+            if not items:
+                return None
+            cfg = replace(cfg, items=items)
+            mesh = build_mesh(cfg.layout, env.rank, tuple(node_of), timeout_s=cfg.timeout_s)
+            skipped = plan_resume(cfg) if env.rank == 0 else None
+            box = [skipped]
+            dist.broadcast_object_list(box, src=0)
+            observer = _FaultObserver(env.rank, _parse_fault())
+            return execute(cfg, observer, RankContext(mesh, Comm(mesh)), box[0], report_name=f"report.task-{task}.json")
+        finally:
+            dist.destroy_process_group()
+
+
+def jobs_file(out_dir: Path) -> Path:
+    return out_dir / "jobs.json"
+
+
+def read_jobs(out_dir: Path) -> list[dict]:
+    path = jobs_file(out_dir)
+    if not path.is_file():
+        raise ConfigError(f"{out_dir} has no jobs.json: nothing was submitted from it")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def submit(cfg: RunConfig, opts: SlurmOptions) -> list[submitit.Job]:
+    """Submit the batch as `opts.array` tasks (one multi-node job each); record the job ids."""
+    if opts.array > len(cfg.items):
+        raise ConfigError(f"--array {opts.array} is more than the {len(cfg.items)} items")
+    # The job starts in the code snapshot (its first sys.path entry), so paths must be absolute.
+    cfg = replace(
+        cfg, out_dir=cfg.out_dir.resolve(), model_path=None if cfg.model_path is None else cfg.model_path.resolve()
+    )
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    folder = cfg.out_dir / "slurm" / stamp
+    code = snapshot_code(folder / "code")
+    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=20)
+    params = submitit_parameters(cfg, opts, use_gpus=cfg.device == "cuda")
+    # Run from the snapshot: the job's working directory is the first entry of its sys.path
+    # (python -m), ahead of PYTHONPATH and of an editable install of the checkout.
+    params["setup"] = [f"export PYTHONPATH={code}:${{PYTHONPATH:-}}"]
+    params.setdefault("additional_parameters", {})["chdir"] = str(code)
+    executor.update_parameters(**params)
+    tasks = list(range(opts.array))
+    jobs = executor.map_array(SlurmRun(), [cfg] * len(tasks), tasks, [len(tasks)] * len(tasks))
+    record = read_jobs(cfg.out_dir) if jobs_file(cfg.out_dir).is_file() else []
+    record.append({
+        "submitted_at": stamp, "folder": str(folder), "job_ids": [j.job_id for j in jobs],
+        "tasks": cfg.layout.world_size,
+    })  # fmt: skip
+    jobs_file(cfg.out_dir).write_text(json.dumps(record, indent=2) + "\n")
+    return jobs
+
+
+def job_error(job: submitit.Job) -> str | None:
+    """The most telling error of a finished job: a task's own exception line (e.g. the rank
+    that raised) rather than a peer's 'task failed' or a log path."""
+    lines = []
+    for t in range(max(1, job.num_tasks)):
+        exc = job.task(t).exception() if job.num_tasks > 1 else job.exception()
+        if exc is None:
+            continue
+        text = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        raised = [ln for ln in text if ln.split(":")[0].endswith(("Error", "Exception", "Interrupt"))]
+        lines.append(raised[-1] if raised else (text[-1] if text else type(exc).__name__))
+    own = [ln for ln in lines if not any(m in ln for m in _SECONDARY)]
+    return (own or lines or [None])[0]
+
+
+# What a rank says when a PEER failed (not the root cause): prefer any other task's error.
+_SECONDARY = (
+    "FailedJobError", "UncompletedJobError", "Connection closed by peer", "remote worker", "gloo/transport",
+    "Timed out waiting", "NCCL communicator was aborted", "ProcessGroup",
+)  # fmt: skip
+
+
+def wait(jobs: list[submitit.Job], on_state=None, poll_s: float = 2.0) -> list[str | None]:
+    """Block until every job is done; returns each job's error (None when it succeeded)."""
+    while not all(j.done() for j in jobs):
+        if on_state is not None:
+            on_state([j.state for j in jobs])
+        time.sleep(poll_s)
+    return [job_error(j) for j in jobs]
+
+
+def job_states(out_dir: Path) -> list[dict]:
+    """Current state of every job submitted from `out_dir` (sacct)."""
+    rows = []
+    for submission in read_jobs(out_dir):
+        for job_id in submission["job_ids"]:
+            tasks = tuple(range(submission.get("tasks", 1)))
+            job = submitit.SlurmJob(folder=Path(submission["folder"]) / "%j", job_id=job_id, tasks=tasks)
+            state = job.get_info(mode="force").get("State", "UNKNOWN") if job_id else "UNKNOWN"
+            error = job_error(job) if failed_state(state) else None
+            rows.append({"job_id": job_id, "state": state, "error": error, "submitted_at": submission["submitted_at"]})
+    return rows
+
+
+def failed_state(state: str) -> bool:
+    """Slurm states that end a job without its work done (e.g. "CANCELLED by 0")."""
+    return state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
+
+
+def cancel(out_dir: Path) -> list[str]:
+    ids = [j for s in read_jobs(out_dir) for j in s["job_ids"]]
+    if ids:
+        subprocess.run(["scancel", *ids], check=False)
+    return ids

@@ -1,0 +1,117 @@
+"""Against a real Slurm: `bash scripts/local-slurm.sh start` (4 nodes on this host; .ci/run
+starts it). Without a running cluster these tests skip, except in CI, where they fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from ditango_cli.app import app
+
+
+def cluster_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    return out.returncode == 0 and "idle" in out.stdout
+
+
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("CI") and not cluster_up(), reason="no local Slurm (bash scripts/local-slurm.sh start)"
+)
+SMALL = ["--steps", "3", "--height", "32", "--width", "64", "--frames", "5", "--device", "cpu", "--quiet",
+         "--partition", "debug", "--executor", "slurm"]  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _require_cluster():
+    assert cluster_up(), "Slurm is not running: .ci/run must start scripts/local-slurm.sh"
+
+
+def test_two_nodes_two_tasks_match_the_local_run(runner, tmp_path):
+    base = ["generate", "--prompt", "a green circle moving up", "--save-latents", "--gpus", "2", "--nodes", "2",
+            "--parallel", "ring", *SMALL]  # fmt: skip
+    result = runner.invoke(app, [*base, "--out", str(tmp_path / "slurm")])
+    assert result.exit_code == 0, result.stderr
+    local = [a if a != "slurm" else "local" for a in base]
+    assert runner.invoke(app, [*local, "--out", str(tmp_path / "local")]).exit_code == 0
+    a = load_file(next((tmp_path / "slurm").glob("*.latents.safetensors")))["latents"]
+    b = load_file(next((tmp_path / "local").glob("*.latents.safetensors")))["latents"]
+    assert (a - b).abs().max().item() <= 1e-4
+    report = json.loads((tmp_path / "slurm" / "report.json").read_text())
+    assert report["layout"]["nodes"] == 2 and report["items"][0]["comm"]["inter_node_bytes"] > 0
+
+
+def test_array_of_two_makes_four_videos_and_one_report(runner, tmp_path):
+    prompts = tmp_path / "batch.txt"
+    prompts.write_text("".join(f"a {c} square moving left\n" for c in ("red", "green", "blue", "white")))
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["generate", "--prompts", str(prompts), "--out", str(out), "--array", "2", *SMALL])
+    assert result.exit_code == 0, result.stderr
+    assert len(list(out.glob("*.mp4"))) == 4
+    report = json.loads((out / "report.json").read_text())
+    assert report["counts"]["done"] == 4 and report["aggregated_from"] == ["report.task-0.json", "report.task-1.json"]
+    jobs = json.loads((out / "jobs.json").read_text())
+    assert len(jobs[0]["job_ids"]) == 2  # one array, two tasks
+    shown = runner.invoke(app, ["report", str(out)])
+    assert shown.exit_code == 0 and "4 done" in shown.stdout
+
+
+def test_cancel_and_resubmit_skips_finished_items(runner, tmp_path):
+    prompts = tmp_path / "batch.txt"
+    prompts.write_text("".join(f"a {c} ball moving down\n" for c in ("red", "green", "blue", "yellow", "white")))
+    out = tmp_path / "out"
+    args = ["generate", "--prompts", str(prompts), "--out", str(out), *SMALL]
+    result = runner.invoke(app, [*args, "--no-wait"])
+    assert result.exit_code == 0 and "submitted job" in result.stdout
+    deadline = time.monotonic() + 120
+    while not list(out.glob("*.mp4")) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert runner.invoke(app, ["cancel", str(out)]).exit_code == 0
+    finished = {p.stem: p.stat().st_mtime_ns for p in out.glob("*.mp4")}
+    assert finished and len(finished) < 5
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    assert len(list(out.glob("*.mp4"))) == 5
+    for stem, mtime in finished.items():  # not redone
+        assert (out / f"{stem}.mp4").stat().st_mtime_ns == mtime
+    task = json.loads((out / "report.task-0.json").read_text())
+    assert sum(i["status"] == "skipped" for i in task["items"]) >= len(finished)
+
+
+def test_failing_task_fails_the_job_with_its_error(runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("DITANGO_FAULT_INJECT", "1:2")  # sbatch exports the environment to the job
+    out = tmp_path / "out"
+    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", *SMALL]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1
+    assert "injected fault on rank 1 after step 2" in result.stderr
+    status = runner.invoke(app, ["status", str(out)])
+    assert status.exit_code == 1 and "FAILED" in status.stdout and "injected fault" in status.stdout
+
+
+def test_time_limit_requeues_and_finishes_the_batch(runner, tmp_path):
+    """2-minute limit, about 2 minutes of work (60 items of ~1.8 s): Slurm signals 30 s before
+    the limit, submitit checkpoints (requeues the same call) and the requeued job skips what
+    was finished."""
+    prompts = tmp_path / "batch.txt"
+    colours = ("red", "green", "blue", "yellow", "white")
+    lines = [
+        f"a {c} {s} moving {d}" for c in colours for s in ("circle", "square") for d in ("left", "right", "up", "down")
+    ]
+    prompts.write_text("\n".join((lines * 2)[:60]) + "\n")  # ids differ by index
+    out = tmp_path / "out"
+    args = ["generate", "--prompts", str(prompts), "--out", str(out), "--device", "cpu", "--quiet",
+            "--partition", "debug", "--executor", "slurm", "--time", "2", "--steps", "30"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    assert len(list(out.glob("*.mp4"))) == 60
+    task = json.loads((out / "report.task-0.json").read_text())
+    skipped = sum(i["status"] == "skipped" for i in task["items"])
+    assert 0 < skipped < 60  # the last (requeued) run resumed: it found finished items
