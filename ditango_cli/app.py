@@ -11,29 +11,81 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import torch
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
+from ditango_cli.options import (
+    AccountOpt,
+    AlphaOpt,
+    AnchorIntervalOpt,
+    ArrayOpt,
+    ArrayParOpt,
+    BackendChoice,
+    BackendOpt,
+    CacheDtypeOpt,
+    CacheLimitOpt,
+    CacheRatioOpt,
+    CfgParallelOpt,
+    ConstraintOpt,
+    CooldownOpt,
+    CpusOpt,
+    DeviceChoice,
+    DeviceOpt,
+    DTypeChoice,
+    DTypeOpt,
+    ExecutorChoice,
+    ExecutorOpt,
+    FramesOpt,
+    GpusOpt,
+    GroupSizeOpt,
+    GuidanceOpt,
+    HeightOpt,
+    HybridCapOpt,
+    HybridKOpt,
+    HybridOpt,
+    HybridSlopeOpt,
+    HybridSplitOpt,
+    HybridTextOpt,
+    HybridWindowOpt,
+    JsonOpt,
+    MemOpt,
+    ModelOpt,
+    ModelRootOpt,
+    NegativeOpt,
+    NodesOpt,
+    OutOpt,
+    ParallelArgs,
+    ParallelOpt,
+    PartitionOpt,
+    PromptOpt,
+    PromptsOpt,
+    QosOpt,
+    ReferenceOpt,
+    SeedOpt,
+    SlurmArgOpt,
+    StepsOpt,
+    TauMaxOpt,
+    TimeOpt,
+    TimeoutOpt,
+    UlyssesOpt,
+    WaitOpt,
+    WarmupOpt,
+    WidthOpt,
+)
 from ditango_cli.prompts import Overrides, build_items
-from planner.ditango import PlannerConfig
-from planner.hybrid import HybridConfig
 from runtime.cache import compose_factor, unit_bytes
 from runtime.config import RunConfig
 from runtime.errors import ConfigError
 from runtime.kernels import resolve_backend
-from runtime.mesh import ParallelLayout
 from runtime.models.loading import resolve_placement
 from runtime.models.registry import MODEL_ROOT_ENV, REGISTRY, ResolvedModel, model_root, resolve_model
-from runtime.strategies.ditango import DiTangoOptions
 from runtime.strategies.sharding import chunk_sizes
 
 EXIT_USAGE = 2
@@ -76,269 +128,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Batch video generation with Diffusion Transformers.",
 )
-
-
-class DeviceChoice(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class DTypeChoice(str, Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-ModelOpt = Annotated[
-    str,
-    typer.Option("--model", "-m", help="Registry name (see `ditango models`) or a diffusers-format directory."),
-]
-ModelRootOpt = Annotated[
-    Path | None,
-    typer.Option("--model-root", help=f"Folder holding named checkpoints [env: {MODEL_ROOT_ENV}]."),
-]
-PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="One prompt.")]
-PromptsOpt = Annotated[
-    Path | None,
-    typer.Option("--prompts", help="Batch file: .txt (a prompt per line) or .jsonl (an object per line)."),
-]
-NegativeOpt = Annotated[str | None, typer.Option("--negative-prompt", help="Negative prompt (default: empty).")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the initial noise (per-item seeds override).")]
-StepsOpt = Annotated[int | None, typer.Option("--steps", help="Denoising steps [default: the model's].")]
-GuidanceOpt = Annotated[float | None, typer.Option("--guidance", help="CFG scale; <= 1 runs one branch.")]
-HeightOpt = Annotated[int | None, typer.Option("--height", help="Pixels, a multiple of 16.")]
-WidthOpt = Annotated[int | None, typer.Option("--width", help="Pixels, a multiple of 16.")]
-FramesOpt = Annotated[int | None, typer.Option("--frames", help="Video frames, 4k+1.")]
-OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Output folder.")]
-DeviceOpt = Annotated[DeviceChoice, typer.Option("--device", help="auto picks CUDA when available.")]
-DTypeOpt = Annotated[
-    DTypeChoice | None,
-    typer.Option("--dtype", help="Transformer/text-encoder dtype [default: float32 on CPU, bfloat16 on CUDA]."),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
-
-
-class ParallelChoice(str, Enum):
-    none = "none"
-    ring = "ring"
-    ulysses = "ulysses"
-    usp = "usp"
-    ditango = "ditango"
-
-
-class ExecutorChoice(str, Enum):
-    local = "local"
-    slurm = "slurm"
-    auto = "auto"
-
-
-class BackendChoice(str, Enum):
-    auto = "auto"
-    flash = "flash"
-    torch = "torch"
-    reference = "reference"
-
-
-NodesOpt = Annotated[
-    int, typer.Option("--nodes", help="Nodes (locally: virtual nodes for topology and byte accounting).")
-]
-GpusOpt = Annotated[int, typer.Option("--gpus-per-node", "--gpus", help="Ranks per node.")]
-ParallelOpt = Annotated[
-    ParallelChoice | None,
-    typer.Option(
-        "--parallel", help="Context-parallel strategy [default: none on 1 rank, ring on more].", case_sensitive=False
-    ),
-]
-UlyssesOpt = Annotated[
-    int | None,
-    typer.Option("--ulysses-degree", help="USP: Ulysses degree inside the cp axis [default: largest within a node]."),
-]
-ExecutorOpt = Annotated[
-    ExecutorChoice,
-    typer.Option(
-        "--executor", help="local processes, a Slurm job, or auto (Slurm when sbatch exists and it is needed)."
-    ),
-]
-TimeoutOpt = Annotated[
-    float, typer.Option("--timeout", help="Process-group timeout in seconds (a stuck rank fails after it).")
-]
-BackendOpt = Annotated[
-    BackendChoice, typer.Option("--attention-backend", help="Attention kernel for parallel strategies.")
-]
-
-
-CacheRatioOpt = Annotated[
-    float | None, typer.Option("--cache-ratio", help="DiTango: target fraction of remote attention reused [0.4].")
-]
-WarmupOpt = Annotated[int | None, typer.Option("--warmup", help="DiTango: exact steps at the start [5].")]
-CooldownOpt = Annotated[int | None, typer.Option("--cooldown", help="DiTango: exact steps at the end [5].")]
-GroupSizeOpt = Annotated[
-    str | None, typer.Option("--group-size", help="DiTango: adjacent ranks per group, or 'node' [2].")
-]
-TauMaxOpt = Annotated[int | None, typer.Option("--tau-max", help="DiTango: recompute a cache this many steps old.")]
-AnchorIntervalOpt = Annotated[
-    int | None, typer.Option("--anchor-interval", help="DiTango: force an anchor step this often.")
-]
-AlphaOpt = Annotated[
-    bool | None, typer.Option("--alpha/--no-alpha", help="DiTango: norm-ratio factor in the drift estimate [off].")
-]
-CacheDtypeOpt = Annotated[
-    str | None, typer.Option("--cache-dtype", help="DiTango: cached attention outputs in float32 or bfloat16.")
-]
-ReferenceOpt = Annotated[
-    str | None,
-    typer.Option("--reference", help="DiTango: 'exact' also runs the exact ring path and records PSNR/SSIM."),
-]
-CfgParallelOpt = Annotated[
-    bool, typer.Option("--cfg-parallel", help="Run the two CFG branches on two rank groups (world = 2 x cp).")
-]
-HybridOpt = Annotated[bool, typer.Option("--hybrid", help="Hybridiff: pipeline stage in the middle steps.")]
-HybridKOpt = Annotated[int | None, typer.Option("--hybrid-k", help="Pipeline steps [5 at 50 steps, scaled].")]
-HybridWindowOpt = Annotated[int | None, typer.Option("--hybrid-window", help="Slope window L [15 at 50 steps].")]
-HybridSlopeOpt = Annotated[float | None, typer.Option("--hybrid-slope", help="Slope threshold [5e-4 at 50 steps].")]
-HybridCapOpt = Annotated[int | None, typer.Option("--hybrid-tau-cap", help="Latest tau1 [40 at 50 steps].")]
-HybridSplitOpt = Annotated[int | None, typer.Option("--hybrid-split", help="First block of segment 2 [half].")]
-HybridTextOpt = Annotated[
-    str, typer.Option("--hybrid-first-text", help="Text of segment 1: cond (clean variant) or uncond (authors').")
-]
-CacheLimitOpt = Annotated[
-    str | None,
-    typer.Option("--cache-memory-limit", help="DiTango: cap per rank, e.g. 8GiB; adjacent groups are composed."),
-]
-
-
-def parse_bytes(text: str) -> int:
-    """'8GiB', '500MB', '1048576' -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    number = text.strip().upper().rstrip()
-    suffix = number.lstrip("0123456789.")
-    value = number[: len(number) - len(suffix)]
-    try:
-        return int(float(value) * units[suffix.strip()])
-    except (KeyError, ValueError):
-        raise ConfigError(f"--cache-memory-limit {text!r}: expected a size like 8GiB, 500MB or 1048576") from None
-
-
-PartitionOpt = Annotated[str | None, typer.Option("--partition", help="Slurm partition.")]
-AccountOpt = Annotated[str | None, typer.Option("--account", help="Slurm account.")]
-QosOpt = Annotated[str | None, typer.Option("--qos", help="Slurm QOS.")]
-TimeOpt = Annotated[int, typer.Option("--time", help="Slurm time limit per job, minutes.")]
-CpusOpt = Annotated[int | None, typer.Option("--cpus-per-task", help="Slurm CPUs per rank.")]
-MemOpt = Annotated[str | None, typer.Option("--mem", help="Slurm memory per node, e.g. 200G.")]
-ConstraintOpt = Annotated[str | None, typer.Option("--constraint", help="Slurm node constraint.")]
-SlurmArgOpt = Annotated[
-    list[str] | None, typer.Option("--slurm-arg", help="Extra sbatch option KEY=VALUE (repeatable).")
-]
-ArrayOpt = Annotated[int, typer.Option("--array", help="Split the items over N array tasks (locally: N rounds).")]
-ArrayParOpt = Annotated[int | None, typer.Option("--array-parallelism", help="At most K array tasks at once.")]
-WaitOpt = Annotated[bool, typer.Option("--wait/--no-wait", help="Slurm: wait for the job (default) or return.")]
-
-
-@dataclass(frozen=True)
-class DiTangoArgs:
-    cache_ratio: float | None = None
-    warmup: int | None = None
-    cooldown: int | None = None
-    group_size: str | None = None
-    tau_max: int | None = None
-    anchor_interval: int | None = None
-    alpha: bool | None = None
-    cache_dtype: str | None = None
-    cache_memory_limit: str | None = None
-    reference: str | None = None
-
-    def given(self) -> list[str]:
-        return [f"--{k.replace('_', '-')}" for k, v in self.__dict__.items() if v is not None]
-
-    def options(self) -> DiTangoOptions:
-        def pick(value, default):
-            return default if value is None else value
-
-        planner = PlannerConfig(
-            cache_ratio=pick(self.cache_ratio, 0.4), warmup=pick(self.warmup, 5), cooldown=pick(self.cooldown, 5),
-            tau_max=self.tau_max, anchor_interval=self.anchor_interval, use_alpha=pick(self.alpha, False),
-        )  # fmt: skip
-        limit = None if self.cache_memory_limit is None else parse_bytes(self.cache_memory_limit)
-        return DiTangoOptions(planner, pick(self.cache_dtype, "float32"), limit)
-
-
-@dataclass(frozen=True)
-class HybridArgs:
-    cfg_parallel: bool = False
-    hybrid: bool = False
-    k: int | None = None
-    window: int | None = None
-    slope: float | None = None
-    tau_cap: int | None = None
-    split: int | None = None
-    first_text: str = "cond"
-
-    def config(self, layers: int) -> HybridConfig | None:
-        tuned = {"--hybrid-k": self.k, "--hybrid-window": self.window, "--hybrid-slope": self.slope,
-                 "--hybrid-tau-cap": self.tau_cap, "--hybrid-split": self.split}  # fmt: skip
-        given = [k for k, v in tuned.items() if v is not None] + (
-            ["--hybrid-first-text"] if self.first_text != "cond" else []
-        )
-        if not self.hybrid:
-            if given:
-                raise ConfigError(f"{', '.join(given)} only apply with --hybrid")
-            return None
-        if not self.cfg_parallel:
-            raise ConfigError("--hybrid needs --cfg-parallel (the two CFG branches on two rank groups)")
-        cfg = HybridConfig(self.k, self.window, self.slope, self.tau_cap, self.split, self.first_text)  # type: ignore[arg-type]
-        cfg.split_for(layers)
-        return cfg
-
-
-@dataclass(frozen=True)
-class ParallelArgs:
-    nodes: int = 1
-    gpus_per_node: int = 1
-    parallel: ParallelChoice | None = None
-    ulysses_degree: int | None = None
-    timeout: float = 600.0
-    attention_backend: BackendChoice = BackendChoice.auto
-    ditango: DiTangoArgs = DiTangoArgs()
-    hybrid: HybridArgs = HybridArgs()
-
-    @classmethod
-    def from_options(cls, o: dict) -> ParallelArgs:
-        """From the keyword arguments of `generate` / `check` (they share these options)."""
-        ditango = DiTangoArgs(
-            o["cache_ratio"], o["warmup"], o["cooldown"], o["group_size"], o["tau_max"], o["anchor_interval"],
-            o["alpha"], o["cache_dtype"], o["cache_memory_limit"], o["reference"],
-        )  # fmt: skip
-        hybrid = HybridArgs(
-            o["cfg_parallel"], o["hybrid"], o["hybrid_k"], o["hybrid_window"], o["hybrid_slope"], o["hybrid_tau_cap"],
-            o["hybrid_split"], o["hybrid_first_text"],
-        )  # fmt: skip
-        return cls(
-            o["nodes"], o["gpus_per_node"], o["parallel"], o["ulysses_degree"], o["timeout"], o["attention_backend"],
-            ditango, hybrid,
-        )  # fmt: skip
-
-    def layout(self, heads: int) -> ParallelLayout:
-        world = self.nodes * self.gpus_per_node
-        cfg_degree = 2 if self.hybrid.cfg_parallel else 1
-        if cfg_degree == 2 and world % 2:
-            raise ConfigError(f"--cfg-parallel needs an even number of ranks, got {world}")
-        cp = world // cfg_degree
-        strategy = self.parallel.value if self.parallel else ("ring" if cp > 1 else "none")
-        if self.hybrid.hybrid and strategy == "ditango":
-            raise ConfigError("--hybrid does not combine with --parallel ditango; use ring, ulysses or usp")
-        if strategy != "ditango" and self.ditango.given():
-            raise ConfigError(f"{', '.join(self.ditango.given())} only apply to --parallel ditango")
-        if self.ditango.reference not in (None, "exact"):
-            raise ConfigError(f"--reference must be 'exact', got {self.ditango.reference!r}")
-        group = self.ditango.group_size
-        if group is not None and group != "node" and not group.isdigit():
-            raise ConfigError(f"--group-size must be a number of ranks or 'node', got {group!r}")
-        group_size = None if group is None else (self.gpus_per_node if group == "node" else int(group))
-        layout = ParallelLayout(self.nodes, self.gpus_per_node, cfg_degree, strategy, self.ulysses_degree, group_size)
-        layout = layout.with_default_ulysses(heads)
-        layout.check_model(heads)
-        return layout
 
 
 def check_writable(out: Path, create: bool) -> None:
@@ -522,7 +311,9 @@ def generate(
     if not quiet and executor == ExecutorChoice.auto and where == "local" and cfg.layout.nodes > 1:
         err.print(f"executor: local ({cfg.layout.nodes} virtual nodes; no sbatch on PATH)", highlight=False)
     if where == "sbatch":
-        return _run_on_slurm(cfg, slurm_opts, wait_for_job, quiet, as_json, err)
+        from ditango_cli.cluster import run_on_slurm
+
+        return run_on_slurm(cfg, slurm_opts, wait_for_job, quiet, as_json, err)
     observer = contextlib.nullcontext(SilentObserver()) if quiet else RichObserver(err)
     try:
         with observer as obs:
@@ -536,7 +327,7 @@ def generate(
     except RankFailed as exc:
         typer.echo(f"error: {exc}", err=True)
         return EXIT_FAILED_ITEMS
-    return _report_summary(report, cfg.out_dir / "report.json", quiet, as_json, err)
+    return report_summary(report, cfg.out_dir / "report.json", quiet, as_json, err)
 
 
 @app.command()
@@ -669,120 +460,7 @@ def models(
     return 0
 
 
-@app.command()
-def simulate(
-    model: Annotated[str, typer.Option("--model", "-m", help="wan2.1-1.3b, wan2.1-14b, hunyuanvideo, tiny-wan.")] = (
-        "wan2.1-14b"
-    ),
-    nodes: NodesOpt = 4,
-    gpus_per_node: GpusOpt = 8,
-    hardware: Annotated[str, typer.Option("--hardware", help="h20, h100, h200, a100, l40s.")] = "h20",
-    hardware_file: Annotated[
-        Path | None, typer.Option("--hardware-file", help="JSON profile overriding --hardware.")
-    ] = None,
-    parallel: Annotated[
-        str, typer.Option("--parallel", help="Comma-separated strategies.")
-    ] = "ring,ulysses,usp,ditango",
-    plan: Annotated[
-        Path | None, typer.Option("--plan", help="report.json of a DiTango run: its computed fraction.")
-    ] = None,
-    cache_ratio: Annotated[float, typer.Option("--cache-ratio", help="DiTango without --plan.")] = 0.4,
-    group_size: Annotated[str, typer.Option("--group-size", help="DiTango group: ranks or 'node'.")] = "node",
-    height: Annotated[int, typer.Option("--height")] = 720,
-    width: Annotated[int, typer.Option("--width")] = 1280,
-    frames: Annotated[int, typer.Option("--frames")] = 81,
-    steps: Annotated[int, typer.Option("--steps")] = 50,
-    as_json: JsonOpt = False,
-) -> int:
-    """Price strategies on a hardware profile: per-step attention, step and end-to-end time, bytes."""
-    from planner.cost_model import (
-        MODELS,
-        estimate,
-        load_hardware,
-        map_plan_offsets,
-        plan_fraction_from_report,
-        report_dict,
-        synthetic_plan_fraction,
-    )  # fmt: skip
-
-    if model not in MODELS:
-        raise ConfigError(f"unknown model {model!r} for simulate: use one of {', '.join(MODELS)}")
-    shape = MODELS[model]
-    hw = load_hardware(str(hardware_file) if hardware_file else hardware)
-    strategies = [s.strip() for s in parallel.split(",") if s.strip()]
-    for s in strategies:
-        if s not in ("ring", "ulysses", "usp", "ditango"):
-            raise ConfigError(f"--parallel {s!r}: simulate knows ring, ulysses, usp, ditango")
-    plan_log = None
-    if plan is not None:
-        try:
-            report = json.loads(plan.read_text(encoding="utf-8"))
-            fraction = plan_fraction_from_report(report)
-            plan_files = [(i.get("attention") or {}).get("plan_file") for i in report.get("items", [])]
-            plan_file = next((plan.parent / f for f in plan_files if f), None)
-            if plan_file is not None and plan_file.is_file():
-                plan_log = json.loads(plan_file.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"--plan {plan}: cannot read ({exc})") from None
-    else:
-        fraction = synthetic_plan_fraction(cache_ratio, steps)
-    rows, notes = [], []
-    for n in range(1, nodes + 1):
-        found = []
-        for s in strategies:
-            try:
-                group = None
-                if s == "ditango":
-                    group = gpus_per_node if group_size == "node" else int(group_size)
-                layout = ParallelLayout(n, gpus_per_node, 1, s, None, group).with_default_ulysses(shape.heads)
-                layout.check_model(shape.heads)
-            except (ConfigError, ValueError) as exc:
-                notes.append(f"{s} on {n} node(s): {exc}")
-                continue
-            f = fraction
-            if s == "ditango" and plan_log is not None:
-                f = map_plan_offsets(plan_log, layout.groups)  # per ring offset, by relative distance
-            est = estimate(hw, layout, shape, height, width, frames, steps,
-                           compute_fraction=f if s == "ditango" else 1.0)  # fmt: skip
-            found.append(est)
-        exact = [e.e2e_s for e in found if e.strategy != "ditango"]
-        best = min(exact) if exact else None
-        for e in found:
-            rows.append(
-                {"strategy": e.strategy, "nodes": e.nodes, "gpus_per_node": e.gpus_per_node,
-                 "attention_s": round(e.attention_s, 6), "step_s": round(e.step_s, 6), "e2e_s": round(e.e2e_s, 4),
-                 "inter_node_bytes": e.inter_node_bytes, "intra_node_bytes": e.intra_node_bytes,
-                 "speedup_vs_best_exact": None if best is None else round(best / e.e2e_s, 4)}
-            )  # fmt: skip
-    assumptions = {**report_dict(hw), "model": model, "tokens": shape.tokens(height, width, frames),
-                   "steps": steps, "ditango_computed_fraction": round(fraction, 4),
-                   "ditango_plan": (f"{plan} (per ring offset from its plan file)" if plan_log is not None
-                                    else str(plan)) if plan else f"synthetic, cache ratio {cache_ratio:g}",
-                   "skipped": notes}  # fmt: skip
-    if as_json:
-        print(json.dumps({"schema": 1, "assumptions": assumptions, "rows": rows}, indent=2))
-        return 0
-    console = Console()
-    console.print(
-        f"{model}, {width}x{height}x{frames} ({assumptions['tokens']} tokens), {steps} steps, "
-        f"{hw.name} x {gpus_per_node} per node; DiTango computes {fraction:.0%} of remote attention "
-        f"({assumptions['ditango_plan']}). Bytes are exact counts; times are modelled (see --json assumptions).",
-        highlight=False,
-    )
-    table = Table("strategy", "nodes", "attention/step (s)", "step (s)", "e2e (s)", "inter-node GB", "intra-node GB",
-                  "vs best exact")  # fmt: skip
-    for r in rows:
-        speed = "-" if r["speedup_vs_best_exact"] is None else f"{r['speedup_vs_best_exact']:.2f}x"
-        table.add_row(r["strategy"], str(r["nodes"]), f"{r['attention_s']:.3f}", f"{r['step_s']:.3f}",
-                      f"{r['e2e_s']:.1f}", f"{r['inter_node_bytes'] / 1e9:.1f}", f"{r['intra_node_bytes'] / 1e9:.1f}",
-                      speed)  # fmt: skip
-    console.print(table)
-    for note in notes:
-        console.print(f"skipped: {note}", highlight=False)
-    return 0
-
-
-def _report_summary(report: dict, report_path: Path, quiet: bool, as_json: bool, err: Console) -> int:
+def report_summary(report: dict, report_path: Path, quiet: bool, as_json: bool, err: Console) -> int:
     counts = report["counts"]
     if as_json:
         print(report_path)
@@ -795,89 +473,6 @@ def _report_summary(report: dict, report_path: Path, quiet: bool, as_json: bool,
         failed = [r["id"] for r in report["items"] if r["status"] == "failed"]
         typer.echo(f"error: {len(failed)} item(s) failed: {', '.join(failed)} (see {report_path})", err=True)
         return EXIT_FAILED_ITEMS
-    return 0
-
-
-def _run_on_slurm(cfg, opts, wait_for_job: bool, quiet: bool, as_json: bool, err: Console) -> int:
-    from slurm.aggregate import aggregate
-    from slurm.submit import submit, wait
-
-    jobs = submit(cfg, opts)
-    ids = ", ".join(j.job_id for j in jobs)
-    if not wait_for_job:
-        typer.echo(f"submitted job(s) {ids}; follow with: ditango status {cfg.out_dir}")
-        return 0
-    if not quiet:
-        err.print(f"submitted job(s) {ids}; waiting (Ctrl-C stops waiting, not the job)", highlight=False)
-    last = None
-
-    def show(states):
-        nonlocal last
-        if not quiet and states != last:
-            err.print(f"  {', '.join(states)}", highlight=False)
-            last = states
-
-    errors = wait(jobs, show)
-    report = aggregate(cfg.out_dir)
-    failed = [(j.job_id, e) for j, e in zip(jobs, errors, strict=True) if e]
-    if failed:
-        for job_id, error in failed:
-            typer.echo(f"error: job {job_id} failed: {error}", err=True)
-        return EXIT_FAILED_ITEMS
-    return _report_summary(report, cfg.out_dir / "report.json", quiet, as_json, err)
-
-
-@app.command()
-def status(out: Annotated[Path, typer.Argument(help="The --out folder of a submitted batch.")]) -> int:
-    """State of the Slurm jobs submitted for OUT and of its items."""
-    from slurm.submit import failed_state, job_states
-
-    rows = job_states(out)
-    table = Table("job", "state", "submitted", "error")
-    for r in rows:
-        table.add_row(r["job_id"], r["state"], r["submitted_at"], escape(r["error"] or ""))
-    Console().print(table)
-    sidecars = [p for p in out.glob("*.json") if p.name not in ("jobs.json",) and not p.name.startswith("report")]
-    done = sum(1 for p in sidecars if '"status": "done"' in p.read_text(encoding="utf-8"))
-    Console().print(f"{done} item(s) done in {out}", highlight=False)
-    return 1 if any(failed_state(r["state"]) for r in rows) else 0
-
-
-@app.command()
-def cancel(out: Annotated[Path, typer.Argument(help="The --out folder of a submitted batch.")]) -> int:
-    """Cancel every Slurm job submitted for OUT (finished items stay; a rerun resumes)."""
-    from slurm.submit import cancel as cancel_jobs
-
-    ids = cancel_jobs(out)
-    typer.echo(f"cancelled {', '.join(ids) if ids else 'nothing'}")
-    return 0
-
-
-@app.command()
-def report(
-    out: Annotated[Path, typer.Argument(help="Output folder of a batch.")],
-    as_json: JsonOpt = False,
-) -> int:
-    """Aggregate a batch's task reports and sidecars into OUT/report.json and print a table."""
-    from slurm.aggregate import aggregate
-
-    if not out.is_dir():
-        raise ConfigError(f"{out} is not a directory")
-    merged = aggregate(out)
-    if as_json:
-        print(out / "report.json")
-        return 0
-    table = Table("id", "status", "total (s)", "inter-node MB", "intra-node MB")
-    for item in merged["items"]:
-        timing, comm = item.get("timing") or {}, item.get("comm") or {}
-        table.add_row(
-            item["id"], item["status"], f"{timing.get('total_s', 0):.2f}",
-            f"{comm.get('inter_node_bytes', 0) / 1e6:.2f}", f"{comm.get('intra_node_bytes', 0) / 1e6:.2f}",
-        )  # fmt: skip
-    console = Console()
-    console.print(table)
-    c = merged["counts"]
-    console.print(f"{c['done']} done, {c['skipped']} skipped, {c['failed']} failed -> {out / 'report.json'}")
     return 0
 
 
@@ -895,6 +490,10 @@ def _human(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f}{unit}"
     return str(n)
+
+
+# Commands defined in their own modules register themselves on `app` when imported.
+from ditango_cli import cluster, simulate  # noqa: E402, F401
 
 
 def main() -> None:
