@@ -63,6 +63,8 @@ class SlurmRun(submitit.helpers.Checkpointable):
     def __call__(self, cfg: RunConfig, task: int, tasks: int) -> dict | None:
         env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         use_cuda = torch.cuda.is_available() and cfg.device != "cpu"
+        if use_cuda:  # one GPU per task: NCCL and the object collectives use the current device
+            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         dist.init_process_group(
             "nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s),
             rank=env.rank, world_size=env.world_size,
