@@ -68,6 +68,7 @@ from ditango_cli.options import (
     PromptsOpt,
     QosOpt,
     ReferenceOpt,
+    RetriesOpt,
     SeedOpt,
     SlurmArgOpt,
     StepsOpt,
@@ -267,6 +268,7 @@ def generate(
     array: ArrayOpt = 1,
     array_parallelism: ArrayParOpt = None,
     wait_for_job: WaitOpt = True,
+    retries: RetriesOpt = 1,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
     as_json: JsonOpt = False,
 ) -> int:
@@ -287,6 +289,7 @@ def generate(
         parallel=ParallelArgs.from_options(locals()),
         create_out=True,
     )  # fmt: skip
+    cfg = replace(cfg, retries=retries)
     err = Console(stderr=True, soft_wrap=True)
     if cfg.hybrid is not None and cfg.hybrid.scaled() and not quiet:
         for n in sorted({i.steps for i in cfg.items} - {50}):
@@ -305,15 +308,12 @@ def generate(
     if array > len(cfg.items):
         raise ConfigError(f"--array {array} is more than the {len(cfg.items)} items")
     where = choose_executor(executor.value, cfg.layout.nodes, slurm_opts)
-    if where == "srun":
-        raise ConfigError("starting ranks inside an existing allocation (srun) is not supported yet; "
-                          "use --executor local, or submit from a login node")  # fmt: skip
     if not quiet and executor == ExecutorChoice.auto and where == "local" and cfg.layout.nodes > 1:
         err.print(f"executor: local ({cfg.layout.nodes} virtual nodes; no sbatch on PATH)", highlight=False)
-    if where == "sbatch":
+    if where in ("sbatch", "srun"):
         from ditango_cli.cluster import run_on_slurm
 
-        return run_on_slurm(cfg, slurm_opts, wait_for_job, quiet, as_json, err)
+        return run_on_slurm(cfg, slurm_opts, where, wait_for_job, quiet, as_json, err)
     observer = contextlib.nullcontext(SilentObserver()) if quiet else RichObserver(err)
     try:
         with observer as obs:

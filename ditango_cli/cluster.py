@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -15,33 +17,77 @@ from ditango_cli.options import JsonOpt
 from runtime.errors import ConfigError
 
 
-def run_on_slurm(cfg, opts, wait_for_job: bool, quiet: bool, as_json: bool, err: Console) -> int:
+def run_on_slurm(cfg, opts, where: str, wait_for_job: bool, quiet: bool, as_json: bool, err: Console) -> int:
+    """`sbatch`: submit, then (with --wait) follow the job; `srun`: run job steps in the current
+    allocation. Failed items are retried in a new submission / step."""
+    from runtime.run import RUNNING, settled_since
     from slurm.aggregate import aggregate
+    from slurm.allocation import run_steps
+    from slurm.launch import blame
     from slurm.submit import submit, wait
 
-    jobs = submit(cfg, opts)
-    ids = ", ".join(j.job_id for j in jobs)
-    if not wait_for_job:
-        typer.echo(f"submitted job(s) {ids}; follow with: ditango status {cfg.out_dir}")
-        return 0
-    if not quiet:
-        err.print(f"submitted job(s) {ids}; waiting (Ctrl-C stops waiting, not the job)", highlight=False)
-    last = None
+    attempts: dict[str, int] = {}
+    given_up: dict[str, dict] = {}
+    since = time.time()
+    while True:
+        decided = {**settled_since(cfg, since), **given_up}  # from earlier submissions of this call
+        if where == "srun":
+            ids = None
+            if not quiet:
+                err.print(f"executor: srun in allocation {os.environ.get('SLURM_JOB_ID')}", highlight=False)
+        else:
+            jobs = submit(cfg, opts, decided)
+            ids = [j.job_id for j in jobs]
+            if not wait_for_job:
+                typer.echo(f"submitted job(s) {', '.join(ids)}; follow with: ditango status {cfg.out_dir}")
+                return 0
+            if not quiet:
+                err.print(
+                    f"submitted job(s) {', '.join(ids)}; waiting (Ctrl-C stops waiting, not the job)", highlight=False
+                )
+        last = None
 
-    def show(states):
-        nonlocal last
-        if not quiet and states != last:
-            err.print(f"  {', '.join(states)}", highlight=False)
-            last = states
+        def show(states):
+            nonlocal last
+            status = [_status(cfg, i) for i in cfg.items]
+            line = (
+                f"  {', '.join(states)}: {status.count('done')}/{len(cfg.items)} items done"
+                + (f", {status.count(RUNNING)} running" if RUNNING in status else "")
+                + (f", {status.count('failed')} failed" if "failed" in status else "")
+            )
+            if not quiet and line != last:
+                err.print(line, highlight=False)
+                last = line
 
-    errors = wait(jobs, show)
+        if where == "srun":
+            errors = run_steps(cfg, opts, decided, show)
+            names = [f"step {t}" for t in range(len(errors))]
+        else:
+            errors = wait(jobs, show)
+            names = [f"job {j}" for j in ids]
+        failed = [(name, e) for name, e in zip(names, errors, strict=True) if e]
+        if not failed:
+            break
+        lines = blame(cfg, "; ".join(f"{name}: {e}" for name, e in failed), attempts, given_up)
+        if not lines:  # a failure outside any item (e.g. the model did not load): retrying cannot help
+            for name, error in failed:
+                typer.echo(f"error: {name} failed: {error}", err=True)
+            aggregate(cfg.out_dir)
+            return EXIT_FAILED_ITEMS
+        if not quiet:
+            for line in lines:
+                err.print(line, highlight=False)
+        if all(i.id in given_up or _status(cfg, i) == "done" for i in cfg.items):
+            break
     report = aggregate(cfg.out_dir)
-    failed = [(j.job_id, e) for j, e in zip(jobs, errors, strict=True) if e]
-    if failed:
-        for job_id, error in failed:
-            typer.echo(f"error: job {job_id} failed: {error}", err=True)
-        return EXIT_FAILED_ITEMS
     return report_summary(report, cfg.out_dir / "report.json", quiet, as_json, err)
+
+
+def _status(cfg, item) -> str | None:
+    from runtime.report import read_sidecar
+    from runtime.run import output_paths
+
+    return (read_sidecar(output_paths(cfg.out_dir, item.id)["sidecar"]) or {}).get("status")
 
 
 @app.command()

@@ -172,6 +172,10 @@ SlurmArgOpt = Annotated[
 ]
 ArrayOpt = Annotated[int, typer.Option("--array", help="Split the items over N array tasks (locally: N rounds).")]
 ArrayParOpt = Annotated[int | None, typer.Option("--array-parallelism", help="At most K array tasks at once.")]
+RetriesOpt = Annotated[
+    int,
+    typer.Option("--retries", min=0, help="Try a failed item again up to N times; then report it failed and go on."),
+]
 WaitOpt = Annotated[bool, typer.Option("--wait/--no-wait", help="Slurm: wait for the job (default) or return.")]
 
 

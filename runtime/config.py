@@ -100,10 +100,13 @@ class RunConfig:
     ditango: DiTangoOptions | None = None  # --parallel ditango settings
     reference: str | None = None  # "exact": also run the exact ring path and record quality
     hybrid: HybridConfig | None = None  # --hybrid (needs cfg degree 2)
+    retries: int = 1  # a failed item is tried again this many times before it is given up
 
     def __post_init__(self) -> None:
         if not self.items:
             raise ConfigError("nothing to generate: no items")
+        if self.retries < 0:
+            raise ConfigError(f"--retries must be >= 0, got {self.retries}")
         if self.layout.cfg_degree == 2:
             for item in self.items:
                 if item.guidance <= 1.0:

@@ -96,6 +96,37 @@ def output_paths(out_dir: Path, item_id: str) -> dict[str, Path]:
     }
 
 
+RUNNING = "running"  # sidecar status of an item being generated (or whose run died)
+
+
+def running_items(cfg: RunConfig) -> list[Item]:
+    """Items whose sidecar says they were in flight: after a failed run, the ones to blame."""
+    return [
+        i
+        for i in cfg.items
+        if (read_sidecar(output_paths(cfg.out_dir, i.id)["sidecar"]) or {}).get("status") == RUNNING
+    ]
+
+
+def settled_since(cfg: RunConfig, since: float) -> dict[str, dict]:
+    """Records of the items finished ("done" sidecar) at or after `since` (a time.time())."""
+    out = {}
+    for item in cfg.items:
+        path = output_paths(cfg.out_dir, item.id)["sidecar"]
+        record = read_sidecar(path)
+        if record is not None and record.get("status") == "done" and path.stat().st_mtime >= since:
+            out[item.id] = record
+    return out
+
+
+def record_failure(cfg: RunConfig, item: Item, error: str, attempts: int) -> dict:
+    """Write (and return) the sidecar of an item whose attempt failed."""
+    record = item_record(item, model=cfg.model, status="failed", video=None, latents=None, timing=None, error=error)
+    record["attempts"] = attempts
+    write_json(output_paths(cfg.out_dir, item.id)["sidecar"], record)
+    return record
+
+
 # What must match for an existing output to count as this item's (the layout may differ:
 # exact strategies produce the same video).
 RESUME_KEYS = ("model", "prompt", "negative_prompt", "seed", "height", "width", "frames", "steps", "guidance")
@@ -177,7 +208,11 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
     device = denoiser.device
     ctx.comm.reset()
     if ctx.is_writer:
-        paths["sidecar"].unlink(missing_ok=True)  # an old "done" sidecar must not outlive a redo
+        # Replaces any old "done" sidecar (it must not outlive a redo) and marks the item in
+        # flight: after a crash, the launcher knows which item to blame and retry.
+        write_json(
+            paths["sidecar"], item_record(item, model=cfg.model, status=RUNNING, video=None, latents=None, timing=None)
+        )
 
     start = time.perf_counter()
     text = denoiser.encode_text(item.prompt, item.negative_prompt, item.guidance)
@@ -249,15 +284,19 @@ def execute(
     ctx: RankContext | None = None,
     skipped: dict[str, dict] | None = None,
     report_name: str = "report.json",
+    decided: dict[str, dict] | None = None,
 ) -> dict | None:
     """Run every item of `cfg` on this rank; rank 0 returns the run report (also written to disk).
 
     `skipped` holds the records of items whose outputs are complete (see `plan_resume`;
-    the launcher decides once, before any rank starts); None: decide here.
+    the launcher decides once, before any rank starts); None: decide here. `decided`: records
+    of items settled by earlier launches of the same command (done, or failed `cfg.retries + 1`
+    times): reported as they are, not run.
 
-    A single process records a failing item and goes on with the others. With several
-    ranks a failure raises instead: the peers are inside collectives of the same item,
-    and the launcher ends them all; finished items stay on disk and a rerun resumes.
+    A single process retries a failing item up to `cfg.retries` times, records it as
+    failed and goes on with the others. With several ranks a failure raises instead: the
+    peers are inside collectives of the same item, so the launcher ends them all and
+    relaunches (slurm/launch.py), blaming the item whose sidecar says it was running.
     """
     observer = observer or SilentObserver()
     ctx = ctx or RankContext.single(cfg)
@@ -270,12 +309,12 @@ def execute(
         backend = resolve_backend(cfg.attention_backend, placement.device, placement.dtype)
 
     skipped = plan_resume(cfg) if skipped is None else skipped
-    records: dict[str, dict] = dict(skipped)
+    records: dict[str, dict] = {**skipped, **(decided or {})}
     if ctx.is_writer:
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
         for item_id in skipped:
             observer.message(f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)")
-    todo = [item for item in cfg.items if item.id not in skipped]
+    todo = [item for item in cfg.items if item.id not in records]
 
     def write_report(rank_peaks: list[int] | None = None) -> dict:
         peak, source = peak_memory(placement.device)
@@ -298,16 +337,17 @@ def execute(
         elif cfg.layout.cfg_degree == 2:
             denoiser.guidance = CfgParallel(ctx.mesh, ctx.comm)
         for item in todo:
-            observer.item_started(item)
-            try:
-                record = generate_item(denoiser, item, cfg, ctx, observer)
-            except Exception as exc:
-                if ctx.distributed:
-                    raise
-                error = f"{type(exc).__name__}: {exc}"
-                record = item_record(
-                    item, model=cfg.model, status="failed", video=None, latents=None, timing=None, error=error
-                )
+            for attempt in range(1, cfg.retries + 2):
+                observer.item_started(item)
+                try:
+                    record = generate_item(denoiser, item, cfg, ctx, observer)
+                    break
+                except Exception as exc:
+                    if ctx.distributed:
+                        raise
+                    record = record_failure(cfg, item, f"{type(exc).__name__}: {exc}", attempt)
+                    if attempt <= cfg.retries:
+                        observer.message(f"{item.id} failed ({record['error']}); retry {attempt} of {cfg.retries}")
             if ctx.is_writer:
                 records[item.id] = record
                 observer.item_finished(record)

@@ -32,7 +32,14 @@ def aggregate(out_dir: Path) -> dict:
             items[item["id"]] = item
     for path in out_dir.glob("*.json"):
         record = _load(path)
-        if record is not None and "id" in record and record.get("status") == "done" and "items" not in record:
+        # A sidecar is the latest word on its item: every attempt rewrites it (running, then done
+        # or failed), while a task report may predate a requeue or retry.
+        if (
+            record is not None
+            and "id" in record
+            and record.get("status") in ("done", "failed")
+            and "items" not in record
+        ):
             items[record["id"]] = record
     ordered = [items[k] for k in sorted(items)]
     counts = {s: sum(i.get("status") == s for i in ordered) for s in ("done", "skipped", "failed")}

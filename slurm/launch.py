@@ -9,34 +9,63 @@ ever calls `launch`.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from runtime.comm import Comm
 from runtime.config import RunConfig
 from runtime.mesh import build_mesh, virtual_node_map
-from runtime.run import Observer, RankContext, execute, plan_resume
-from slurm.local import EventSink, run_ranks
+from runtime.run import Observer, RankContext, execute, plan_resume, record_failure, running_items, settled_since
+from slurm.local import EventSink, RankFailed, run_ranks
 
-# Debugging aid and test hook: "RANK:STEP" makes that rank raise after that denoising step.
+# Debugging aid and test hook: "RANK:STEP[:ITEM_ID]" makes that rank raise after that
+# denoising step (of that item only, when given). With FAULT_ONCE_ENV=FILE it fires once:
+# FILE is created when it fires, and an existing FILE disarms it (a transient failure).
 FAULT_ENV = "DITANGO_FAULT_INJECT"
+FAULT_ONCE_ENV = "DITANGO_FAULT_ONCE"
+
+
+class FaultHook:
+    """The fault injection of FAULT_ENV, driven by the observer calls of one rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.item = rank, None
+        raw = os.environ.get(FAULT_ENV)
+        self.spec = raw.split(":", 2) if raw else None
+        self.once = os.environ.get(FAULT_ONCE_ENV)
+
+    def item_started(self, item) -> None:
+        self.item = item.id
+
+    def step_done(self, step: int) -> None:
+        if self.spec is None or (int(self.spec[0]), int(self.spec[1])) != (self.rank, step):
+            return
+        if len(self.spec) == 3 and self.spec[2] != self.item:
+            return
+        if self.once:
+            try:
+                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return
+        raise RuntimeError(f"injected fault on rank {self.rank} after step {step} ({FAULT_ENV})")
 
 
 class _ForwardingObserver:
     """Rank 0's observer inside a worker: forwards every call to the supervisor."""
 
-    def __init__(self, events: EventSink, fault: tuple[int, int] | None) -> None:
-        self.events, self.fault = events, fault
+    def __init__(self, events: EventSink) -> None:
+        self.events, self.fault = events, FaultHook(events.rank)
 
     def run_started(self, total):
         self.events.emit("run_started", total)
 
     def item_started(self, item):
+        self.fault.item_started(item)
         self.events.emit("item_started", item)
 
     def step_done(self, step, steps):
-        if self.fault is not None and self.fault == (self.events.rank, step):
-            raise RuntimeError(f"injected fault on rank {self.events.rank} after step {step} ({FAULT_ENV})")
+        self.fault.step_done(step)
         self.events.emit("step_done", step, steps)
 
     def item_finished(self, record):
@@ -46,31 +75,48 @@ class _ForwardingObserver:
         self.events.emit("message", text)
 
 
-def _parse_fault() -> tuple[int, int] | None:
-    raw = os.environ.get(FAULT_ENV)
-    if not raw:
-        return None
-    rank, step = raw.split(":")
-    return int(rank), int(step)
-
-
 def rank_main(
-    rank: int, world: int, events: EventSink, cfg: RunConfig, skipped: dict, report_name: str = "report.json"
+    rank: int,
+    world: int,
+    events: EventSink,
+    cfg: RunConfig,
+    skipped: dict,
+    report_name: str = "report.json",
+    decided: dict | None = None,
 ) -> dict | None:
     """Entry point of one local rank (after the process group is up)."""
     mesh = build_mesh(cfg.layout, rank, virtual_node_map(cfg.layout), timeout_s=cfg.timeout_s)
-    observer = _ForwardingObserver(events, _parse_fault())
-    return execute(cfg, observer, RankContext(mesh, Comm(mesh)), skipped, report_name=report_name)
+    observer = _ForwardingObserver(events)
+    ctx = RankContext(mesh, Comm(mesh))
+    return execute(cfg, observer, ctx, skipped, report_name=report_name, decided=decided)
+
+
+def blame(cfg: RunConfig, error: str, attempts: dict[str, int], given_up: dict[str, dict]) -> list[str]:
+    """After a failed launch: record each item that was running as failed, count the attempt and
+    give the item up after `cfg.retries` retries. Returns a line per item (empty: nothing to blame)."""
+    lines = []
+    for item in running_items(cfg):
+        n = attempts[item.id] = attempts.get(item.id, 0) + 1
+        record = record_failure(cfg, item, error, n)
+        if n > cfg.retries:
+            given_up[item.id] = record
+            lines.append(f"{item.id} failed ({error}); giving it up after {n} attempt(s)")
+        else:
+            lines.append(f"{item.id} failed ({error}); retry {n} of {cfg.retries}")
+    return lines
 
 
 def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = "report.json") -> dict:
     """Run `cfg` and return its report (the same dict that is written to report.json).
 
-    Which items are already complete is decided here, once, before any rank starts.
+    Which items are already complete is decided here, before any rank starts. When a rank
+    fails, every rank is stopped; the item that was running is retried (or given up after
+    `cfg.retries` retries) in a fresh launch, and the other items go on, so one bad item
+    never loses the batch. A failure outside any item (e.g. loading the model) raises.
     """
-    skipped = plan_resume(cfg)
     if cfg.layout.world_size == 1:
-        return execute(cfg, observer, skipped=skipped, report_name=report_name)
+        return execute(cfg, observer, skipped=plan_resume(cfg), report_name=report_name)
+
     if cfg.model_path is None:  # built-in model: write its directory once, before ranks race for it
         from runtime.models.tiny import materialize
 
@@ -81,13 +127,27 @@ def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = 
             getattr(observer, kind)(*payload)
 
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    reports = run_ranks(
-        rank_main,
-        cfg.layout.world_size,
-        (cfg, skipped, report_name),
-        timeout_s=cfg.timeout_s,
-        backend="nccl" if use_cuda else "gloo",
-        log_dir=cfg.out_dir / "logs",
-        on_event=on_event,
-    )
-    return reports[0]
+    attempts: dict[str, int] = {}
+    given_up: dict[str, dict] = {}
+    since = time.time()
+    while True:
+        skipped = plan_resume(cfg)
+        decided = {**settled_since(cfg, since), **given_up}  # from earlier launches of this call
+        try:
+            reports = run_ranks(
+                rank_main,
+                cfg.layout.world_size,
+                (cfg, skipped, report_name, decided),
+                timeout_s=cfg.timeout_s,
+                backend="nccl" if use_cuda else "gloo",
+                log_dir=cfg.out_dir / "logs",
+                on_event=on_event,
+            )
+            return reports[0]
+        except RankFailed as exc:
+            lines = blame(cfg, str(exc), attempts, given_up)
+            if not lines:
+                raise
+            for line in lines:
+                if observer is not None:
+                    observer.message(line)

@@ -30,7 +30,7 @@ from runtime.config import RunConfig
 from runtime.errors import ConfigError
 from runtime.mesh import build_mesh
 from runtime.run import RankContext, SilentObserver, execute, plan_resume
-from slurm.launch import FAULT_ENV, _parse_fault
+from slurm.launch import FaultHook
 from slurm.options import SlurmOptions, submitit_parameters
 from slurm.sharding import shard
 
@@ -47,21 +47,23 @@ def snapshot_code(dest: Path) -> Path:
 
 
 class _FaultObserver(SilentObserver):
-    """The local launcher's fault hook (DITANGO_FAULT_INJECT=RANK:STEP) for Slurm tasks."""
+    """The local launcher's fault hook (DITANGO_FAULT_INJECT) for Slurm tasks."""
 
-    def __init__(self, rank: int, fault: tuple[int, int] | None) -> None:
-        self.rank, self.fault = rank, fault
+    def __init__(self, rank: int) -> None:
+        self.fault = FaultHook(rank)
+
+    def item_started(self, item) -> None:
+        self.fault.item_started(item)
 
     def step_done(self, step: int, steps: int) -> None:
-        if self.fault == (self.rank, step):
-            raise RuntimeError(f"injected fault on rank {self.rank} after step {step} ({FAULT_ENV})")
+        self.fault.step_done(step)
 
 
 class SlurmRun(submitit.helpers.Checkpointable):
     """One array task of a batch, on every rank of its job."""
 
-    def __call__(self, cfg: RunConfig, task: int, tasks: int) -> dict | None:
-        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    def __call__(self, cfg: RunConfig, task: int, tasks: int, decided: dict | None = None) -> dict | None:
+        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         use_cuda = torch.cuda.is_available() and cfg.device != "cpu"
         if use_cuda:  # one GPU per task: NCCL and the object collectives use the current device
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
@@ -81,8 +83,9 @@ class SlurmRun(submitit.helpers.Checkpointable):
             skipped = plan_resume(cfg) if env.rank == 0 else None
             box = [skipped]
             dist.broadcast_object_list(box, src=0)
-            observer = _FaultObserver(env.rank, _parse_fault())
-            return execute(cfg, observer, RankContext(mesh, Comm(mesh)), box[0], report_name=f"report.task-{task}.json")
+            observer = _FaultObserver(env.rank)
+            ctx = RankContext(mesh, Comm(mesh))
+            return execute(cfg, observer, ctx, box[0], report_name=f"report.task-{task}.json", decided=decided)
         finally:
             dist.destroy_process_group()
 
@@ -98,8 +101,10 @@ def read_jobs(out_dir: Path) -> list[dict]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def submit(cfg: RunConfig, opts: SlurmOptions) -> list[submitit.Job]:
-    """Submit the batch as `opts.array` tasks (one multi-node job each); record the job ids."""
+def submit(cfg: RunConfig, opts: SlurmOptions, decided: dict | None = None) -> list[submitit.Job]:
+    """Submit the batch as `opts.array` tasks (one multi-node job each); record the job ids.
+
+    `decided`: records of items settled by earlier submissions of this command (not run again)."""
     if opts.array > len(cfg.items):
         raise ConfigError(f"--array {opts.array} is more than the {len(cfg.items)} items")
     # The job starts in the code snapshot (its first sys.path entry), so paths must be absolute.
@@ -117,7 +122,8 @@ def submit(cfg: RunConfig, opts: SlurmOptions) -> list[submitit.Job]:
     params.setdefault("additional_parameters", {})["chdir"] = str(code)
     executor.update_parameters(**params)
     tasks = list(range(opts.array))
-    jobs = executor.map_array(SlurmRun(), [cfg] * len(tasks), tasks, [len(tasks)] * len(tasks))
+    n = len(tasks)
+    jobs = executor.map_array(SlurmRun(), [cfg] * n, tasks, [n] * n, [decided or {}] * n)
     record = read_jobs(cfg.out_dir) if jobs_file(cfg.out_dir).is_file() else []
     record.append({
         "submitted_at": stamp, "folder": str(folder), "job_ids": [j.job_id for j in jobs],

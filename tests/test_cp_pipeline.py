@@ -106,16 +106,34 @@ def test_cli_two_ranks_two_virtual_nodes_matches_one_process(runner, tmp_path):
     assert sorted(p.name for p in (two / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
 
 
-def test_failing_rank_ends_the_run_with_its_error(runner, tmp_path, monkeypatch):
-    monkeypatch.setenv("DITANGO_FAULT_INJECT", "1:2")
+def test_failing_item_is_retried_then_given_up_while_the_batch_goes_on(runner, tmp_path, monkeypatch):
+    """A rank that raises inside item b ends that launch at once (not after the 300 s group
+    timeout); b is retried in a fresh launch, then given up, and a and c are still generated."""
+    prompts = tmp_path / "batch.jsonl"
+    lines = [json.dumps({"id": i, "prompt": f"a {c} ball"}) for i, c in zip("abc", ("red", "green", "blue"))]
+    prompts.write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("DITANGO_FAULT_INJECT", "1:2:b")
     out = tmp_path / "out"
+    args = ["generate", "--prompts", str(prompts), "--out", str(out), "--gpus", "2", "--timeout", "300", *FAST]
     start = time.monotonic()
-    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--timeout", "300", *FAST]
-    result = runner.invoke(app, args)
+    result = runner.invoke(app, [*args, "--retries", "1"])
     elapsed = time.monotonic() - start
     assert result.exit_code == 1
-    line = result.stderr.strip().splitlines()[-1]
-    assert "rank 1 failed" in line and "injected fault on rank 1 after step 2" in line, result.stderr
-    assert "rank-1.log" in line
-    assert elapsed < 60  # ended by the supervisor, long before the 300 s group timeout
-    assert not list(out.glob("*.mp4"))
+    assert elapsed < 120  # three launches, each ended by the supervisor, not by the group timeout
+    assert result.stderr.strip().splitlines()[-1].startswith("error: 1 item(s) failed: b")
+    assert sorted(p.stem for p in out.glob("*.mp4")) == ["a", "c"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["counts"] == {"done": 2, "skipped": 0, "failed": 1}
+    (b,) = [r for r in report["items"] if r["id"] == "b"]
+    assert b["attempts"] == 2 and "injected fault on rank 1 after step 2" in b["error"] and "rank-1.log" in b["error"]
+
+    # A transient failure: fires once, so the retry succeeds; a and c are not redone.
+    mtimes = {n: (out / f"{n}.mp4").stat().st_mtime_ns for n in "ac"}
+    monkeypatch.setenv("DITANGO_FAULT_ONCE", str(tmp_path / "fired"))
+    result = runner.invoke(app, [*args, "--retries", "1"])
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "fired").exists() and (out / "b.mp4").is_file()
+    assert {n: (out / f"{n}.mp4").stat().st_mtime_ns for n in "ac"} == mtimes
+    report = json.loads((out / "report.json").read_text())
+    assert [r["status"] for r in report["items"]] == ["skipped", "done", "skipped"]
+    assert json.loads((out / "b.json").read_text())["status"] == "done"

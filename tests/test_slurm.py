@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -41,11 +42,22 @@ def test_two_nodes_two_tasks_match_the_local_run(runner, tmp_path):
     assert result.exit_code == 0, result.stderr
     local = [a if a != "slurm" else "local" for a in base]
     assert runner.invoke(app, [*local, "--out", str(tmp_path / "local")]).exit_code == 0
-    a = load_file(next((tmp_path / "slurm").glob("*.latents.safetensors")))["latents"]
+    # Inside an allocation (salloc sets SLURM_JOB_ID) the default executor starts the ranks
+    # with srun in that allocation instead of submitting a new job.
+    auto = [a if a != "slurm" else "auto" for a in base]
+    cli = [sys.executable, "-c", "from ditango_cli.app import main; main()"]
+    alloc = ["salloc", "--nodes", "2", "--ntasks-per-node", "2", "--partition", "debug", "--time", "5"]
+    run = subprocess.run(
+        [*alloc, *cli, *auto, "--out", str(tmp_path / "srun")], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert not (tmp_path / "srun" / "jobs.json").exists()  # nothing was submitted
     b = load_file(next((tmp_path / "local").glob("*.latents.safetensors")))["latents"]
-    assert (a - b).abs().max().item() <= 1e-4
-    report = json.loads((tmp_path / "slurm" / "report.json").read_text())
-    assert report["layout"]["nodes"] == 2 and report["items"][0]["comm"]["inter_node_bytes"] > 0
+    for name in ("slurm", "srun"):
+        a = load_file(next((tmp_path / name).glob("*.latents.safetensors")))["latents"]
+        assert (a - b).abs().max().item() <= 1e-4, name
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        assert report["layout"]["nodes"] == 2 and report["items"][0]["comm"]["inter_node_bytes"] > 0
 
 
 def test_array_of_two_makes_four_videos_and_one_report(runner, tmp_path):
@@ -75,7 +87,7 @@ def test_cancel_and_resubmit_skips_finished_items(runner, tmp_path):
     assert result.exit_code == 0 and "submitted job" in result.stdout
 
     def finished_items() -> list:
-        return [p for p in out.glob("*.mp4") if (out / f"{p.stem}.json").exists()]
+        return [p for p in out.glob("*.mp4") if '"status": "done"' in _text(out / f"{p.stem}.json")]
 
     deadline = time.monotonic() + 120
     while not finished_items() and time.monotonic() < deadline:
@@ -96,7 +108,7 @@ def test_cancel_and_resubmit_skips_finished_items(runner, tmp_path):
 def test_failing_task_fails_the_job_with_its_error(runner, tmp_path, monkeypatch):
     monkeypatch.setenv("DITANGO_FAULT_INJECT", "1:2")  # sbatch exports the environment to the job
     out = tmp_path / "out"
-    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", *SMALL]
+    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--retries", "0", *SMALL]
     result = runner.invoke(app, args)
     assert result.exit_code == 1
     assert "injected fault on rank 1 after step 2" in result.stderr
@@ -128,3 +140,10 @@ def test_time_limit_requeues_and_finishes_the_batch(runner, tmp_path):
     task = json.loads((out / "report.task-0.json").read_text())
     skipped = sum(i["status"] == "skipped" for i in task["items"])
     assert 0 < skipped < 60  # the last (requeued) run resumed: it found finished items
+
+
+def _text(path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return ""

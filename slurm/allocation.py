@@ -1,0 +1,102 @@
+"""Inside an existing allocation (`salloc`, or the user's own batch script): ranks via `srun`.
+
+Each array task becomes one job step, `srun --nodes N --ntasks-per-node G`, run one after
+the other inside the allocation (as `--array` does locally). A step runs the same
+`SlurmRun` call as a submitted job, on a snapshot of the code; the call travels as a
+pickle file in the output folder, never as a shell line, so prompts never reach a shell.
+
+    python -m slurm.allocation CALL.pkl   (what each srun task runs)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from runtime.config import RunConfig
+from slurm.options import SlurmOptions
+
+
+def run_steps(
+    cfg: RunConfig, opts: SlurmOptions, decided: dict, on_state: Callable | None = None, poll_s: float = 2.0
+) -> list[str | None]:
+    """Run every array task as an srun step of the current allocation; each step's error (or None)."""
+    from slurm.submit import snapshot_code
+
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    folder = (cfg.out_dir / "slurm" / f"srun-{stamp}").resolve()
+    code = snapshot_code(folder / "code")
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{code}:{os.environ.get('PYTHONPATH', '')}",
+        "SUBMITIT_EXECUTOR": "slurm",  # submitit's Slurm job environment reads the rank variables
+    }
+    errors: list[str | None] = []
+    for task in range(opts.array):
+        call = folder / f"call-{task}.pkl"
+        with open(call, "wb") as f:
+            pickle.dump((cfg, task, opts.array, decided), f)
+        cmd = [
+            "srun", f"--nodes={cfg.layout.nodes}", f"--ntasks-per-node={cfg.layout.gpus_per_node}",
+            "--kill-on-bad-exit=1", f"--output={folder}/task-{task}-rank-%t.log",
+            sys.executable, "-m", "slurm.allocation", str(call),
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=env, cwd=code, stdin=subprocess.DEVNULL)
+        while proc.poll() is None:
+            if on_state is not None:
+                on_state([f"srun step {task + 1}/{opts.array} RUNNING"])
+            time.sleep(poll_s)
+        errors.append(None if proc.returncode == 0 else _step_error(folder, task, proc.returncode))
+    return errors
+
+
+def _step_error(folder: Path, task: int, returncode: int) -> str:
+    """The first error a rank of this step wrote (the one that raised, not a peer it took down)."""
+    from slurm.submit import _SECONDARY
+
+    found = sorted(folder.glob(f"task-{task}-rank-*.error"), key=lambda p: p.stat().st_mtime)
+    lines = [p.read_text(encoding="utf-8").strip() for p in found]
+    own = [ln for ln in lines if not any(m in ln for m in _SECONDARY)]
+    if lines:
+        return (own or lines)[0]
+    return f"srun exited with code {returncode} (logs: {folder}/task-{task}-rank-*.log)"
+
+
+def _step_environment() -> None:
+    """Describe the step, not the whole allocation, to submitit (it reads the SLURM_JOB_* names),
+    and give each step its own rendezvous port."""
+    for job_name, step_name in (
+        ("SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST"),
+        ("SLURM_JOB_NUM_NODES", "SLURM_STEP_NUM_NODES"),
+        ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"),
+    ):
+        if os.environ.get(step_name):
+            os.environ[job_name] = os.environ[step_name]
+    seed = f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}"
+    os.environ.setdefault("MASTER_PORT", str(random.Random(seed).randint(20000, 60000)))
+
+
+def main(call: Path) -> None:
+    from slurm.submit import SlurmRun
+
+    with open(call, "rb") as f:
+        cfg, task, tasks, decided = pickle.load(f)  # written by run_steps for this step
+    _step_environment()
+    try:
+        SlurmRun()(cfg, task, tasks, decided)
+    except BaseException as exc:
+        rank = os.environ.get("SLURM_PROCID", "0")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        (call.parent / f"task-{task}-rank-{rank}.error").write_text(f"rank {rank}: {type(exc).__name__}: {first}\n")
+        raise
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
