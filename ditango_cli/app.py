@@ -68,6 +68,7 @@ from ditango_cli.options import (
     PromptsOpt,
     QosOpt,
     ReferenceOpt,
+    ReplicasOpt,
     RetriesOpt,
     SeedOpt,
     SlurmArgOpt,
@@ -185,9 +186,10 @@ def build_run_config(
             per_unit = unit_bytes(1, tokens, spec.heads, spec.head_dim, dtype)
             branches = 1 if layout.cfg_degree == 2 or item.guidance <= 1 else 2
             compose_factor(layout.groups - 1, branches, spec.layers, per_unit, ditango.cache_limit_bytes)
-    if placement.device.type == "cuda" and layout.world_size > torch.cuda.device_count():
+    world = parallel.nodes * parallel.gpus_per_node
+    if placement.device.type == "cuda" and world > torch.cuda.device_count():
         raise ConfigError(
-            f"{layout.world_size} ranks need {layout.world_size} GPUs on this machine, found "
+            f"{world} ranks need {world} GPUs on this machine, found "
             f"{torch.cuda.device_count()} (NCCL needs one GPU per rank); use fewer ranks or --device cpu"
         )
     if layout.strategy != "none":
@@ -210,6 +212,8 @@ def build_run_config(
         ditango=ditango,
         reference=parallel.ditango.reference,
         hybrid=parallel.hybrid.config(resolved.spec.layers),
+        replicas=parallel.replicas,
+        alloc_gpus_per_node=parallel.gpus_per_node,
     )
     return cfg, resolved
 
@@ -237,6 +241,7 @@ def generate(
     parallel: ParallelOpt = None,
     ulysses_degree: UlyssesOpt = None,
     executor: ExecutorOpt = ExecutorChoice.auto,
+    replicas: ReplicasOpt = 1,
     timeout: TimeoutOpt = 600.0,
     attention_backend: BackendOpt = BackendChoice.auto,
     cache_ratio: CacheRatioOpt = None,
@@ -307,9 +312,9 @@ def generate(
     )  # fmt: skip
     if array > len(cfg.items):
         raise ConfigError(f"--array {array} is more than the {len(cfg.items)} items")
-    where = choose_executor(executor.value, cfg.layout.nodes, slurm_opts)
-    if not quiet and executor == ExecutorChoice.auto and where == "local" and cfg.layout.nodes > 1:
-        err.print(f"executor: local ({cfg.layout.nodes} virtual nodes; no sbatch on PATH)", highlight=False)
+    where = choose_executor(executor.value, cfg.nodes, slurm_opts)
+    if not quiet and executor == ExecutorChoice.auto and where == "local" and cfg.nodes > 1:
+        err.print(f"executor: local ({cfg.nodes} virtual nodes; no sbatch on PATH)", highlight=False)
     if where in ("sbatch", "srun"):
         from ditango_cli.cluster import run_on_slurm
 
@@ -351,6 +356,7 @@ def check(
     parallel: ParallelOpt = None,
     ulysses_degree: UlyssesOpt = None,
     executor: ExecutorOpt = ExecutorChoice.auto,
+    replicas: ReplicasOpt = 1,
     timeout: TimeoutOpt = 600.0,
     attention_backend: BackendOpt = BackendChoice.auto,
     cache_ratio: CacheRatioOpt = None,
@@ -393,6 +399,7 @@ def check(
         "dtype": placement.dtype_name,
         "out_dir": str(cfg.out_dir),
         "layout": cfg.layout.to_json(),
+        "replicas": cfg.replicas,
         "attention_backend": "diffusers"
         if cfg.layout.strategy == "none"
         else resolve_backend(cfg.attention_backend, placement.device, placement.dtype),
@@ -413,7 +420,9 @@ def check(
     console.print(
         f"model {summary['model']} ({summary['model_path'] or 'built-in'}), {spec.layers} layers, "
         f"{spec.heads} heads; device {summary['device']}, dtype {summary['dtype']}; out {summary['out_dir']}; "
-        f"{cfg.layout.world_size} rank(s), strategy {cfg.layout.strategy} "
+        f"{cfg.layout.world_size} rank(s)"
+        + (f" x {cfg.replicas} replicas" if cfg.replicas > 1 else "")
+        + f", strategy {cfg.layout.strategy} "
         f"(ulysses {cfg.layout.ulysses} x ring {cfg.layout.ring}, attention {summary['attention_backend']})",
         highlight=False,
     )

@@ -172,6 +172,14 @@ SlurmArgOpt = Annotated[
 ]
 ArrayOpt = Annotated[int, typer.Option("--array", help="Split the items over N array tasks (locally: N rounds).")]
 ArrayParOpt = Annotated[int | None, typer.Option("--array-parallelism", help="At most K array tasks at once.")]
+ReplicasOpt = Annotated[
+    int,
+    typer.Option(
+        "--replicas",
+        min=1,
+        help="Split the ranks into R independent model replicas that take the items round-robin (throughput).",
+    ),
+]
 RetriesOpt = Annotated[
     int,
     typer.Option("--retries", min=0, help="Try a failed item again up to N times; then report it failed and go on."),
@@ -245,6 +253,7 @@ class ParallelArgs:
     attention_backend: BackendChoice = BackendChoice.auto
     ditango: DiTangoArgs = DiTangoArgs()
     hybrid: HybridArgs = HybridArgs()
+    replicas: int = 1
 
     @classmethod
     def from_options(cls, o: dict) -> ParallelArgs:
@@ -259,11 +268,25 @@ class ParallelArgs:
         )  # fmt: skip
         return cls(
             o["nodes"], o["gpus_per_node"], o["parallel"], o["ulysses_degree"], o["timeout"], o["attention_backend"],
-            ditango, hybrid,
+            ditango, hybrid, o["replicas"],
         )  # fmt: skip
 
+    def replica_shape(self) -> tuple[int, int]:
+        """(nodes, ranks per node) of one replica: replicas split the nodes, or split each node."""
+        r, n, g = self.replicas, self.nodes, self.gpus_per_node
+        if n % r == 0:
+            return n // r, g
+        if r % n == 0 and g % (r // n) == 0:
+            return 1, g // (r // n)
+        raise ConfigError(
+            f"--replicas {r} must divide the {n} nodes, or split each node's {g} ranks evenly "
+            f"(e.g. --replicas {n} or {n * g})"
+        )
+
     def layout(self, heads: int) -> ParallelLayout:
-        world = self.nodes * self.gpus_per_node
+        """The layout of one replica (the whole allocation without --replicas)."""
+        nodes, gpus_per_node = self.replica_shape()
+        world = nodes * gpus_per_node
         cfg_degree = 2 if self.hybrid.cfg_parallel else 1
         if cfg_degree == 2 and world % 2:
             raise ConfigError(f"--cfg-parallel needs an even number of ranks, got {world}")
@@ -278,8 +301,8 @@ class ParallelArgs:
         group = self.ditango.group_size
         if group is not None and group != "node" and not group.isdigit():
             raise ConfigError(f"--group-size must be a number of ranks or 'node', got {group!r}")
-        group_size = None if group is None else (self.gpus_per_node if group == "node" else int(group))
-        layout = ParallelLayout(self.nodes, self.gpus_per_node, cfg_degree, strategy, self.ulysses_degree, group_size)
+        group_size = None if group is None else (gpus_per_node if group == "node" else int(group))
+        layout = ParallelLayout(nodes, gpus_per_node, cfg_degree, strategy, self.ulysses_degree, group_size)
         layout = layout.with_default_ulysses(heads)
         layout.check_model(heads)
         return layout

@@ -101,12 +101,35 @@ class RunConfig:
     reference: str | None = None  # "exact": also run the exact ring path and record quality
     hybrid: HybridConfig | None = None  # --hybrid (needs cfg degree 2)
     retries: int = 1  # a failed item is tried again this many times before it is given up
+    # Data parallelism: `replicas` independent copies of `layout` (each its own process group)
+    # take the items round-robin. The allocation is replicas x layout.world_size ranks on
+    # nodes of `alloc_gpus_per_node` ranks (None: layout.gpus_per_node).
+    replicas: int = 1
+    alloc_gpus_per_node: int | None = None
+
+    @property
+    def gpus_per_node(self) -> int:
+        """Ranks per node of the whole allocation."""
+        return self.alloc_gpus_per_node or self.layout.gpus_per_node
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole allocation (all replicas)."""
+        return self.replicas * self.layout.world_size
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.gpus_per_node
 
     def __post_init__(self) -> None:
         if not self.items:
             raise ConfigError("nothing to generate: no items")
         if self.retries < 0:
             raise ConfigError(f"--retries must be >= 0, got {self.retries}")
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.world_size % self.gpus_per_node or (self.gpus_per_node % self.layout.gpus_per_node):
+            raise ConfigError(f"{self.replicas} replicas of {self.layout.world_size} rank(s) do not fill whole nodes")
         if self.layout.cfg_degree == 2:
             for item in self.items:
                 if item.guidance <= 1.0:

@@ -44,7 +44,7 @@ def run_steps(
         with open(call, "wb") as f:
             pickle.dump((cfg, task, opts.array, decided), f)
         cmd = [
-            "srun", f"--nodes={cfg.layout.nodes}", f"--ntasks-per-node={cfg.layout.gpus_per_node}",
+            "srun", f"--nodes={cfg.nodes}", f"--ntasks-per-node={cfg.gpus_per_node}",
             "--kill-on-bad-exit=1", f"--output={folder}/task-{task}-rank-%t.log",
             sys.executable, "-m", "slurm.allocation", str(call),
         ]  # fmt: skip

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 
 from runtime.comm import Comm
 from runtime.config import RunConfig
-from runtime.mesh import build_mesh, virtual_node_map
+from runtime.mesh import build_mesh
 from runtime.run import Observer, RankContext, execute, plan_resume, record_failure, running_items, settled_since
+from slurm.aggregate import aggregate
 from slurm.local import EventSink, RankFailed, run_ranks
+from slurm.sharding import shard
 
 # Debugging aid and test hook: "RANK:STEP[:ITEM_ID]" makes that rank raise after that
 # denoising step (of that item only, when given). With FAULT_ONCE_ENV=FILE it fires once:
@@ -75,6 +78,21 @@ class _ForwardingObserver:
         self.events.emit("message", text)
 
 
+def replica_share(cfg: RunConfig, replica: int, report_name: str) -> tuple[RunConfig | None, str]:
+    """The items (round-robin) and report file of one replica; (None, name) when it gets no item."""
+    if cfg.replicas == 1:
+        return cfg, report_name
+    items = tuple(shard(cfg.items, replica, cfg.replicas))
+    name = report_name.removesuffix(".json") + f".replica-{replica}.json"
+    return (replace(cfg, items=items) if items else None), name
+
+
+def node_map(cfg: RunConfig, replica: int) -> tuple[int, ...]:
+    """Local runs: global rank g sits on virtual node g // (ranks per node of the allocation)."""
+    size = cfg.layout.world_size
+    return tuple((replica * size + r) // cfg.gpus_per_node for r in range(size))
+
+
 def rank_main(
     rank: int,
     world: int,
@@ -84,18 +102,28 @@ def rank_main(
     report_name: str = "report.json",
     decided: dict | None = None,
 ) -> dict | None:
-    """Entry point of one local rank (after the process group is up)."""
-    mesh = build_mesh(cfg.layout, rank, virtual_node_map(cfg.layout), timeout_s=cfg.timeout_s)
+    """Entry point of one local rank (after its replica's process group is up)."""
+    cfg, report_name = replica_share(cfg, events.replica, report_name)
+    if cfg is None:
+        return None
+    mine = {i.id for i in cfg.items}
+    skipped = {k: v for k, v in skipped.items() if k in mine}
+    decided = {k: v for k, v in (decided or {}).items() if k in mine}
+    mesh = build_mesh(cfg.layout, rank, node_map(cfg, events.replica), timeout_s=cfg.timeout_s)
     observer = _ForwardingObserver(events)
     ctx = RankContext(mesh, Comm(mesh))
     return execute(cfg, observer, ctx, skipped, report_name=report_name, decided=decided)
 
 
-def blame(cfg: RunConfig, error: str, attempts: dict[str, int], given_up: dict[str, dict]) -> list[str]:
-    """After a failed launch: record each item that was running as failed, count the attempt and
-    give the item up after `cfg.retries` retries. Returns a line per item (empty: nothing to blame)."""
+def blame(
+    cfg: RunConfig, error: str, attempts: dict[str, int], given_up: dict[str, dict], replica: int | None = None
+) -> list[str]:
+    """After a failed launch: record each item that was running (in `replica`, when known) as
+    failed, count the attempt and give the item up after `cfg.retries` retries. Returns a line
+    per item (empty: nothing to blame). An item another replica was running is simply rerun."""
     lines = []
-    for item in running_items(cfg):
+    share = cfg if replica is None else replica_share(cfg, replica, "")[0]
+    for item in running_items(share) if share is not None else []:
         n = attempts[item.id] = attempts.get(item.id, 0) + 1
         record = record_failure(cfg, item, error, n)
         if n > cfg.retries:
@@ -114,7 +142,7 @@ def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = 
     `cfg.retries` retries) in a fresh launch, and the other items go on, so one bad item
     never loses the batch. A failure outside any item (e.g. loading the model) raises.
     """
-    if cfg.layout.world_size == 1:
+    if cfg.world_size == 1:
         return execute(cfg, observer, skipped=plan_resume(cfg), report_name=report_name)
 
     if cfg.model_path is None:  # built-in model: write its directory once, before ranks race for it
@@ -136,16 +164,17 @@ def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = 
         try:
             reports = run_ranks(
                 rank_main,
-                cfg.layout.world_size,
+                cfg.world_size,
                 (cfg, skipped, report_name, decided),
                 timeout_s=cfg.timeout_s,
                 backend="nccl" if use_cuda else "gloo",
                 log_dir=cfg.out_dir / "logs",
                 on_event=on_event,
+                replicas=cfg.replicas,
             )
-            return reports[0]
+            return reports[0] if cfg.replicas == 1 else aggregate(cfg.out_dir)
         except RankFailed as exc:
-            lines = blame(cfg, str(exc), attempts, given_up)
+            lines = blame(cfg, str(exc), attempts, given_up, replica=exc.rank // cfg.layout.world_size)
             if not lines:
                 raise
             for line in lines:

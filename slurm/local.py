@@ -37,14 +37,16 @@ class RankFailed(RuntimeError):
 
 
 class EventSink:
-    """What a rank's target gets to report progress (only rank 0's events are used)."""
+    """What a rank's target gets to report progress: global rank 0 reports everything (progress
+    follows the first replica); the first rank of another replica only its messages."""
 
-    def __init__(self, rank: int, q) -> None:
-        self.rank, self._q = rank, q
+    def __init__(self, rank: int, q, replica: int = 0, leader: bool | None = None) -> None:
+        self.rank, self._q, self.replica = rank, q, replica
+        self.leader = rank == 0 if leader is None else leader
 
     def emit(self, kind: str, *payload) -> None:
-        if self.rank == 0:
-            self._q.put(("event", 0, kind, payload))
+        if self.rank == 0 or (self.leader and kind == "message"):
+            self._q.put(("event", self.rank, kind, payload))
 
 
 def _redirect_output(log: Path) -> None:
@@ -65,7 +67,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _bootstrap(rank, world, init_method, backend, timeout_s, threads, log_dir, q, target, args):
+def _bootstrap(rank, world, replicas, rdzv, backend, timeout_s, threads, log_dir, q, target, args):
     _die_with_parent()
     try:
         if log_dir is not None:
@@ -73,10 +75,14 @@ def _bootstrap(rank, world, init_method, backend, timeout_s, threads, log_dir, q
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+        # Each replica is its own process group (world), with its own rendezvous file.
+        size = world // replicas
+        replica, local = divmod(rank, size)
         dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-        )
-        result = target(rank, world, EventSink(rank, q), *args)
+            backend, init_method=f"file://{rdzv}/store-{replica}", rank=local, world_size=size,
+            timeout=timedelta(seconds=timeout_s),
+        )  # fmt: skip
+        result = target(local, size, EventSink(rank, q, replica, leader=local == 0), *args)
         q.put(("result", rank, result))
     except BaseException as exc:  # report everything, including KeyboardInterrupt, then exit non-zero
         traceback.print_exc()
@@ -96,18 +102,24 @@ def run_ranks(
     backend: str = "gloo",
     log_dir: Path | None = None,
     on_event: Callable[[str, tuple], None] | None = None,
+    replicas: int = 1,
 ) -> list:
-    """Run `target(rank, world_size, events, *args)` on `world_size` processes; return results by rank."""
+    """Run `target(rank, world_size, events, *args)` on `world_size` processes; return results by rank.
+
+    With `replicas` R, the processes form R independent process groups of world_size / R
+    ranks (contiguous blocks); `target` sees its rank and size inside its group, and
+    `events.replica`. `RankFailed.rank` is the global rank."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // world_size)
     results: dict[int, object] = {}
+    if replicas < 1 or world_size % replicas:
+        raise ValueError(f"{replicas} replicas do not divide {world_size} ranks")
     with tempfile.TemporaryDirectory(prefix="ditango-rdzv-") as rdzv:
-        init_method = f"file://{rdzv}/store"
         procs = [
             ctx.Process(
                 target=_bootstrap,
-                args=(rank, world_size, init_method, backend, timeout_s, threads, log_dir, q, target, args),
+                args=(rank, world_size, replicas, rdzv, backend, timeout_s, threads, log_dir, q, target, args),
                 daemon=False,
             )
             for rank in range(world_size)

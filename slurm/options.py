@@ -65,17 +65,16 @@ class SlurmOptions:
 
 def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool) -> dict:
     """`SlurmExecutor.update_parameters(**this)` for one multi-node job (or array task)."""
-    layout = cfg.layout
     params: dict = {
         "job_name": opts.job_name,
-        "nodes": layout.nodes,
-        "ntasks_per_node": layout.gpus_per_node,  # one task per rank
+        "nodes": cfg.nodes,  # the whole allocation: every replica
+        "ntasks_per_node": cfg.gpus_per_node,  # one task per rank
         "time": opts.time_min,
         # Warning before the time limit (checkpoint + requeue): 2 minutes, or a quarter of short limits.
         "signal_delay_s": min(120, opts.time_min * 15),
     }
     if use_gpus:
-        params["gpus_per_node"] = layout.gpus_per_node
+        params["gpus_per_node"] = cfg.gpus_per_node
     optional = {
         "partition": opts.partition, "account": opts.account, "qos": opts.qos, "mem": opts.mem,
         "constraint": opts.constraint, "cpus_per_task": opts.cpus_per_task,

@@ -30,7 +30,7 @@ from runtime.config import RunConfig
 from runtime.errors import ConfigError
 from runtime.mesh import build_mesh
 from runtime.run import RankContext, SilentObserver, execute, plan_resume
-from slurm.launch import FaultHook
+from slurm.launch import FaultHook, replica_share
 from slurm.options import SlurmOptions, submitit_parameters
 from slurm.sharding import shard
 
@@ -67,25 +67,34 @@ class SlurmRun(submitit.helpers.Checkpointable):
         use_cuda = torch.cuda.is_available() and cfg.device != "cpu"
         if use_cuda:  # one GPU per task: NCCL and the object collectives use the current device
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        dist.init_process_group(
-            "nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s),
-            rank=env.rank, world_size=env.world_size,
-        )  # fmt: skip
+        # With --replicas, each replica is its own process group, meeting at its first rank's node.
+        size = cfg.layout.world_size
+        replica, rank = divmod(env.rank, size)
+        init = {"rank": env.rank, "world_size": env.world_size}
+        if cfg.replicas > 1:
+            job = submitit.JobEnvironment()
+            leader = job.hostnames[(replica * size) // (env.world_size // job.num_nodes)]
+            init = {"rank": rank, "world_size": size, "init_method": f"tcp://{leader}:{env.master_port + 1 + replica}"}
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s), **init)
         try:
             # The real topology: which node each rank is on (byte counters, DiTango groups).
-            node_of = [None] * env.world_size
+            node_of = [None] * size
             dist.all_gather_object(node_of, submitit.JobEnvironment().node)
             items = tuple(shard(cfg.items, task, tasks))
             if not items:
                 return None
-            cfg = replace(cfg, items=items)
-            mesh = build_mesh(cfg.layout, env.rank, tuple(node_of), timeout_s=cfg.timeout_s)
-            skipped = plan_resume(cfg) if env.rank == 0 else None
+            cfg, report_name = replica_share(replace(cfg, items=items), replica, f"report.task-{task}.json")
+            if cfg is None:
+                return None
+            mesh = build_mesh(cfg.layout, rank, tuple(node_of), timeout_s=cfg.timeout_s)
+            skipped = plan_resume(cfg) if rank == 0 else None
             box = [skipped]
             dist.broadcast_object_list(box, src=0)
+            mine = {i.id for i in cfg.items}
+            decided = {k: v for k, v in (decided or {}).items() if k in mine}
             observer = _FaultObserver(env.rank)
             ctx = RankContext(mesh, Comm(mesh))
-            return execute(cfg, observer, ctx, box[0], report_name=f"report.task-{task}.json", decided=decided)
+            return execute(cfg, observer, ctx, box[0], report_name=report_name, decided=decided)
         finally:
             dist.destroy_process_group()
 
@@ -127,7 +136,7 @@ def submit(cfg: RunConfig, opts: SlurmOptions, decided: dict | None = None) -> l
     record = read_jobs(cfg.out_dir) if jobs_file(cfg.out_dir).is_file() else []
     record.append({
         "submitted_at": stamp, "folder": str(folder), "job_ids": [j.job_id for j in jobs],
-        "tasks": cfg.layout.world_size,
+        "tasks": cfg.world_size,
     })  # fmt: skip
     jobs_file(cfg.out_dir).write_text(json.dumps(record, indent=2) + "\n")
     return jobs

@@ -75,6 +75,21 @@ def test_array_of_two_makes_four_videos_and_one_report(runner, tmp_path):
     assert shown.exit_code == 0 and "4 done" in shown.stdout
 
 
+def test_replicas_over_two_nodes_share_the_items(runner, tmp_path):
+    """--nodes 2 --replicas 2: one job of 2 tasks, two independent replicas (one per node)."""
+    prompts = tmp_path / "batch.txt"
+    prompts.write_text("".join(f"a {c} circle moving right\n" for c in ("red", "green", "blue")))
+    out = tmp_path / "out"
+    args = ["generate", "--prompts", str(prompts), "--out", str(out), "--nodes", "2", "--replicas", "2", *SMALL]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    assert len(list(out.glob("*.mp4"))) == 3
+    shares = [json.loads((out / f"report.task-0.replica-{r}.json").read_text()) for r in (0, 1)]
+    assert [len(s["items"]) for s in shares] == [2, 1]
+    assert json.loads((out / "report.json").read_text())["counts"]["done"] == 3
+    assert json.loads((out / "jobs.json").read_text())[0]["tasks"] == 2
+
+
 def test_cancel_and_resubmit_skips_finished_items(runner, tmp_path):
     prompts = tmp_path / "batch.txt"
     colours = ("red", "green", "blue", "yellow", "white")
