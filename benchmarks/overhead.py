@@ -63,9 +63,12 @@ def main() -> None:
     size = dict(height=args.height, width=args.width, num_frames=args.frames)
     text = WanDenoiser(components, placement, text_len).encode_text(prompt, negative, args.guidance)
     out = Path(tempfile.mkdtemp(prefix="ditango-overhead-"))
-    item = Item("bench", prompt, negative, seed, args.height, args.width, args.frames, args.steps, args.guidance)
+    geometry = {"vae_stride": resolved.spec.defaults.vae_stride, "patch": resolved.spec.defaults.patch}
+    item = Item(
+        "bench", prompt, negative, seed, args.height, args.width, args.frames, args.steps, args.guidance, **geometry
+    )
     cfg = RunConfig(
-        model=args.model, model_path=resolved.path, items=(item,), out_dir=out, device=placement.device.type,
+        model=args.model, model_path=None if resolved.spec.builtin else resolved.path, items=(item,), out_dir=out, device=placement.device.type,
         save_latents=True, overwrite=True, max_text_len=text_len,
     )  # fmt: skip
 

@@ -197,7 +197,7 @@ def build_run_config(
     check_writable(out, create=create_out)
     cfg = RunConfig(
         model=model,
-        model_path=resolved.path,
+        model_path=None if resolved.spec.builtin else resolved.path,  # built-in: the running code's copy
         items=items,
         out_dir=out.expanduser(),
         device=device.value,

@@ -74,6 +74,8 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
         frames=pick("frames", cli.frames, defaults.frames),
         steps=pick("steps", cli.steps, defaults.steps),
         guidance=float(pick("guidance", cli.guidance, defaults.guidance)),
+        vae_stride=defaults.vae_stride,
+        patch=defaults.patch,
         index=index,
         source=source,
     )

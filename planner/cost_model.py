@@ -116,7 +116,18 @@ MODELS: dict[str, ModelShape] = {
     "wan2.1-1.3b": ModelShape("wan2.1-1.3b", layers=30, heads=12, head_dim=128, ffn=8960, text_len=512),
     "wan2.1-14b": ModelShape("wan2.1-14b", layers=40, heads=40, head_dim=128, ffn=13824, text_len=512),
     "hunyuanvideo": ModelShape("hunyuanvideo", layers=60, heads=24, head_dim=128, ffn=12288, text_len=256),
-    "tiny-wan": ModelShape("tiny-wan", layers=4, heads=4, head_dim=16, ffn=128, text_len=32, text_dim=32),
+    "tiny-wan": ModelShape(
+        "tiny-wan",
+        layers=4,
+        heads=4,
+        head_dim=24,
+        ffn=384,
+        text_len=32,
+        text_dim=32,
+        latent_channels=12,
+        patch=(1, 1, 1),
+        vae_stride=(4, 4, 4),
+    ),
 }
 
 

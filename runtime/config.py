@@ -20,8 +20,8 @@ Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Wan2.1's VAE compresses 4x in time and 8x in space; the transformer patchifies 2x2.
+# Models may differ in space (Item.vae_stride, Item.patch); time is 4x for every Wan VAE.
 TEMPORAL_STRIDE = 4
-SPATIAL_MULTIPLE = 16
 
 
 def _nearest_multiples(value: int, multiple: int) -> str:
@@ -45,6 +45,9 @@ class Item:
     guidance: float
     index: int = 0
     source: str = "--prompt"
+    # The model's geometry (from its registry spec): VAE spatial stride and transformer patch.
+    vae_stride: int = 8
+    patch: tuple[int, int, int] = (1, 2, 2)
 
     def __post_init__(self) -> None:
         where = f"{self.source}: " if self.source else ""
@@ -56,11 +59,12 @@ class Item:
                 f"{where}frames must be 4k+1 (Wan's VAE compresses time 4x), got {self.frames}; "
                 f"try {4 * k + 1}" + (f" or {4 * k + 5}" if 4 * k + 1 < self.frames else "")
             )
+        multiple = self.vae_stride * self.patch[1]
         for name, value in (("height", self.height), ("width", self.width)):
-            if value < SPATIAL_MULTIPLE or value % SPATIAL_MULTIPLE:
+            if value < multiple or value % multiple:
                 raise ConfigError(
-                    f"{where}{name} must be a positive multiple of {SPATIAL_MULTIPLE} "
-                    f"(VAE 8x times patch 2x), got {value}; try {_nearest_multiples(value, SPATIAL_MULTIPLE)}"
+                    f"{where}{name} must be a positive multiple of {multiple} (VAE {self.vae_stride}x "
+                    f"times patch {self.patch[1]}x), got {value}; try {_nearest_multiples(value, multiple)}"
                 )
         if self.steps < 1:
             raise ConfigError(f"{where}steps must be >= 1, got {self.steps}")
@@ -72,12 +76,13 @@ class Item:
     @property
     def latent_shape(self) -> tuple[int, int, int]:
         """(frames, height, width) of the latent video."""
-        return ((self.frames - 1) // TEMPORAL_STRIDE + 1, self.height // 8, self.width // 8)
+        return ((self.frames - 1) // TEMPORAL_STRIDE + 1, self.height // self.vae_stride, self.width // self.vae_stride)
 
-    def tokens(self, patch: tuple[int, int, int] = (1, 2, 2)) -> int:
+    def tokens(self) -> int:
         """Length of the transformer's token sequence for this item."""
         f, h, w = self.latent_shape
-        return (f // patch[0]) * (h // patch[1]) * (w // patch[2])
+        p = self.patch
+        return (f // p[0]) * (h // p[1]) * (w // p[2])
 
 
 @dataclass(frozen=True)

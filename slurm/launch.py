@@ -145,11 +145,6 @@ def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = 
     if cfg.world_size == 1:
         return execute(cfg, observer, skipped=plan_resume(cfg), report_name=report_name)
 
-    if cfg.model_path is None:  # built-in model: write its directory once, before ranks race for it
-        from runtime.models.tiny import materialize
-
-        materialize()
-
     def on_event(kind: str, payload: tuple) -> None:
         if observer is not None:
             getattr(observer, kind)(*payload)

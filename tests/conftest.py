@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from typer.testing import CliRunner
 
@@ -14,18 +12,6 @@ from runtime.models.tiny import TinyWanConfig, build_tiny_wan
 PARITY_CONFIG = TinyWanConfig(
     seed=11, heads=2, head_dim=12, layers=3, ffn_dim=40, text_dim=24, text_heads=2, latents_stats=(0.3, 1.6, 0.05)
 )
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _private_cache(tmp_path_factory):
-    """Keep the materialized built-in model out of the user's ~/.cache during tests."""
-    old = os.environ.get("DITANGO_CACHE_DIR")
-    os.environ["DITANGO_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        os.environ.pop("DITANGO_CACHE_DIR", None)
-    else:
-        os.environ["DITANGO_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="session")

@@ -93,9 +93,16 @@ def test_frames_not_4k_plus_1(runner, out, frames, hint):
     run_error(runner, gen(out, "--frames", frames), "frames must be 4k+1", hint)
 
 
-@pytest.mark.parametrize("flag,value", [("--height", "100"), ("--width", "8")])
-def test_size_not_multiple_of_16(runner, out, flag, value):
-    run_error(runner, gen(out, flag, value), f"{flag[2:]} must be a positive multiple of 16", f"got {value}")
+@pytest.mark.parametrize("flag,value,hint", [("--height", "66", "try 64 or 68"), ("--width", "2", "try 4")])
+def test_size_not_a_multiple_of_the_builtin_geometry(runner, out, flag, value, hint):
+    """tiny-wan: VAE 4x, patch 1x -> multiples of 4."""
+    run_error(runner, gen(out, flag, value), f"{flag[2:]} must be a positive multiple of 4", f"got {value}", hint)
+
+
+def test_size_not_a_multiple_of_a_wan21_geometry(runner, out, saved_model_dir):
+    """A Wan2.1-shaped directory: VAE 8x, patch 2x -> multiples of 16."""
+    args = gen(out, "--model", str(saved_model_dir), "--width", "40")
+    run_error(runner, args, "width must be a positive multiple of 16 (VAE 8x times patch 2x)", "try 32 or 48")
 
 
 def test_steps_below_one(runner, out):
@@ -214,7 +221,7 @@ def test_existing_output_is_skipped_not_overwritten(runner, tmp_path):
         (["--gpus", "0"], ["must be >= 1"]),
         (["--gpus", "2", "--timeout", "0"], ["--timeout must be > 0"]),
         (
-            ["--gpus", "2", "--height", "16", "--width", "16", "--frames", "1"],
+            ["--gpus", "2", "--height", "4", "--width", "4", "--frames", "1"],
             ["1 tokens cannot be split over 2 ranks"],
         ),
         (["--parallel", "ring", "--attention-backend", "flash"], ["flash needs CUDA"]),

@@ -110,7 +110,9 @@ def test_failing_item_is_retried_then_given_up_while_the_batch_goes_on(runner, t
     """A rank that raises inside item b ends that launch at once (not after the 300 s group
     timeout); b is retried in a fresh launch, then given up, and a and c are still generated."""
     prompts = tmp_path / "batch.jsonl"
-    lines = [json.dumps({"id": i, "prompt": f"a {c} ball"}) for i, c in zip("abc", ("red", "green", "blue"))]
+    lines = [
+        json.dumps({"id": i, "prompt": f"a {c} ball"}) for i, c in zip("abc", ("red", "green", "blue"), strict=True)
+    ]
     prompts.write_text("\n".join(lines) + "\n")
     monkeypatch.setenv("DITANGO_FAULT_INJECT", "1:2:b")
     out = tmp_path / "out"

@@ -56,17 +56,12 @@ def load_components(model: ResolvedModel, placement: Placement) -> dict:
 
     The VAE is kept in float32 (as Wan2.1's reference code and diffusers' examples do);
     the text encoder and transformer take `placement.dtype`, with the float32 modules
-    diffusers/transformers keep when loading. The built-in model is written to a cache
-    directory once and loaded through the same path as a user checkpoint.
+    diffusers/transformers keep when loading. The built-in model is a directory shipped in
+    the package, loaded through the same path as a user checkpoint.
     """
     from diffusers import WanPipeline
 
-    if model.spec.builtin:
-        from runtime.models.tiny import materialize
-
-        path = materialize()
-    else:
-        path = model.path
+    path = model.path
     dtypes = {"default": placement.dtype, "vae": torch.float32}
     try:
         pipe = WanPipeline.from_pretrained(

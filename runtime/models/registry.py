@@ -8,13 +8,14 @@ under `--model-root` or `$DITANGO_MODEL_ROOT`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from runtime.errors import ConfigError, ModelDirError
 from runtime.models.checkpoint import inspect_model_dir
 
 MODEL_ROOT_ENV = "DITANGO_MODEL_ROOT"
+BUILTIN_DIR = Path(__file__).resolve().parent / "tiny" / "weights"  # tiny-wan, a diffusers directory
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Defaults:
     fps: int = 16
     max_text_len: int = 512
     negative_prompt: str = ""
+    vae_stride: int = 8  # geometry: VAE spatial compression and transformer patch
+    patch: tuple[int, int, int] = (1, 2, 2)
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class ModelSpec:
     head_dim: int
     defaults: Defaults
     dir_name: str | None = None  # directory under the model root, for named checkpoints
-    builtin: bool = False  # built in code; no directory
+    builtin: bool = False  # shipped inside the package (BUILTIN_DIR)
 
 
 # Wan2.1 settings: diffusers' WanPipeline defaults (50 steps, guidance 5.0, 832x480, 81 frames,
@@ -51,12 +54,22 @@ WAN_DEFAULTS = Defaults()
 REGISTRY: dict[str, ModelSpec] = {
     "tiny-wan": ModelSpec(
         name="tiny-wan",
-        description="built-in tiny Wan (real diffusers classes, tiny config)",
-        params=250_496,
+        description="built-in tiny Wan trained on moving shapes (runtime/models/tiny/weights)",
+        params=685_932,
         heads=4,
         layers=4,
-        head_dim=16,
-        defaults=Defaults(steps=20, guidance=5.0, height=128, width=128, frames=17, max_text_len=32),
+        head_dim=24,
+        defaults=Defaults(
+            steps=25,
+            guidance=2.5,
+            height=64,
+            width=64,
+            frames=17,
+            fps=8,
+            max_text_len=32,
+            vae_stride=4,
+            patch=(1, 1, 1),
+        ),
         builtin=True,
     ),
     "wan2.1-1.3b": ModelSpec(
@@ -85,7 +98,7 @@ REGISTRY: dict[str, ModelSpec] = {
 @dataclass(frozen=True)
 class ResolvedModel:
     spec: ModelSpec
-    path: Path | None  # None for a built-in model
+    path: Path  # the diffusers-format directory
 
 
 def model_root(cli_root: str | Path | None) -> Path | None:
@@ -98,7 +111,9 @@ def resolve_model(model: str, root: str | Path | None = None) -> ResolvedModel:
     if model in REGISTRY:
         spec = REGISTRY[model]
         if spec.builtin:
-            return ResolvedModel(spec, None)
+            if not BUILTIN_DIR.is_dir():
+                raise ModelDirError(f"the built-in model is missing from {BUILTIN_DIR} (a broken install?)")
+            return ResolvedModel(spec, BUILTIN_DIR)
         base = model_root(root)
         if base is None:
             raise ConfigError(
@@ -123,6 +138,7 @@ def resolve_model(model: str, root: str | Path | None = None) -> ResolvedModel:
 
 def spec_from_dir(path: Path, transformer_config: dict, params: int) -> ModelSpec:
     """A spec for a user-supplied directory: Wan defaults, shapes from its transformer config."""
+    patch = tuple(int(p) for p in transformer_config.get("patch_size", WAN_DEFAULTS.patch))
     return ModelSpec(
         name=str(path),
         description="local diffusers-format directory",
@@ -130,5 +146,17 @@ def spec_from_dir(path: Path, transformer_config: dict, params: int) -> ModelSpe
         heads=int(transformer_config.get("num_attention_heads", 0)),
         layers=int(transformer_config.get("num_layers", 0)),
         head_dim=int(transformer_config.get("attention_head_dim", 0)),
-        defaults=WAN_DEFAULTS,
+        defaults=replace(WAN_DEFAULTS, vae_stride=vae_stride(path), patch=patch),
     )
+
+
+def vae_stride(path: Path) -> int:
+    """Spatial compression of a directory's Wan VAE (diffusers' `scale_factor_spatial`, default 8)."""
+    import json
+
+    try:
+        config = json.loads((path / "vae" / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return WAN_DEFAULTS.vae_stride
+    stride = config.get("scale_factor_spatial")  # what WanPipeline sizes its latents by
+    return int(stride) if isinstance(stride, int) and stride > 0 else WAN_DEFAULTS.vae_stride

@@ -1,5 +1,7 @@
-"""The built-in `tiny-wan` model: real diffusers Wan classes in a tiny configuration."""
+"""The built-in `tiny-wan` model: real diffusers Wan classes in a tiny configuration, trained
+on procedural moving-shape videos (data.py, train.py), with a closed-form VAE (vae.py) and
+a prompt-adherence checker (judge.py). The shipped weights live in `weights/`."""
 
-from runtime.models.tiny.build import TINY_WAN, TinyWanConfig, build_tiny_wan, build_tokenizer, materialize
+from runtime.models.tiny.build import TINY_WAN, TRAINED_ARCH, TinyWanConfig, build_tiny_wan, build_tokenizer
 
-__all__ = ["TINY_WAN", "TinyWanConfig", "build_tiny_wan", "build_tokenizer", "materialize"]
+__all__ = ["TINY_WAN", "TRAINED_ARCH", "TinyWanConfig", "build_tiny_wan", "build_tokenizer"]

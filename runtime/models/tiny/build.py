@@ -1,21 +1,15 @@
-"""Build the `tiny-wan` components in code, deterministically and offline.
+"""Build tiny Wan components in code, deterministically and offline.
 
 Every component is a real diffusers / transformers class (the same classes a Wan2.1
-checkpoint loads into), so the tiny model runs exactly the runtime code path of the
-real ones. Weights come from a fixed seed; no hub access.
+checkpoint loads into), so a tiny model runs exactly the runtime code path of the real
+ones. Weights come from a fixed seed (the VAE of `TRAINED_ARCH` is closed-form); no hub
+access. Tests build small random models from here; `train.py` starts the shipped
+`tiny-wan` (runtime/models/tiny/weights) from `TRAINED_ARCH`.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
@@ -53,9 +47,32 @@ class TinyWanConfig:
     # VAE latent statistics (mean, std) of channel 0, growing per channel; identity by default.
     latents_stats: tuple[float, float, float] = (0.0, 1.0, 0.0)  # (mean, std, step per channel)
     vocab: tuple[str, ...] = field(default=VOCAB_WORDS)
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    # "random": a seeded AutoencoderKLWan of z_dim channels; "pooling": the closed-form VAE of
+    # vae.py (12 channels: exact 4x4 pooling, four frames per latent frame).
+    vae: str = "random"
+
+    def __post_init__(self) -> None:
+        if self.vae not in ("random", "pooling"):
+            raise ValueError(f"vae must be 'random' or 'pooling', got {self.vae!r}")
+        if self.vae == "pooling" and self.z_dim != 12:
+            raise ValueError(f"the pooling VAE has 12 latent channels; got z_dim={self.z_dim}")
 
 
 TINY_WAN = TinyWanConfig()
+
+# The architecture of the shipped, trained `tiny-wan` (runtime/models/tiny/weights): at its
+# default 64x64x17 a video is 5 x 16 x 16 = 1,280 transformer tokens; 4 heads allow Ulysses 2/4.
+TRAINED_ARCH = TinyWanConfig(
+    heads=4,
+    head_dim=24,
+    layers=4,
+    ffn_dim=384,
+    z_dim=12,
+    patch_size=(1, 1, 1),
+    vae="pooling",
+    latents_stats=(-0.45, 0.55, 0.0),
+)
 
 
 def build_tokenizer(words: tuple[str, ...] = VOCAB_WORDS) -> PreTrainedTokenizerFast:
@@ -91,7 +108,7 @@ def build_tiny_wan(cfg: TinyWanConfig = TINY_WAN) -> dict:
     )
     torch.manual_seed(cfg.seed + 1)
     transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
+        patch_size=cfg.patch_size,
         num_attention_heads=cfg.heads,
         attention_head_dim=cfg.head_dim,
         in_channels=cfg.z_dim,
@@ -104,16 +121,23 @@ def build_tiny_wan(cfg: TinyWanConfig = TINY_WAN) -> dict:
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=256,
     )
-    torch.manual_seed(cfg.seed + 2)
-    vae = AutoencoderKLWan(
-        base_dim=cfg.vae_base_dim,
-        z_dim=cfg.z_dim,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[cfg.latents_stats[0] + cfg.latents_stats[2] * c for c in range(cfg.z_dim)],
-        latents_std=[cfg.latents_stats[1] + cfg.latents_stats[2] * c for c in range(cfg.z_dim)],
-    )
+    latents_mean = [cfg.latents_stats[0] + cfg.latents_stats[2] * c for c in range(cfg.z_dim)]
+    latents_std = [cfg.latents_stats[1] + cfg.latents_stats[2] * c for c in range(cfg.z_dim)]
+    if cfg.vae == "pooling":
+        from runtime.models.tiny.vae import build_vae
+
+        vae = build_vae(latents_mean, latents_std)
+    else:
+        torch.manual_seed(cfg.seed + 2)
+        vae = AutoencoderKLWan(
+            base_dim=cfg.vae_base_dim,
+            z_dim=cfg.z_dim,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=latents_mean,
+            latents_std=latents_std,
+        )
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction",
         use_flow_sigmas=True,
@@ -129,56 +153,3 @@ def build_tiny_wan(cfg: TinyWanConfig = TINY_WAN) -> dict:
         "vae": vae,
         "scheduler": scheduler,
     }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DITANGO_CACHE_DIR") or Path.home() / ".cache" / "ditango")
-
-
-def materialize(cfg: TinyWanConfig = TINY_WAN, root: Path | None = None) -> Path:
-    """Write the built model once as a diffusers-format directory and return its path.
-
-    The built-in model then loads through exactly the code path of a user checkpoint
-    (`WanPipeline.from_pretrained`, safetensors, per-library float32 rules for bf16/fp16).
-    The key covers the config and the library versions that decide the seeded weights.
-    Concurrent processes (ranks, parallel runs) serialise on a lock file; the directory is
-    written under a temporary name, validated, then renamed into place.
-    """
-    import diffusers
-    from diffusers import WanPipeline
-
-    from runtime.errors import ModelDirError
-    from runtime.models.checkpoint import inspect_model_dir
-
-    key = hashlib.sha256(repr((cfg, torch.__version__, diffusers.__version__)).encode()).hexdigest()[:12]
-    path = (root or cache_root()) / "models" / f"tiny-wan-{key}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists():
-            try:
-                inspect_model_dir(path)
-                return path
-            except ModelDirError:  # a damaged cache entry: rebuild it
-                shutil.rmtree(path)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-        try:
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                # transformers' save_pretrained silently writes nothing on ranks != 0 of an
-                # initialized process group: build in a clean interpreter instead.
-                if cfg != TINY_WAN:
-                    raise RuntimeError("only the default tiny-wan config can be built inside a process group")
-                subprocess.run([sys.executable, "-m", "runtime.models.tiny.build", str(tmp)], check=True)
-            else:
-                WanPipeline(**build_tiny_wan(cfg)).save_pretrained(tmp, safe_serialization=True)
-            inspect_model_dir(tmp)
-            os.rename(tmp, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-if __name__ == "__main__":  # python -m runtime.models.tiny.build DIR: write the default model to DIR
-    from diffusers import WanPipeline
-
-    WanPipeline(**build_tiny_wan()).save_pretrained(sys.argv[1], safe_serialization=True)
