@@ -479,8 +479,13 @@ def report_summary(report: dict, report_path: Path, quiet: bool, as_json: bool, 
             highlight=False,
         )
     if counts["failed"]:
-        failed = [r["id"] for r in report["items"] if r["status"] == "failed"]
-        typer.echo(f"error: {len(failed)} item(s) failed: {', '.join(failed)} (see {report_path})", err=True)
+        failed = [r for r in report["items"] if r["status"] == "failed"]
+        first = (failed[0].get("error") or "").splitlines()[0] if failed and failed[0].get("error") else "?"
+        typer.echo(
+            f"error: {len(failed)} item(s) failed: {', '.join(r['id'] for r in failed)} "
+            f"(first: {first}; see {report_path})",
+            err=True,
+        )
         return EXIT_FAILED_ITEMS
     return 0
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -19,24 +18,44 @@ from runtime.errors import ConfigError
 
 def run_on_slurm(cfg, opts, where: str, wait_for_job: bool, quiet: bool, as_json: bool, err: Console) -> int:
     """`sbatch`: submit, then (with --wait) follow the job; `srun`: run job steps in the current
-    allocation. Failed items are retried in a new submission / step."""
-    from runtime.run import RUNNING, settled_since
+    allocation. A failed item is retried in a new submission / step of the array tasks that
+    still have work; a cancelled job is final."""
+    from runtime.run import RUNNING, fs_clock, settled_since
     from slurm.aggregate import aggregate
     from slurm.allocation import run_steps
-    from slurm.launch import blame
+    from slurm.launch import blame, share_of_rank
+    from slurm.sharding import shard
     from slurm.submit import submit, wait
 
     attempts: dict[str, int] = {}
     given_up: dict[str, dict] = {}
-    since = time.time()
+    since = fs_clock(cfg.out_dir)
+    tasks = list(range(opts.array))
+
+    def show(states):
+        nonlocal last
+        status = [_status(cfg, i) for i in cfg.items]
+        line = (
+            f"  {', '.join(states)}: {status.count('done')}/{len(cfg.items)} items done"
+            + (f", {status.count(RUNNING)} running" if RUNNING in status else "")
+            + (f", {status.count('failed')} failed" if "failed" in status else "")
+        )
+        if not quiet and line != last:
+            err.print(line, highlight=False)
+            last = line
+
     while True:
+        last = None
         decided = {**settled_since(cfg, since), **given_up}  # from earlier submissions of this call
+        attempt = fs_clock(cfg.out_dir)
         if where == "srun":
-            ids = None
             if not quiet:
                 err.print(f"executor: srun in allocation {os.environ.get('SLURM_JOB_ID')}", highlight=False)
+            failures = run_steps(cfg, opts, decided, show, tasks=tasks)
+            names = [f"step {t}" for t in tasks]
+            cancelled = [False] * len(tasks)
         else:
-            jobs = submit(cfg, opts, decided)
+            jobs = submit(cfg, opts, decided, tasks)
             ids = [j.job_id for j in jobs]
             if not wait_for_job:
                 typer.echo(f"submitted job(s) {', '.join(ids)}; follow with: ditango status {cfg.out_dir}")
@@ -45,39 +64,37 @@ def run_on_slurm(cfg, opts, where: str, wait_for_job: bool, quiet: bool, as_json
                 err.print(
                     f"submitted job(s) {', '.join(ids)}; waiting (Ctrl-C stops waiting, not the job)", highlight=False
                 )
-        last = None
-
-        def show(states):
-            nonlocal last
-            status = [_status(cfg, i) for i in cfg.items]
-            line = (
-                f"  {', '.join(states)}: {status.count('done')}/{len(cfg.items)} items done"
-                + (f", {status.count(RUNNING)} running" if RUNNING in status else "")
-                + (f", {status.count('failed')} failed" if "failed" in status else "")
-            )
-            if not quiet and line != last:
-                err.print(line, highlight=False)
-                last = line
-
-        if where == "srun":
-            errors = run_steps(cfg, opts, decided, show)
-            names = [f"step {t}" for t in range(len(errors))]
-        else:
-            errors = wait(jobs, show)
+            failures = wait(jobs, show)
             names = [f"job {j}" for j in ids]
-        failed = [(name, e) for name, e in zip(names, errors, strict=True) if e]
+            cancelled = [j.state.startswith("CANCELLED") for j in jobs]
+        failed = [
+            (t, name, e, rank, c) for t, name, (e, rank), c in zip(tasks, names, failures, cancelled, strict=True) if e
+        ]
         if not failed:
             break
-        lines = blame(cfg, "; ".join(f"{name}: {e}" for name, e in failed), attempts, given_up)
+        if any(c for *_, c in failed):
+            for _, name, error, _, c in failed:
+                typer.echo(f"error: {name} {'was cancelled' if c else 'failed'}: {error}", err=True)
+            aggregate(cfg.out_dir)
+            return EXIT_FAILED_ITEMS
+        lines = []
+        for t, name, error, rank, _ in failed:  # each task's own error, on that task's (replica's) items
+            share = share_of_rank(cfg, rank, t, opts.array)
+            lines += blame(cfg, f"{name}: {error}", attempts, given_up, attempt, share)
         if not lines:  # a failure outside any item (e.g. the model did not load): retrying cannot help
-            for name, error in failed:
+            for _, name, error, _, _ in failed:
                 typer.echo(f"error: {name} failed: {error}", err=True)
             aggregate(cfg.out_dir)
             return EXIT_FAILED_ITEMS
         if not quiet:
             for line in lines:
                 err.print(line, highlight=False)
-        if all(i.id in given_up or _status(cfg, i) == "done" for i in cfg.items):
+        settled = {**settled_since(cfg, since), **given_up}
+        tasks = [
+            t for t in range(opts.array)
+            if any(i.id not in settled and _status(cfg, i) != "done" for i in shard(cfg.items, t, opts.array))
+        ]  # fmt: skip
+        if not tasks:
             break
     report = aggregate(cfg.out_dir)
     return report_summary(report, cfg.out_dir / "report.json", quiet, as_json, err)
@@ -100,10 +117,18 @@ def status(out: Annotated[Path, typer.Argument(help="The --out folder of a submi
     for r in rows:
         table.add_row(r["job_id"], r["state"], r["submitted_at"], escape(r["error"] or ""))
     Console().print(table)
-    sidecars = [p for p in out.glob("*.json") if p.name not in ("jobs.json",) and not p.name.startswith("report")]
-    done = sum(1 for p in sidecars if '"status": "done"' in p.read_text(encoding="utf-8"))
-    Console().print(f"{done} item(s) done in {out}", highlight=False)
-    return 1 if any(failed_state(r["state"]) for r in rows) else 0
+    from runtime.report import read_sidecar
+
+    counts: dict[str, int] = {}
+    for path in out.glob("*.json"):
+        record = None if ".partial-" in path.name else read_sidecar(path)
+        if record is not None and "id" in record and "items" not in record:
+            counts[record.get("status")] = counts.get(record.get("status"), 0) + 1
+    parts = [f"{counts.get(s, 0)} {s}" for s in ("done", "running", "failed") if counts.get(s) or s == "done"]
+    Console().print(f"items in {out}: {', '.join(parts)}", highlight=False)
+    # Earlier submissions of a retried batch may have failed; the latest one says how it stands.
+    latest = max((r["submitted_at"] for r in rows), default=None)
+    return 1 if any(failed_state(r["state"]) for r in rows if r["submitted_at"] == latest) else 0
 
 
 @app.command()

@@ -99,24 +99,46 @@ def output_paths(out_dir: Path, item_id: str) -> dict[str, Path]:
 RUNNING = "running"  # sidecar status of an item being generated (or whose run died)
 
 
-def running_items(cfg: RunConfig) -> list[Item]:
-    """Items whose sidecar says they were in flight: after a failed run, the ones to blame."""
+def fs_clock(out_dir: Path) -> float:
+    """Now, by the output folder's file system clock (the one sidecar mtimes use): compare
+    sidecar times with this, not with this host's clock, which may differ on a shared file system."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = out_dir / ".ditango-clock"
+    stamp.touch()
+    return stamp.stat().st_mtime
+
+
+def _sidecars_since(items, out_dir: Path, since: float):
+    for item in items:
+        path = output_paths(out_dir, item.id)["sidecar"]
+        record = read_sidecar(path)
+        if record is not None:
+            try:
+                if path.stat().st_mtime >= since:
+                    yield item, record
+            except FileNotFoundError:  # replaced between the read and the stat
+                continue
+
+
+def running_items(cfg: RunConfig, since: float, items=None) -> list[Item]:
+    """Items (of `items`, default all) marked in flight at or after `since`: after a failed
+    launch that started at `since`, the ones to blame. Older markers (a run killed earlier)
+    blame nobody: that item simply runs again."""
     return [
         i
-        for i in cfg.items
-        if (read_sidecar(output_paths(cfg.out_dir, i.id)["sidecar"]) or {}).get("status") == RUNNING
+        for i, r in _sidecars_since(cfg.items if items is None else items, cfg.out_dir, since)
+        if r.get("status") == RUNNING
     ]
 
 
 def settled_since(cfg: RunConfig, since: float) -> dict[str, dict]:
-    """Records of the items finished ("done" sidecar) at or after `since` (a time.time())."""
-    out = {}
-    for item in cfg.items:
-        path = output_paths(cfg.out_dir, item.id)["sidecar"]
-        record = read_sidecar(path)
-        if record is not None and record.get("status") == "done" and path.stat().st_mtime >= since:
-            out[item.id] = record
-    return out
+    """Records of the items settled at or after `since` (by `fs_clock`): done, or failed with
+    no retry left (given up, possibly inside a process)."""
+    return {
+        i.id: r
+        for i, r in _sidecars_since(cfg.items, cfg.out_dir, since)
+        if r.get("status") == "done" or (r.get("status") == "failed" and r.get("attempts", 0) > cfg.retries)
+    }
 
 
 def record_failure(cfg: RunConfig, item: Item, error: str, attempts: int) -> dict:
@@ -213,6 +235,10 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
         write_json(
             paths["sidecar"], item_record(item, model=cfg.model, status=RUNNING, video=None, latents=None, timing=None)
         )
+    # No rank starts the item before its marker exists: the writer may still be finishing the
+    # previous item's video while the others are already here, and a failure in this item must
+    # not be blamed on that one.
+    ctx.from_writer(None)
 
     start = time.perf_counter()
     text = denoiser.encode_text(item.prompt, item.negative_prompt, item.guidance)

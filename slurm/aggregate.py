@@ -20,7 +20,7 @@ def _load(path: Path) -> dict | None:
 
 
 def aggregate(out_dir: Path) -> dict:
-    loaded = [_load(p) for p in sorted(out_dir.glob("report*.json"))]
+    loaded = [_load(p) for p in sorted(out_dir.glob("report*.json")) if ".partial-" not in p.name]
     # A previous aggregate is an output, not an input (its items are older than the tasks').
     reports = sorted(
         (r for r in loaded if r is not None and "items" in r and "aggregated_from" not in r),
@@ -31,7 +31,7 @@ def aggregate(out_dir: Path) -> dict:
         for item in report["items"]:
             items[item["id"]] = item
     for path in out_dir.glob("*.json"):
-        record = _load(path)
+        record = None if ".partial-" in path.name else _load(path)  # a writer killed mid-write
         # A sidecar is the latest word on its item: every attempt rewrites it (running, then done
         # or failed), while a task report may predate a requeue or retry.
         if (

@@ -25,9 +25,15 @@ from slurm.options import SlurmOptions
 
 
 def run_steps(
-    cfg: RunConfig, opts: SlurmOptions, decided: dict, on_state: Callable | None = None, poll_s: float = 2.0
-) -> list[str | None]:
-    """Run every array task as an srun step of the current allocation; each step's error (or None)."""
+    cfg: RunConfig,
+    opts: SlurmOptions,
+    decided: dict,
+    on_state: Callable | None = None,
+    poll_s: float = 2.0,
+    tasks: list[int] | None = None,
+) -> list[tuple[str | None, int | None]]:
+    """Run array tasks (default all) as srun steps of the current allocation, one after the
+    other; each step's (error, failing rank), error None when it succeeded."""
     from slurm.submit import snapshot_code
 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
@@ -38,8 +44,8 @@ def run_steps(
         "PYTHONPATH": f"{code}:{os.environ.get('PYTHONPATH', '')}",
         "SUBMITIT_EXECUTOR": "slurm",  # submitit's Slurm job environment reads the rank variables
     }
-    errors: list[str | None] = []
-    for task in range(opts.array):
+    errors: list[tuple[str | None, int | None]] = []
+    for task in range(opts.array) if tasks is None else tasks:
         call = folder / f"call-{task}.pkl"
         with open(call, "wb") as f:
             pickle.dump((cfg, task, opts.array, decided), f)
@@ -53,20 +59,20 @@ def run_steps(
             if on_state is not None:
                 on_state([f"srun step {task + 1}/{opts.array} RUNNING"])
             time.sleep(poll_s)
-        errors.append(None if proc.returncode == 0 else _step_error(folder, task, proc.returncode))
+        errors.append((None, None) if proc.returncode == 0 else _step_error(folder, task, proc.returncode))
     return errors
 
 
-def _step_error(folder: Path, task: int, returncode: int) -> str:
-    """The first error a rank of this step wrote (the one that raised, not a peer it took down)."""
+def _step_error(folder: Path, task: int, returncode: int) -> tuple[str, int | None]:
+    """(error, rank) of the rank of this step that raised first (not a peer it took down)."""
     from slurm.submit import _SECONDARY
 
     found = sorted(folder.glob(f"task-{task}-rank-*.error"), key=lambda p: p.stat().st_mtime)
-    lines = [p.read_text(encoding="utf-8").strip() for p in found]
-    own = [ln for ln in lines if not any(m in ln for m in _SECONDARY)]
-    if lines:
-        return (own or lines)[0]
-    return f"srun exited with code {returncode} (logs: {folder}/task-{task}-rank-*.log)"
+    errors = [(p.read_text(encoding="utf-8").strip(), int(p.name.split("-rank-")[1].split(".")[0])) for p in found]
+    own = [e for e in errors if not any(m in e[0] for m in _SECONDARY)]
+    if errors:
+        return (own or errors)[0]
+    return f"srun exited with code {returncode} (logs: {folder}/task-{task}-rank-*.log)", None
 
 
 def _step_environment() -> None:

@@ -9,7 +9,6 @@ ever calls `launch`.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import replace
 
 import torch
@@ -17,7 +16,17 @@ import torch
 from runtime.comm import Comm
 from runtime.config import RunConfig
 from runtime.mesh import build_mesh
-from runtime.run import Observer, RankContext, execute, plan_resume, record_failure, running_items, settled_since
+from runtime.run import (
+    Observer,
+    RankContext,
+    SilentObserver,
+    execute,
+    fs_clock,
+    plan_resume,
+    record_failure,
+    running_items,
+    settled_since,
+)
 from slurm.aggregate import aggregate
 from slurm.local import EventSink, RankFailed, run_ranks
 from slurm.sharding import shard
@@ -116,14 +125,19 @@ def rank_main(
 
 
 def blame(
-    cfg: RunConfig, error: str, attempts: dict[str, int], given_up: dict[str, dict], replica: int | None = None
+    cfg: RunConfig,
+    error: str,
+    attempts: dict[str, int],
+    given_up: dict[str, dict],
+    since: float,
+    items=None,
 ) -> list[str]:
-    """After a failed launch: record each item that was running (in `replica`, when known) as
-    failed, count the attempt and give the item up after `cfg.retries` retries. Returns a line
-    per item (empty: nothing to blame). An item another replica was running is simply rerun."""
+    """After a launch that started at `since` (fs_clock) failed: record each of `items`
+    (default all; the failed replica's or array task's share when known) marked running since
+    then as failed, count the attempt and give the item up after `cfg.retries` retries.
+    Returns a line per item; empty: nothing to blame (the failure was outside any item)."""
     lines = []
-    share = cfg if replica is None else replica_share(cfg, replica, "")[0]
-    for item in running_items(share) if share is not None else []:
+    for item in running_items(cfg, since, items):
         n = attempts[item.id] = attempts.get(item.id, 0) + 1
         record = record_failure(cfg, item, error, n)
         if n > cfg.retries:
@@ -132,6 +146,33 @@ def blame(
         else:
             lines.append(f"{item.id} failed ({error}); retry {n} of {cfg.retries}")
     return lines
+
+
+def share_of_rank(cfg: RunConfig, rank: int | None, task: int = 0, tasks: int = 1):
+    """The items a global rank of array task `task` works on (all of the task's when unknown)."""
+    items = tuple(shard(cfg.items, task, tasks))
+    if rank is None or cfg.replicas == 1 or not items:
+        return items
+    share, _ = replica_share(replace(cfg, items=items), rank // cfg.layout.world_size, "")
+    return share.items if share is not None else ()
+
+
+class _FaultingObserver:
+    """A single process's observer with the fault hook in front (FAULT_ENV, rank 0)."""
+
+    def __init__(self, observer: Observer | None) -> None:
+        self.inner, self.fault = observer or SilentObserver(), FaultHook(0)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def item_started(self, item):
+        self.fault.item_started(item)
+        self.inner.item_started(item)
+
+    def step_done(self, step, steps):
+        self.fault.step_done(step)
+        self.inner.step_done(step, steps)
 
 
 def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = "report.json") -> dict:
@@ -143,7 +184,7 @@ def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = 
     never loses the batch. A failure outside any item (e.g. loading the model) raises.
     """
     if cfg.world_size == 1:
-        return execute(cfg, observer, skipped=plan_resume(cfg), report_name=report_name)
+        return execute(cfg, _FaultingObserver(observer), skipped=plan_resume(cfg), report_name=report_name)
 
     def on_event(kind: str, payload: tuple) -> None:
         if observer is not None:
@@ -152,10 +193,11 @@ def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = 
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     attempts: dict[str, int] = {}
     given_up: dict[str, dict] = {}
-    since = time.time()
+    since = fs_clock(cfg.out_dir)
     while True:
         skipped = plan_resume(cfg)
         decided = {**settled_since(cfg, since), **given_up}  # from earlier launches of this call
+        attempt = fs_clock(cfg.out_dir)
         try:
             reports = run_ranks(
                 rank_main,
@@ -169,7 +211,7 @@ def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = 
             )
             return reports[0] if cfg.replicas == 1 else aggregate(cfg.out_dir)
         except RankFailed as exc:
-            lines = blame(cfg, str(exc), attempts, given_up, replica=exc.rank // cfg.layout.world_size)
+            lines = blame(cfg, str(exc), attempts, given_up, attempt, share_of_rank(cfg, exc.rank))
             if not lines:
                 raise
             for line in lines:

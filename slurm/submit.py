@@ -110,10 +110,13 @@ def read_jobs(out_dir: Path) -> list[dict]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def submit(cfg: RunConfig, opts: SlurmOptions, decided: dict | None = None) -> list[submitit.Job]:
+def submit(
+    cfg: RunConfig, opts: SlurmOptions, decided: dict | None = None, tasks: list[int] | None = None
+) -> list[submitit.Job]:
     """Submit the batch as `opts.array` tasks (one multi-node job each); record the job ids.
 
-    `decided`: records of items settled by earlier submissions of this command (not run again)."""
+    `decided`: records of items settled by earlier submissions of this command (not run again);
+    `tasks`: the array tasks to submit (default all), e.g. only those with work left."""
     if opts.array > len(cfg.items):
         raise ConfigError(f"--array {opts.array} is more than the {len(cfg.items)} items")
     # The job starts in the code snapshot (its first sys.path entry), so paths must be absolute.
@@ -130,9 +133,9 @@ def submit(cfg: RunConfig, opts: SlurmOptions, decided: dict | None = None) -> l
     params["setup"] = [f"export PYTHONPATH={code}:${{PYTHONPATH:-}}"]
     params.setdefault("additional_parameters", {})["chdir"] = str(code)
     executor.update_parameters(**params)
-    tasks = list(range(opts.array))
-    n = len(tasks)
-    jobs = executor.map_array(SlurmRun(), [cfg] * n, tasks, [n] * n, [decided or {}] * n)
+    tasks = list(range(opts.array)) if tasks is None else tasks
+    n, total = len(tasks), opts.array
+    jobs = executor.map_array(SlurmRun(), [cfg] * n, tasks, [total] * n, [decided or {}] * n)
     record = read_jobs(cfg.out_dir) if jobs_file(cfg.out_dir).is_file() else []
     record.append({
         "submitted_at": stamp, "folder": str(folder), "job_ids": [j.job_id for j in jobs],
@@ -143,18 +146,25 @@ def submit(cfg: RunConfig, opts: SlurmOptions, decided: dict | None = None) -> l
 
 
 def job_error(job: submitit.Job) -> str | None:
-    """The most telling error of a finished job: a task's own exception line (e.g. the rank
-    that raised) rather than a peer's 'task failed' or a log path."""
-    lines = []
+    """The most telling error of a finished job (see `job_failure`)."""
+    return job_failure(job)[0]
+
+
+def job_failure(job: submitit.Job) -> tuple[str | None, int | None]:
+    """(error, rank) of a finished job: a task's own exception line (e.g. the rank that raised)
+    rather than a peer's 'task failed' or a log path; rank None when no task says."""
+    found = []
     for t in range(max(1, job.num_tasks)):
         exc = job.task(t).exception() if job.num_tasks > 1 else job.exception()
         if exc is None:
             continue
         text = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         raised = [ln for ln in text if ln.split(":")[0].endswith(("Error", "Exception", "Interrupt"))]
-        lines.append(raised[-1] if raised else (text[-1] if text else type(exc).__name__))
-    own = [ln for ln in lines if not any(m in ln for m in _SECONDARY)]
-    return (own or lines or [None])[0]
+        found.append((raised[-1] if raised else (text[-1] if text else type(exc).__name__), t))
+    own = [f for f in found if not any(m in f[0] for m in _SECONDARY)]
+    if own:
+        return own[0]
+    return (found[0][0], None) if found else (None, None)
 
 
 # What a rank says when a PEER failed (not the root cause): prefer any other task's error.
@@ -164,13 +174,14 @@ _SECONDARY = (
 )  # fmt: skip
 
 
-def wait(jobs: list[submitit.Job], on_state=None, poll_s: float = 2.0) -> list[str | None]:
-    """Block until every job is done; returns each job's error (None when it succeeded)."""
+def wait(jobs: list[submitit.Job], on_state=None, poll_s: float = 2.0) -> list[tuple[str | None, int | None]]:
+    """Block until every job is done; returns each job's (error, failing rank), error None when
+    it succeeded."""
     while not all(j.done() for j in jobs):
         if on_state is not None:
             on_state([j.state for j in jobs])
         time.sleep(poll_s)
-    return [job_error(j) for j in jobs]
+    return [job_failure(j) for j in jobs]
 
 
 def job_states(out_dir: Path) -> list[dict]:

@@ -168,3 +168,52 @@ def test_replicas_must_fit_the_allocation(runner, tmp_path):
     result = runner.invoke(app, [*args, "--executor", "local"])
     assert result.exit_code == 2
     assert "--replicas 4 must divide the 2 nodes, or split each node's 3 ranks evenly" in result.stderr
+
+
+def test_a_failing_replica_charges_only_its_own_item(runner, tmp_path, monkeypatch):
+    """2 replicas x 2 ranks: rank 3 (replica 1) raises inside item d. Every rank is stopped,
+    including replica 0 in the middle of its own item; only d is charged, and the item replica
+    0 was running is simply run again."""
+    prompts = tmp_path / "batch.jsonl"
+    lines = [
+        json.dumps({"id": i, "prompt": f"a {c} ball"})
+        for i, c in zip("abcd", ("red", "green", "blue", "white"), strict=True)
+    ]
+    prompts.write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("DITANGO_FAULT_INJECT", "3:2:d")  # replica 1 takes b and d
+    out = tmp_path / "out"
+    args = ["generate", "--prompts", str(prompts), "--out", str(out), "--gpus", "4", "--replicas", "2",
+            "--parallel", "ring", "--executor", "local", "--retries", "0", *FAST]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1
+    assert "first: rank 3 failed: RuntimeError: injected fault on rank 3 after step 2" in result.stderr
+    report = json.loads((out / "report.json").read_text())
+    status = {r["id"]: r["status"] for r in report["items"]}
+    assert status == {"a": "done", "b": "done", "c": "done", "d": "failed"}
+    for name in "abc":
+        assert "attempts" not in json.loads((out / f"{name}.json").read_text())
+    assert json.loads((out / "d.json").read_text())["attempts"] == 1
+
+
+def test_single_process_retries_an_item_in_process(runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("DITANGO_FAULT_INJECT", "0:1:b")
+    monkeypatch.setenv("DITANGO_FAULT_ONCE", str(tmp_path / "fired"))
+    prompts = tmp_path / "batch.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"a {i} ball"}) + "\n" for i in "ab"))
+    out = tmp_path / "out"
+    args = ["generate", "--prompts", str(prompts), "--out", str(out), "--retries", "1",
+            *[a for a in FAST if a != "--quiet"]]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    assert "b failed (RuntimeError: injected fault on rank 0 after step 1" in result.stderr
+    assert "retry 1 of 1" in result.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert [r["status"] for r in report["items"]] == ["done", "done"]
+    # With no retry left the item is reported failed and the batch still finishes.
+    (tmp_path / "fired").unlink()
+    no_retry = [a if a != "1" or args[k - 1] != "--retries" else "0" for k, a in enumerate(args)]
+    result = runner.invoke(app, [*no_retry, "--overwrite"])
+    assert result.exit_code == 1
+    report = json.loads((out / "report.json").read_text())
+    assert [r["status"] for r in report["items"]] == ["done", "failed"]
+    assert report["items"][1]["attempts"] == 1 and "injected fault" in report["items"][1]["error"]

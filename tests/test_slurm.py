@@ -136,8 +136,30 @@ def test_failing_task_fails_the_job_with_its_error(runner, tmp_path, monkeypatch
     assert status.exit_code == 1 and "FAILED" in status.stdout and "injected fault" in status.stdout
 
 
+def test_a_failed_item_is_retried_in_a_new_submission(runner, tmp_path, monkeypatch):
+    """--retries 1 and a fault that fires once: the first job fails, the waiting command
+    resubmits, the item is generated, and status then reports the batch as fine."""
+    monkeypatch.setenv("DITANGO_FAULT_INJECT", "1:2")
+    monkeypatch.setenv("DITANGO_FAULT_ONCE", str(tmp_path / "fired"))
+    out = tmp_path / "out"
+    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--retries", "1", *SMALL]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "fired").exists()
+    assert len(json.loads((out / "jobs.json").read_text())) == 2  # the failed submission and the retry
+    (sidecar,) = [p for p in out.glob("*.json") if p.name not in ("jobs.json", "report.json") and "task" not in p.name]
+    assert json.loads(sidecar.read_text())["status"] == "done"
+    deadline = time.monotonic() + 60  # accounting may lag the job's end by a few seconds
+    while True:
+        status = runner.invoke(app, ["status", str(out)])
+        if status.exit_code == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert status.exit_code == 0 and "FAILED" in status.stdout and "injected fault" in status.stdout
+
+
 def test_time_limit_requeues_and_finishes_the_batch(runner, tmp_path):
-    """2-minute limit, about 2 minutes of work (60 items of ~1.8 s): Slurm signals 30 s before
+    """2-minute limit, about 2 minutes of work (45 items of ~2.4 s): Slurm signals 30 s before
     the limit, submitit checkpoints (requeues the same call) and the requeued job skips what
     was finished."""
     prompts = tmp_path / "batch.txt"
@@ -145,16 +167,16 @@ def test_time_limit_requeues_and_finishes_the_batch(runner, tmp_path):
     lines = [
         f"a {c} {s} moving {d}" for c in colours for s in ("circle", "square") for d in ("left", "right", "up", "down")
     ]
-    prompts.write_text("\n".join((lines * 2)[:60]) + "\n")  # ids differ by index
+    prompts.write_text("\n".join((lines * 2)[:45]) + "\n")  # ids differ by index
     out = tmp_path / "out"
     args = ["generate", "--prompts", str(prompts), "--out", str(out), "--device", "cpu", "--quiet",
-            "--partition", "debug", "--executor", "slurm", "--time", "2", "--steps", "30"]  # fmt: skip
+            "--partition", "debug", "--executor", "slurm", "--time", "2", "--steps", "8"]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
-    assert len(list(out.glob("*.mp4"))) == 60
+    assert len(list(out.glob("*.mp4"))) == 45
     task = json.loads((out / "report.task-0.json").read_text())
     skipped = sum(i["status"] == "skipped" for i in task["items"])
-    assert 0 < skipped < 60  # the last (requeued) run resumed: it found finished items
+    assert 0 < skipped < 45  # the last (requeued) run resumed: it found finished items
 
 
 def _text(path) -> str:

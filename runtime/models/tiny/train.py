@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,7 +64,8 @@ class Trainer:
         self.captions = all_captions()
         self.text = self._embed(self.captions + [""])  # (N+1, L, E); last row: the empty prompt
         self.step = 0
-        self.compute_s = 0.0
+        self.compute_s = 0.0  # wall time spent in training steps, over all sittings
+        self.cpu_s = 0.0  # CPU time of those steps (all threads): does not grow when others share the cores
         self.losses: list[float] = []
 
     @torch.no_grad()
@@ -130,7 +132,10 @@ class Trainer:
                 tensors[f"opt.{i}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
         tmp = self.run_dir / "checkpoint.safetensors.tmp"
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        meta = {"step": self.step, "compute_s": self.compute_s, "config": asdict(self.cfg), "losses": self.losses}
+        meta = {
+            "step": self.step, "compute_s": self.compute_s, "cpu_s": self.cpu_s, "config": asdict(self.cfg),
+            "losses": self.losses,
+        }  # fmt: skip
         (self.run_dir / "checkpoint.json.tmp").write_text(json.dumps(meta))
         os.replace(tmp, self.run_dir / "checkpoint.safetensors")
         os.replace(self.run_dir / "checkpoint.json.tmp", self.run_dir / "checkpoint.json")
@@ -152,6 +157,7 @@ class Trainer:
                 opt["state"].setdefault(int(i), {})[name] = value
         self.opt.load_state_dict(opt)
         self.step, self.compute_s, self.losses = meta["step"], meta["compute_s"], meta["losses"]
+        self.cpu_s = meta.get("cpu_s", 0.0)
         return True
 
     def export(self, out: Path) -> None:
@@ -193,13 +199,17 @@ def main(argv: list[str] | None = None) -> None:
         log(args.run_dir, f"exported step {trainer.step} (EMA) to {args.export}")
         return
     log(args.run_dir, f"{'resumed at' if resumed else 'starting'} step {trainer.step}/{cfg.steps}, {asdict(cfg)}")
+    stop = []  # SIGTERM / SIGINT: finish the step, write a checkpoint, exit (pause a sitting)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(True))
     start = last_ckpt = time.monotonic()
     window: list[float] = []
     window_start = time.monotonic()
-    while trainer.step < cfg.steps and time.monotonic() - start < args.max_minutes * 60:
-        t0 = time.monotonic()
+    while trainer.step < cfg.steps and time.monotonic() - start < args.max_minutes * 60 and not stop:
+        t0, c0 = time.monotonic(), time.process_time()
         window.append(trainer.train_step())
         trainer.compute_s += time.monotonic() - t0
+        trainer.cpu_s += time.process_time() - c0
         if trainer.step % args.log_every == 0:
             mean = sum(window) / len(window)
             trainer.losses.append(round(mean, 5))
@@ -207,14 +217,17 @@ def main(argv: list[str] | None = None) -> None:
             log(
                 args.run_dir,
                 f"step {trainer.step} loss {mean:.4f} lr {trainer.lr_at(trainer.step):.2e} "
-                f"{rate:.1f} samples/s compute {trainer.compute_s / 60:.1f} min",
+                f"{rate:.1f} samples/s compute {trainer.compute_s / 60:.1f} min cpu {trainer.cpu_s / 60:.1f} min",
             )
             window, window_start = [], time.monotonic()
         if time.monotonic() - last_ckpt > args.checkpoint_minutes * 60:
             trainer.save()
             last_ckpt = time.monotonic()
     trainer.save()
-    log(args.run_dir, f"checkpoint at step {trainer.step}, compute {trainer.compute_s / 60:.1f} min")
+    log(
+        args.run_dir,
+        f"checkpoint at step {trainer.step}, compute {trainer.compute_s / 60:.1f} min, cpu {trainer.cpu_s / 60:.1f} min",
+    )
 
 
 if __name__ == "__main__":
