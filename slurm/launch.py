@@ -2,8 +2,9 @@
 
 One rank runs in this process. Several ranks run as local processes (`--executor
 local`); `--nodes M` then means M virtual nodes: rank r sits on node r // gpus_per_node,
-which is what the byte counters and the topology-aware strategies see. The CLI only
-ever calls `launch`.
+which is what the byte counters and the topology-aware strategies see. With `--replicas R`
+the ranks form R independent process groups, each taking items round-robin. A failed
+launch is retried for the items left (`launch`, `blame`). The CLI only ever calls `launch`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class FaultHook:
 
 
 class _ForwardingObserver:
-    """Rank 0's observer inside a worker: forwards every call to the supervisor."""
+    """A worker rank's observer: forwards calls to the supervisor (EventSink keeps global rank 0's,
+    and other replica leaders' messages), with the fault hook in front."""
 
     def __init__(self, events: EventSink) -> None:
         self.events, self.fault = events, FaultHook(events.rank)
