@@ -82,6 +82,9 @@ def main() -> None:
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="also write the markdown here")
     args = ap.parse_args()
+    import diffusers.utils.logging
+
+    diffusers.utils.logging.disable_progress_bar()
 
     resolved = resolve_model(args.model)
     d = resolved.spec.defaults

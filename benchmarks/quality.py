@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
     ap.add_argument("--keep", type=Path, default=None, help="generate under DIR (default: a temporary folder)")
     args = ap.parse_args()
+    import diffusers.utils.logging
+
+    diffusers.utils.logging.disable_progress_bar()
     from safetensors.torch import load_file
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="ditango-quality-"))
