@@ -20,30 +20,34 @@ def _load(path: Path) -> dict | None:
 
 
 def aggregate(out_dir: Path) -> dict:
-    loaded = [_load(p) for p in sorted(out_dir.glob("report*.json")) if ".partial-" not in p.name]
+    paths = [p for p in sorted(out_dir.glob("report*.json")) if ".partial-" not in p.name]
+    loaded = [(_load(p), p) for p in paths]
     # A previous aggregate is an output, not an input (its items are older than the tasks').
     reports = sorted(
-        (r for r in loaded if r is not None and "items" in r and "aggregated_from" not in r),
-        key=lambda r: r.get("started_at", ""),
+        ((r, p) for r, p in loaded if r is not None and "items" in r and "aggregated_from" not in r),
+        key=lambda rp: rp[0].get("started_at", ""),
     )
-    items: dict[str, dict] = {}
-    for report in reports:  # later reports win
+    # For each item the newest word wins, by file-system time: the task report that lists it
+    # (rewritten after every item), or its sidecar (rewritten by every attempt: running, then
+    # done or failed; also by the launcher when it gives an item up after a crash). So an item
+    # the latest run skipped stays "skipped", and one finished after its report was last
+    # written (a requeue, a retry) shows its sidecar.
+    items: dict[str, tuple[dict, float]] = {}
+    for report, path in reports:  # later reports win among reports
+        when = path.stat().st_mtime
         for item in report["items"]:
-            items[item["id"]] = item
+            items[item["id"]] = (item, when)
     for path in out_dir.glob("*.json"):
         record = None if ".partial-" in path.name else _load(path)  # a writer killed mid-write
-        # A sidecar is the latest word on its item: every attempt rewrites it (running, then done
-        # or failed), while a task report may predate a requeue or retry.
-        if (
-            record is not None
-            and "id" in record
-            and record.get("status") in ("done", "failed")
-            and "items" not in record
-        ):
-            items[record["id"]] = record
+        if record is None or "id" not in record or "items" in record or record.get("status") not in ("done", "failed"):
+            continue
+        when = path.stat().st_mtime
+        if record["id"] not in items or when >= items[record["id"]][1]:
+            items[record["id"]] = (record, when)
+    items = {k: v[0] for k, v in items.items()}
     ordered = [items[k] for k in sorted(items)]
     counts = {s: sum(i.get("status") == s for i in ordered) for s in ("done", "skipped", "failed")}
-    base = reports[-1] if reports else {}
+    base = reports[-1][0] if reports else {}
     merged = {
         **{k: v for k, v in base.items() if k not in ("items", "counts")},
         "schema": SCHEMA,
