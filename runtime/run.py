@@ -339,7 +339,8 @@ def execute(
     if ctx.is_writer:
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
         for item_id in skipped:
-            observer.message(f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)")
+            if item_id not in (decided or {}):  # not those this command already made in an earlier launch
+                observer.message(f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)")
     todo = [item for item in cfg.items if item.id not in records]
 
     def write_report(rank_peaks: list[int] | None = None) -> dict:
