@@ -1,6 +1,6 @@
 """Train the built-in model's transformer on the procedural dataset; export a diffusers directory.
 
-    python -m runtime.models.tiny.train --run-dir runs/tiny-wan --max-minutes 85
+    python -m runtime.models.tiny.train --run-dir runs/tiny-wan --max-minutes 85 [--until STEP]
     python -m runtime.models.tiny.train --run-dir runs/tiny-wan --export runtime/models/tiny/weights
 
 Only the transformer learns. The text encoder is frozen at its seeded initialisation and
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-minutes", type=float, default=85.0, help="stop this sitting after this much wall time")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--export", type=Path, help="write the EMA model as a diffusers directory and exit")
+    ap.add_argument("--until", type=int, default=None, help="end training at this step (the schedule stays --steps')")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--checkpoint-minutes", type=float, default=5.0)
     for f in TrainConfig.__dataclass_fields__.values():
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     start = last_ckpt = time.monotonic()
     window: list[float] = []
     window_start = time.monotonic()
-    while trainer.step < cfg.steps and time.monotonic() - start < args.max_minutes * 60 and not stop:
+    end = min(cfg.steps, args.until or cfg.steps)
+    while trainer.step < end and time.monotonic() - start < args.max_minutes * 60 and not stop:
         t0, c0 = time.monotonic(), time.process_time()
         window.append(trainer.train_step())
         trainer.compute_s += time.monotonic() - t0

@@ -1,0 +1,66 @@
+"""The shipped tiny-wan follows its prompts as the checker reads them from decoded frames
+(the model's default steps and guidance): colour and background.
+
+Motion direction is not learned by the shipped weights yet (3 of 20 prompts, chance is 5;
+see the model card), so its bar is held by a strict xfail: it fails loudly the day the
+weights meet it, and the marker must then go.
+"""
+
+from __future__ import annotations
+
+import imageio.v3 as iio
+import pytest
+
+from ditango_cli.app import app
+from runtime.models.loading import load_components, resolve_placement
+from runtime.models.registry import resolve_model
+from runtime.models.tiny.data import PromptSpec, eval_prompts
+from runtime.models.tiny.judge import judge
+from runtime.pipeline import WanDenoiser
+
+COLOUR_BAR, DIRECTION_BAR = 0.90, 0.80  # the bars over 20 prompts
+
+
+def adherence(prompts: list[PromptSpec], seed: int = 0) -> dict[str, float]:
+    resolved = resolve_model("tiny-wan")
+    d = resolved.spec.defaults
+    placement = resolve_placement("cpu")
+    den = WanDenoiser(load_components(resolved, placement), placement, d.max_text_len)
+    hits = {"colour": 0, "direction": 0, "background": 0}
+    for prompt in prompts:
+        text = den.encode_text(prompt.caption, d.negative_prompt, d.guidance)
+        latents = den.initial_latents(seed, d.height, d.width, d.frames)
+        frames = den.decode(den.denoise(latents, text, d.steps, d.guidance).latents_BCFHW)
+        verdict = judge(frames).matches(prompt)
+        for key in hits:
+            hits[key] += verdict[key]
+    return {k: v / len(prompts) for k, v in hits.items()}
+
+
+def test_the_readme_prompt_through_the_cli(runner, tmp_path):
+    """No --model: the default model draws a green object on a gray background, read from the MP4."""
+    result = runner.invoke(
+        app, ["generate", "--prompt", "a green square moving right on a gray background", "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.stderr
+    (video,) = tmp_path.glob("*.mp4")
+    verdict = judge(iio.imread(video))
+    assert (verdict.colour, verdict.background) == ("green", "gray"), verdict
+
+
+def test_colour_and_background_on_a_small_prompt_set():
+    """CI's share of the adherence check: 8 prompts (every colour, both backgrounds)."""
+    scores = adherence(eval_prompts(8))
+    assert scores["colour"] >= COLOUR_BAR and scores["background"] == 1.0, scores
+
+
+@pytest.mark.slow
+def test_colour_and_background_over_twenty_prompts():
+    scores = adherence(eval_prompts(20))
+    assert scores["colour"] >= COLOUR_BAR and scores["background"] >= COLOUR_BAR, scores
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the shipped weights do not follow the direction word yet (model card)")
+def test_direction_over_twenty_prompts():
+    assert adherence(eval_prompts(20))["direction"] >= DIRECTION_BAR
