@@ -130,3 +130,17 @@ def test_training_resumes_bit_exactly(tmp_path):
     with pytest.raises(SystemExit, match="pass the same settings"):
         Trainer(TrainConfig(steps=5, batch=2, warmup=1), tmp_path / "b").load()
     assert TRAINED_ARCH.z_dim == 12
+
+
+def test_training_stops_at_until_and_goes_on_later(tmp_path):
+    """--until ends a run early on the schedule of --steps; a later sitting without it goes on."""
+    import json
+
+    from runtime.models.tiny.train import main
+
+    args = ["--run-dir", str(tmp_path), "--steps", "3", "--batch", "2", "--warmup", "1", "--checkpoint-minutes", "99"]
+    main([*args, "--until", "1"])
+    meta = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert meta["step"] == 1 and meta["config"]["steps"] == 3
+    main(args)
+    assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == 3

@@ -182,7 +182,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-minutes", type=float, default=85.0, help="stop this sitting after this much wall time")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--export", type=Path, help="write the EMA model as a diffusers directory and exit")
-    ap.add_argument("--until", type=int, default=None, help="end training at this step (the schedule stays --steps')")
+    ap.add_argument(
+        "--until",
+        type=int,
+        default=None,
+        help="end training at this step (the learning-rate schedule stays that of --steps)",
+    )
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--checkpoint-minutes", type=float, default=5.0)
     for f in TrainConfig.__dataclass_fields__.values():
