@@ -1,9 +1,5 @@
 """The shipped tiny-wan follows its prompts as the checker reads them from decoded frames
-(the model's default steps and guidance): colour and background.
-
-Motion direction is not learned by the shipped weights yet (3 of 20 prompts, chance is 5;
-see the model card), so its bar is held by a strict xfail: it fails loudly the day the
-weights meet it, and the marker must then go.
+(the model's default steps and guidance): colour, background and motion direction.
 """
 
 from __future__ import annotations
@@ -42,20 +38,21 @@ def adherence(n_prompts: int, seed: int = 0) -> dict[str, float]:
 
 
 def test_the_readme_prompt_through_the_cli(runner, tmp_path):
-    """No --model: the default model draws a green object on a gray background, read from the MP4."""
+    """No --model: the default model draws a green object moving right on a gray background, read from the MP4."""
     result = runner.invoke(
         app, ["generate", "--prompt", "a green square moving right on a gray background", "--out", str(tmp_path)]
     )
     assert result.exit_code == 0, result.stderr
     (video,) = tmp_path.glob("*.mp4")
     verdict = judge(iio.imread(video))
-    assert (verdict.colour, verdict.background) == ("green", "gray"), verdict
+    assert (verdict.colour, verdict.direction, verdict.background) == ("green", "right", "gray"), verdict
 
 
-def test_colour_and_background_on_a_small_prompt_set():
-    """CI's share of the adherence check: 8 prompts (every colour, both backgrounds)."""
+def test_colour_background_and_direction_on_a_small_prompt_set():
+    """CI's share of the adherence check: 8 prompts (every colour and direction, both backgrounds)."""
     scores = adherence(8)
     assert scores["colour"] >= COLOUR_BAR and scores["background"] == 1.0, scores
+    assert scores["direction"] >= DIRECTION_BAR, scores
 
 
 @pytest.mark.slow
@@ -65,6 +62,5 @@ def test_colour_and_background_over_twenty_prompts():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the shipped weights do not follow the direction word yet (model card)")
 def test_direction_over_twenty_prompts():
     assert adherence(20)["direction"] >= DIRECTION_BAR

@@ -93,10 +93,10 @@ def test_frames_not_4k_plus_1(runner, out, frames, hint):
     run_error(runner, gen(out, "--frames", frames), "frames must be 4k+1", hint)
 
 
-@pytest.mark.parametrize("flag,value,hint", [("--height", "66", "try 64 or 68"), ("--width", "2", "try 4")])
+@pytest.mark.parametrize("flag,value,hint", [("--height", "66", "try 64 or 72"), ("--width", "2", "try 8")])
 def test_size_not_a_multiple_of_the_builtin_geometry(runner, out, flag, value, hint):
-    """tiny-wan: VAE 4x, patch 1x -> multiples of 4."""
-    run_error(runner, gen(out, flag, value), f"{flag[2:]} must be a positive multiple of 4", f"got {value}", hint)
+    """tiny-wan: VAE 4x, patch 2x -> multiples of 8."""
+    run_error(runner, gen(out, flag, value), f"{flag[2:]} must be a positive multiple of 8", f"got {value}", hint)
 
 
 def test_size_not_a_multiple_of_a_wan21_geometry(runner, out, saved_model_dir):
@@ -221,7 +221,7 @@ def test_existing_output_is_skipped_not_overwritten(runner, tmp_path):
         (["--gpus", "0"], ["must be >= 1"]),
         (["--gpus", "2", "--timeout", "0"], ["--timeout must be > 0"]),
         (
-            ["--gpus", "2", "--height", "4", "--width", "4", "--frames", "1"],
+            ["--gpus", "2", "--height", "8", "--width", "8", "--frames", "1"],
             ["1 tokens cannot be split over 2 ranks"],
         ),
         (["--parallel", "ring", "--attention-backend", "flash"], ["flash needs CUDA"]),

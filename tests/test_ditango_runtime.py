@@ -189,7 +189,7 @@ def test_cli_ditango_run_reports_plan_quality_and_heatmap(runner, tmp_path):
 
     out = tmp_path / "out"
     args = ["generate", "--prompt", "a blue square moving up", "--out", str(out), "--device", "cpu", "--quiet",
-            "--steps", "8", "--gpus", "2", "--nodes", "2", "--executor", "local", "--parallel", "ditango",
+            "--steps", "12", "--gpus", "2", "--nodes", "2", "--executor", "local", "--parallel", "ditango",
             "--cache-ratio", "0.5",
             "--warmup", "1", "--cooldown", "1", "--reference", "exact"]  # fmt: skip
     result = runner.invoke(app, args)
@@ -200,12 +200,14 @@ def test_cli_ditango_run_reports_plan_quality_and_heatmap(runner, tmp_path):
     attention = item["attention"]
     assert len(attention["plan_hashes"]) == 4 and len(set(attention["plan_hashes"])) == 1
     assert 0.0 < attention["computed_fraction"] < 1.0
-    assert len(attention["per_step"]) == 8 and attention["plan"]["kinds"][0] == "exact"
+    assert len(attention["per_step"]) == 12 and attention["plan"]["kinds"][0] == "exact"
     assert attention["plan"]["anchors"] and attention["cache_peak_bytes"] > 0
     assert (out / attention["plan_png"]).stat().st_size > 0
     quality = item["quality"]
-    # Reuse on the trained model at its own geometry, 8 steps with one warm-up step, measured 0.103
-    # latent error and SSIM 0.983: nonzero (states were reused) and far from a broken run (O(1)).
+    # Reuse on the trained model at its own geometry, 12 steps with one warm-up step, measured 0.091
+    # latent error and SSIM 0.971: nonzero (states were reused) and far from a broken run (O(1)).
+    # (At 8 steps the drift gate fires after every selective step, so each selective step is the
+    # all-reuse step right after an anchor and the computed fraction is 0.)
     assert quality["reference"] == "exact" and 0.0 < quality["latent_rel_err"] < 0.2
     assert quality["ssim"] > 0.95 and item["timing"]["reference_s"] > 0
 

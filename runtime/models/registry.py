@@ -55,10 +55,10 @@ REGISTRY: dict[str, ModelSpec] = {
     "tiny-wan": ModelSpec(
         name="tiny-wan",
         description="built-in tiny Wan trained on moving shapes (runtime/models/tiny/weights)",
-        params=685_932,
+        params=2_712_816,
         heads=4,
         layers=4,
-        head_dim=24,
+        head_dim=48,
         defaults=Defaults(
             steps=25,
             guidance=2.5,
@@ -68,7 +68,7 @@ REGISTRY: dict[str, ModelSpec] = {
             fps=8,
             max_text_len=32,
             vae_stride=4,
-            patch=(1, 1, 1),
+            patch=(1, 2, 2),
         ),
         builtin=True,
     ),

@@ -62,14 +62,15 @@ class TinyWanConfig:
 TINY_WAN = TinyWanConfig()
 
 # The architecture of the shipped, trained `tiny-wan` (runtime/models/tiny/weights): at its
-# default 64x64x17 a video is 5 x 16 x 16 = 1,280 transformer tokens; 4 heads allow Ulysses 2/4.
+# default 64x64x17 a video is 5 x 8 x 8 = 320 transformer tokens (2x2 latent patches, as Wan's);
+# 4 heads allow Ulysses 2/4.
 TRAINED_ARCH = TinyWanConfig(
     heads=4,
-    head_dim=24,
+    head_dim=48,
     layers=4,
-    ffn_dim=384,
+    ffn_dim=768,
     z_dim=12,
-    patch_size=(1, 1, 1),
+    patch_size=(1, 2, 2),
     vae="pooling",
     latents_stats=(-0.45, 0.55, 0.0),
 )
