@@ -159,7 +159,7 @@ def test_a_failed_item_is_retried_in_a_new_submission(runner, tmp_path, monkeypa
 
 
 def test_time_limit_requeues_and_finishes_the_batch(runner, tmp_path):
-    """2-minute limit, about 2.5 minutes of work (45 items of 12 steps, ~3.5 s each): Slurm signals 30 s before
+    """2-minute limit, about 2.5 minutes of work (45 items of 90 steps, ~3.5 s each): Slurm signals 30 s before
     the limit, submitit checkpoints (requeues the same call) and the requeued job skips what
     was finished."""
     prompts = tmp_path / "batch.txt"
@@ -170,7 +170,7 @@ def test_time_limit_requeues_and_finishes_the_batch(runner, tmp_path):
     prompts.write_text("\n".join((lines * 2)[:45]) + "\n")  # ids differ by index
     out = tmp_path / "out"
     args = ["generate", "--prompts", str(prompts), "--out", str(out), "--device", "cpu", "--quiet",
-            "--partition", "debug", "--executor", "slurm", "--time", "2", "--steps", "12"]  # fmt: skip
+            "--partition", "debug", "--executor", "slurm", "--time", "2", "--steps", "90"]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     assert len(list(out.glob("*.mp4"))) == 45
