@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
+from planner.cost_model import MODELS
 from runtime.models.checkpoint import inspect_model_dir
 from runtime.models.loading import load_components, resolve_placement
 from runtime.models.registry import BUILTIN_DIR, REGISTRY, resolve_model
@@ -18,6 +21,17 @@ def test_builtin_is_a_checked_diffusers_directory_within_budget():
     size = sum(p.stat().st_size for p in BUILTIN_DIR.rglob("*") if p.is_file())
     assert size <= 30 * 2**20, size
     assert not list(BUILTIN_DIR.rglob("*.bin")) and not list(BUILTIN_DIR.rglob("*.pt"))  # safetensors only
+
+
+def test_registry_and_cost_model_describe_the_shipped_transformer():
+    """The architecture is restated in the registry and the cost model: both must match the weights."""
+    cfg = json.loads((BUILTIN_DIR / "transformer" / "config.json").read_text())
+    want = (cfg["num_layers"], cfg["num_attention_heads"], cfg["attention_head_dim"], tuple(cfg["patch_size"]))
+    spec, shape = REGISTRY["tiny-wan"], MODELS["tiny-wan"]
+    assert (spec.layers, spec.heads, spec.head_dim, spec.defaults.patch) == want
+    assert (shape.layers, shape.heads, shape.head_dim, shape.patch) == want
+    assert (shape.ffn, shape.text_dim, shape.latent_channels) == (cfg["ffn_dim"], cfg["text_dim"], cfg["in_channels"])
+    assert (TRAINED_ARCH.layers, TRAINED_ARCH.heads, TRAINED_ARCH.head_dim, TRAINED_ARCH.patch_size) == want
 
 
 def test_shipped_frozen_parts_equal_the_code_that_defines_them():
