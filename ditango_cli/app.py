@@ -38,6 +38,7 @@ from ditango_cli.options import (
     CpusOpt,
     DeviceChoice,
     DeviceOpt,
+    DryRunOpt,
     DTypeChoice,
     DTypeOpt,
     ExecutorChoice,
@@ -71,6 +72,7 @@ from ditango_cli.options import (
     ReplicasOpt,
     RetriesOpt,
     SeedOpt,
+    SetupTimeoutOpt,
     SlurmArgOpt,
     StepsOpt,
     TauMaxOpt,
@@ -82,12 +84,13 @@ from ditango_cli.options import (
     WidthOpt,
 )
 from ditango_cli.prompts import Overrides, build_items
-from runtime.cache import compose_factor, unit_bytes
+from runtime.cache import anchor_bytes, compose_factor, unit_bytes
 from runtime.config import RunConfig
 from runtime.errors import ConfigError
 from runtime.kernels import resolve_backend
-from runtime.models.loading import resolve_placement
+from runtime.models.loading import placement_on
 from runtime.models.registry import MODEL_ROOT_ENV, REGISTRY, ResolvedModel, model_root, resolve_model
+from runtime.strategies.ditango import cache_dtype_for
 from runtime.strategies.sharding import chunk_sizes
 
 EXIT_USAGE = 2
@@ -164,8 +167,10 @@ def build_run_config(
     overwrite: bool = False,
     parallel: ParallelArgs,
     create_out: bool,
+    where: str = "local",
 ) -> tuple[RunConfig, ResolvedModel]:
-    placement = resolve_placement(device.value, None if dtype is None else dtype.value)  # before touching --out
+    """Validate everything that can be checked before anything runs; `where`: the executor
+    (local, srun, sbatch), which decides what the device checks are made against."""
     resolved = resolve_model(model, model_root_dir)
     items = build_items(prompt, prompts, overrides, resolved.spec.defaults)
     layout = parallel.layout(resolved.spec.heads)
@@ -177,30 +182,32 @@ def build_run_config(
             )
     if parallel.timeout <= 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {parallel.timeout:g}")
+    from slurm.placement import ranks_device
+
+    world = layout.world_size * parallel.replicas
+    device_type = ranks_device(where, device.value, world, parallel.gpus_per_node)
+    placement = placement_on(torch.device(device_type), None if dtype is None else dtype.value)
     ditango = parallel.ditango.options() if layout.strategy == "ditango" else None
     if ditango is not None and ditango.cache_limit_bytes is not None:  # fail now, not inside the ranks
         spec = resolved.spec
-        dtype = ditango.torch_cache_dtype
+        cache_dtype = cache_dtype_for(ditango.cache_dtype, placement.device)
         for item in items:
             tokens = max(chunk_sizes(item.tokens(), layout.cp_degree))
-            per_unit = unit_bytes(1, tokens, spec.heads, spec.head_dim, dtype)
+            per_unit = unit_bytes(1, tokens, spec.heads, spec.head_dim, cache_dtype)
             branches = 1 if layout.cfg_degree == 2 or item.guidance <= 1 else 2
-            compose_factor(layout.groups - 1, branches, spec.layers, per_unit, ditango.cache_limit_bytes)
-    world = parallel.nodes * parallel.gpus_per_node
-    if placement.device.type == "cuda" and world > torch.cuda.device_count():
-        raise ConfigError(
-            f"{world} ranks need {world} GPUs on this machine, found "
-            f"{torch.cuda.device_count()} (NCCL needs one GPU per rank); use fewer ranks or --device cpu"
-        )
+            anchors = branches * spec.layers * anchor_bytes(1, tokens, spec.heads)
+            compose_factor(layout.groups - 1, branches, spec.layers, per_unit, ditango.cache_limit_bytes, anchors)
     if layout.strategy != "none":
-        resolve_backend(parallel.attention_backend.value, placement.device, placement.dtype)
+        resolve_backend(
+            parallel.attention_backend.value, placement.device, placement.dtype, check_installed=where == "local"
+        )
     check_writable(out, create=create_out)
     cfg = RunConfig(
         model=model,
         model_path=None if resolved.spec.builtin else resolved.path,  # built-in: the running code's copy
         items=items,
         out_dir=out.expanduser(),
-        device=device.value,
+        device=device_type,
         dtype=None if dtype is None else dtype.value,
         save_latents=save_latents,
         overwrite=overwrite,
@@ -209,6 +216,7 @@ def build_run_config(
         layout=layout,
         attention_backend=parallel.attention_backend.value,
         timeout_s=parallel.timeout,
+        setup_timeout_s=parallel.setup_timeout_s,
         ditango=ditango,
         reference=parallel.ditango.reference,
         hybrid=parallel.hybrid.config(resolved.spec.layers),
@@ -243,6 +251,7 @@ def generate(
     executor: ExecutorOpt = ExecutorChoice.auto,
     replicas: ReplicasOpt = 1,
     timeout: TimeoutOpt = 600.0,
+    setup_timeout: SetupTimeoutOpt = None,
     attention_backend: BackendOpt = BackendChoice.auto,
     cache_ratio: CacheRatioOpt = None,
     warmup: WarmupOpt = None,
@@ -274,6 +283,7 @@ def generate(
     array_parallelism: ArrayParOpt = None,
     wait_for_job: WaitOpt = True,
     retries: RetriesOpt = 1,
+    dry_run: DryRunOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
     as_json: JsonOpt = False,
 ) -> int:
@@ -288,11 +298,17 @@ def generate(
 
     _quiet_libraries()
     overrides = Overrides(negative_prompt, seed, height, width, frames, steps, guidance)
+    slurm_opts = SlurmOptions(
+        partition=partition, account=account, qos=qos, time_min=time_min, cpus_per_task=cpus_per_task, mem=mem,
+        constraint=constraint, extra=SlurmOptions.parse_extra(slurm_arg or []), array=array,
+        array_parallelism=array_parallelism,
+    )  # fmt: skip
+    where = choose_executor(executor.value, nodes, slurm_opts, require_sbatch=not dry_run)
     cfg, _ = build_run_config(
         model=model, model_root_dir=model_root_dir, prompt=prompt, prompts=prompts, overrides=overrides,
         out=out, device=device, dtype=dtype, save_latents=save_latents, overwrite=overwrite,
         parallel=ParallelArgs.from_options(locals()),
-        create_out=True,
+        create_out=not dry_run, where=where,
     )  # fmt: skip
     cfg = replace(cfg, retries=retries)
     err = Console(stderr=True, soft_wrap=True)
@@ -305,14 +321,12 @@ def generate(
                 + (" (k 1: the pipeline window is only its fill step)" if r.k == 1 else ""),
                 highlight=False,
             )
-    slurm_opts = SlurmOptions(
-        partition=partition, account=account, qos=qos, time_min=time_min, cpus_per_task=cpus_per_task, mem=mem,
-        constraint=constraint, extra=SlurmOptions.parse_extra(slurm_arg or []), array=array,
-        array_parallelism=array_parallelism,
-    )  # fmt: skip
     if array > len(cfg.items):
         raise ConfigError(f"--array {array} is more than the {len(cfg.items)} items")
-    where = choose_executor(executor.value, cfg.nodes, slurm_opts)
+    if dry_run:
+        from ditango_cli.dry_run import show_dry_run
+
+        return show_dry_run(cfg, slurm_opts, where, as_json)
     if not quiet and executor == ExecutorChoice.auto and where == "local" and cfg.nodes > 1:
         err.print(f"executor: local ({cfg.nodes} virtual nodes; no sbatch on PATH)", highlight=False)
     if where in ("sbatch", "srun"):
@@ -358,6 +372,7 @@ def check(
     executor: ExecutorOpt = ExecutorChoice.auto,
     replicas: ReplicasOpt = 1,
     timeout: TimeoutOpt = 600.0,
+    setup_timeout: SetupTimeoutOpt = None,
     attention_backend: BackendOpt = BackendChoice.auto,
     cache_ratio: CacheRatioOpt = None,
     warmup: WarmupOpt = None,
@@ -380,15 +395,18 @@ def check(
     as_json: JsonOpt = False,
 ) -> int:
     """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
+    from slurm.options import SlurmOptions, choose_executor
+
     overrides = Overrides(negative_prompt, seed, height, width, frames, steps, guidance)
+    where = choose_executor(executor.value, nodes, SlurmOptions())
     cfg, resolved = build_run_config(
         model=model, model_root_dir=model_root_dir, prompt=prompt, prompts=prompts, overrides=overrides,
         out=out, device=device, dtype=dtype, create_out=False,
-        parallel=ParallelArgs.from_options(locals()),
+        parallel=ParallelArgs.from_options(locals()), where=where,
     )  # fmt: skip
     from runtime.run import plan_resume
 
-    placement = resolve_placement(cfg.device, cfg.dtype)
+    placement = placement_on(torch.device(cfg.device), cfg.dtype)
     skipped = plan_resume(cfg) if cfg.out_dir.is_dir() else {}
     spec = resolved.spec
     summary = {
@@ -400,9 +418,10 @@ def check(
         "out_dir": str(cfg.out_dir),
         "layout": cfg.layout.to_json(),
         "replicas": cfg.replicas,
+        "executor": where,
         "attention_backend": "diffusers"
         if cfg.layout.strategy == "none"
-        else resolve_backend(cfg.attention_backend, placement.device, placement.dtype),
+        else resolve_backend(cfg.attention_backend, placement.device, placement.dtype, check_installed=where == "local"),
         "skipped": sorted(skipped),
         "items": [
             {

@@ -51,7 +51,13 @@ HeightOpt = Annotated[int | None, typer.Option("--height", help="Pixels, a multi
 WidthOpt = Annotated[int | None, typer.Option("--width", help="Pixels, a multiple of 16.")]
 FramesOpt = Annotated[int | None, typer.Option("--frames", help="Video frames, 4k+1.")]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Output folder.")]
-DeviceOpt = Annotated[DeviceChoice, typer.Option("--device", help="auto picks CUDA when available.")]
+DeviceOpt = Annotated[
+    DeviceChoice,
+    typer.Option(
+        "--device",
+        help="auto: CUDA when this machine (or the allocation) has GPUs; on a Slurm submission GPUs unless cpu.",
+    ),
+]
 DTypeOpt = Annotated[
     DTypeChoice | None,
     typer.Option("--dtype", help="Transformer/text-encoder dtype [default: float32 on CPU, bfloat16 on CUDA]."),
@@ -101,7 +107,20 @@ ExecutorOpt = Annotated[
     ),
 ]
 TimeoutOpt = Annotated[
-    float, typer.Option("--timeout", help="Process-group timeout in seconds (a stuck rank fails after it).")
+    float, typer.Option("--timeout", help="Per-step collective timeout in seconds (a stuck rank fails after it).")
+]
+SetupTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--setup-timeout",
+        help="Timeout in seconds of bring-up and of waits on rank 0 (loading, decoding, writing) [max(1800, --timeout)].",
+    ),
+]
+DryRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run", help="Print what would be launched (sbatch script or srun command, ranks) and exit; runs nothing."
+    ),
 ]
 BackendOpt = Annotated[
     BackendChoice, typer.Option("--attention-backend", help="Attention kernel for parallel strategies.")
@@ -124,7 +143,11 @@ AlphaOpt = Annotated[
     bool | None, typer.Option("--alpha/--no-alpha", help="DiTango: norm-ratio factor in the drift estimate [off].")
 ]
 CacheDtypeOpt = Annotated[
-    str | None, typer.Option("--cache-dtype", help="DiTango: cached attention outputs in float32 or bfloat16.")
+    str | None,
+    typer.Option(
+        "--cache-dtype",
+        help="DiTango: cached attention outputs in float32 or bfloat16 [bfloat16 on CUDA, float32 on CPU].",
+    ),
 ]
 ReferenceOpt = Annotated[
     str | None,
@@ -144,7 +167,10 @@ HybridTextOpt = Annotated[
 ]
 CacheLimitOpt = Annotated[
     str | None,
-    typer.Option("--cache-memory-limit", help="DiTango: cap per rank, e.g. 8GiB; adjacent groups are composed."),
+    typer.Option(
+        "--cache-memory-limit",
+        help="DiTango: cap per rank, e.g. 8GiB; adjacent groups are composed [on CUDA: the free memory, less headroom].",
+    ),
 ]
 
 
@@ -212,7 +238,7 @@ class DiTangoArgs:
             tau_max=self.tau_max, anchor_interval=self.anchor_interval, use_alpha=pick(self.alpha, False),
         )  # fmt: skip
         limit = None if self.cache_memory_limit is None else parse_bytes(self.cache_memory_limit)
-        return DiTangoOptions(planner, pick(self.cache_dtype, "float32"), limit)
+        return DiTangoOptions(planner, self.cache_dtype, limit)
 
 
 @dataclass(frozen=True)
@@ -250,6 +276,7 @@ class ParallelArgs:
     parallel: ParallelChoice | None = None
     ulysses_degree: int | None = None
     timeout: float = 600.0
+    setup_timeout: float | None = None
     attention_backend: BackendChoice = BackendChoice.auto
     ditango: DiTangoArgs = DiTangoArgs()
     hybrid: HybridArgs = HybridArgs()
@@ -267,9 +294,13 @@ class ParallelArgs:
             o["hybrid_split"], o["hybrid_first_text"],
         )  # fmt: skip
         return cls(
-            o["nodes"], o["gpus_per_node"], o["parallel"], o["ulysses_degree"], o["timeout"], o["attention_backend"],
-            ditango, hybrid, o["replicas"],
+            o["nodes"], o["gpus_per_node"], o["parallel"], o["ulysses_degree"], o["timeout"], o["setup_timeout"],
+            o["attention_backend"], ditango, hybrid, o["replicas"],
         )  # fmt: skip
+
+    @property
+    def setup_timeout_s(self) -> float:
+        return max(1800.0, self.timeout) if self.setup_timeout is None else self.setup_timeout
 
     def replica_shape(self) -> tuple[int, int]:
         """(nodes, ranks per node) of one replica: replicas split the nodes, or split each node."""

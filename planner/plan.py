@@ -34,6 +34,12 @@ class StepPlan:
         computed = int(self.compute_LU.sum())
         return f"StepPlan(step={self.step}, kind={self.kind}, computed={computed}/{layers * units}, epsilon={self.epsilon})"
 
+    def fingerprint(self) -> int:
+        """A 62-bit integer of what decides the step's communication (step, kind, compute
+        bits): equal on every rank exactly when their exchanges pair up."""
+        canon = json.dumps([self.step, self.kind, list(self.compute_LU.shape), _bits(self.compute_LU)])
+        return int.from_bytes(hashlib.sha256(canon.encode()).digest()[:8], "big") >> 2
+
 
 def _fraction(compute: torch.Tensor) -> float:
     """Fraction of cells computed; 1.0 for no cells (nothing remote: everything is exact)."""

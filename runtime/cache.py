@@ -7,7 +7,8 @@ H heads, D head dim.
 `out` is stored in the cache dtype (float32, or bfloat16 to halve memory); `lse` always
 stays float32: merge weights are exp(lse differences), and a bf16 lse (8 mantissa bits)
 would turn a log-sum-exp of ~10 into errors of several percent in those weights.
-Buffers are allocated once per item, when the local sequence length is known.
+Buffers are allocated once per item, before its first step (`allocate`), and freed after its
+last (`reset`).
 """
 
 from __future__ import annotations
@@ -31,20 +32,31 @@ def unit_bytes(B: int, S: int, H: int, D: int, dtype: torch.dtype) -> int:
     return slot_bytes(B, S, H, D, dtype) + B * S * H * 4
 
 
-def compose_factor(groups: int, branches: int, layers: int, slot: int, limit_bytes: int | None) -> int:
+def anchor_bytes(B: int, S: int, H: int) -> int:
+    """Per (branch, layer): the compressed local state [B, S, H] float32 kept at the anchor."""
+    return B * S * H * 4
+
+
+def compose_factor(
+    groups: int, branches: int, layers: int, slot: int, limit_bytes: int | None, fixed_bytes: int = 0
+) -> int:
     """k adjacent remote groups per cached unit, the smallest that fits `limit_bytes`.
 
-    Composing is exact (states of disjoint partitions merge into the state of their union),
-    but a composed unit is computed or reused as a whole.
+    `slot`: bytes of one unit for one (branch, layer) (`unit_bytes`); `fixed_bytes`: what the
+    cache needs whatever the units (the anchors' references). Composing is exact (states of
+    disjoint partitions merge into the state of their union), but a composed unit is computed
+    or reused as a whole.
     """
     if limit_bytes is None or groups <= 0:
         return 1
     per_unit = branches * layers * slot
-    units = limit_bytes // per_unit
+    units = (limit_bytes - fixed_bytes) // per_unit
     if units < 1:
+        need = per_unit + fixed_bytes
         raise ConfigError(
-            f"--cache-memory-limit {limit_bytes} bytes cannot hold one cached unit per branch and layer "
-            f"({per_unit} bytes for this item); raise it to at least {per_unit} or use --cache-dtype bfloat16"
+            f"a DiTango cache limit of {limit_bytes} bytes cannot hold one cached unit per branch and layer "
+            f"({need} bytes for this item); raise --cache-memory-limit to at least {need}, "
+            "use --cache-dtype bfloat16, or more ranks"
         )
     return math.ceil(groups / min(units, groups))
 
@@ -58,16 +70,17 @@ class StateCache:
         self.filled_NLU = torch.zeros(self.shape_NLU, dtype=torch.bool)
         self.peak_bytes = 0
 
-    def _allocate(self, like: AttentionState) -> None:
-        B, S, H, D = like.out_BSHD.shape
-        device = like.out_BSHD.device
+    def allocate(self, B: int, S: int, H: int, D: int, device: torch.device | str = "cpu") -> None:
+        """Every slot at once, at the start of an item: an out-of-memory shows before the first
+        step, not halfway through the denoising."""
         self.out_NLUBSHD = torch.empty((*self.shape_NLU, B, S, H, D), dtype=self.dtype, device=device)
         self.lse_NLUBSH = torch.empty((*self.shape_NLU, B, S, H), dtype=torch.float32, device=device)
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
 
     def put(self, branch: int, layer: int, unit: int, state: AttentionState) -> None:
         if self.out_NLUBSHD is None:
-            self._allocate(state)
+            B, S, H, D = state.out_BSHD.shape
+            self.allocate(B, S, H, D, state.out_BSHD.device)
         self.out_NLUBSHD[branch, layer, unit].copy_(state.out_BSHD)
         self.lse_NLUBSH[branch, layer, unit].copy_(state.lse_BSH)
         self.filled_NLU[branch, layer, unit] = True

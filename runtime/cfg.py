@@ -154,7 +154,7 @@ class Hybrid(CfgParallel):
                 # Every rank saw the same M, but a stage mismatch would pair different exchanges:
                 # rank 0's decision is the one everybody follows.
                 box = [self.schedule.tau1]
-                dist.broadcast_object_list(box, src=0)
+                dist.broadcast_object_list(box, src=0, group=self.mesh.world_group)
                 self.schedule.tau1 = box[0]
             out = eps_u + guidance * (eps_c - eps_u)
         else:

@@ -69,12 +69,20 @@ class Comm:
     def one_way(
         self, tensor: torch.Tensor | None, src: int, dst: int, shape, dtype, device, group, purpose: str
     ) -> torch.Tensor | None:
-        """Blocking point-to-point: `src` sends `tensor`, `dst` returns what it received."""
+        """Blocking point-to-point: `src` sends `tensor`, `dst` returns what it received.
+
+        A batch of one op rather than `dist.send`: NCCL gives a lone send/recv its own
+        two-rank communicator, created lazily at first use (mid-step, while other
+        communicators may have work in flight); a batched op uses the group's communicator,
+        which the mesh created and warmed up."""
         if self.mesh.rank == src:
-            dist.send(tensor.contiguous(), dst, group=group)
+            op = dist.P2POp(dist.isend, tensor.contiguous(), dst, group=group)
+            for work in dist.batch_isend_irecv([op]):
+                work.wait()
             return None
         buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
-        dist.recv(buffer, src, group=group)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, src, group=group)]):
+            work.wait()
         self._count(src, buffer.numel() * buffer.element_size(), purpose)
         return buffer
 

@@ -101,7 +101,9 @@ class RunConfig:
     fps: int = 16
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     attention_backend: str = "auto"  # auto | flash | torch | reference (ignored by strategy "none")
-    timeout_s: float = 600.0  # process-group timeout: a stuck collective fails after this long
+    timeout_s: float = 600.0  # per-step collectives: a stuck one fails after this long
+    # Bring-up and the waits on the writer (loading, rank 0 decoding and writing a video)
+    setup_timeout_s: float = 1800.0
     ditango: DiTangoOptions | None = None  # --parallel ditango settings
     reference: str | None = None  # "exact": also run the exact ring path and record quality
     hybrid: HybridConfig | None = None  # --hybrid (needs cfg degree 2)
@@ -131,6 +133,13 @@ class RunConfig:
             raise ConfigError("nothing to generate: no items")
         if self.retries < 0:
             raise ConfigError(f"--retries must be >= 0, got {self.retries}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s:g}")
+        if self.setup_timeout_s < self.timeout_s:
+            raise ConfigError(
+                f"--setup-timeout ({self.setup_timeout_s:g} s) must be >= --timeout ({self.timeout_s:g} s): "
+                "bring-up and writing outlast any one step"
+            )
         if self.replicas < 1:
             raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
         if self.world_size % self.gpus_per_node or (self.gpus_per_node % self.layout.gpus_per_node):

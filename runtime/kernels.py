@@ -14,6 +14,8 @@ Backends:
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Literal
 
 import torch
@@ -25,16 +27,33 @@ Backend = Literal["flash", "torch", "reference"]
 BACKENDS = ("auto", "flash", "torch", "reference")
 
 
+@functools.cache
 def flash_attn_available() -> bool:
+    """Whether flash-attn imports. A broken build (compiled for another torch or CUDA) fails
+    with other errors than ImportError (OSError for a missing symbol or library, RuntimeError):
+    those fall back to the torch backend with a warning, once, instead of ending the run."""
     try:
         import flash_attn  # noqa: F401
     except ImportError:
         return False
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        warnings.warn(
+            f"flash-attn is installed but does not load ({type(exc).__name__}: {first}); using the torch attention "
+            "backend (reinstall flash-attn for this torch and CUDA to use it)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
     return True
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Backend:
-    """`dtype`: the transformer's compute dtype (flash-attn has fp16/bf16 kernels only)."""
+def resolve_backend(
+    name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, check_installed: bool = True
+) -> Backend:
+    """`dtype`: the transformer's compute dtype (flash-attn has fp16/bf16 kernels only).
+    `check_installed` False: for ranks elsewhere (a Slurm job), whose flash-attn this machine
+    cannot tell; they resolve `auto` again for themselves."""
     if name not in BACKENDS:
         raise ConfigError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     half = dtype in (torch.float16, torch.bfloat16)
@@ -45,8 +64,10 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.
             raise ConfigError("--attention-backend flash needs CUDA; use torch (or auto) on CPU")
         if not half:
             raise ConfigError("--attention-backend flash needs --dtype bfloat16 or float16; use torch for float32")
-        if not flash_attn_available():
-            raise ConfigError("--attention-backend flash: flash-attn is not installed (pip install 'ditango[flash]')")
+        if check_installed and not flash_attn_available():
+            raise ConfigError(
+                "--attention-backend flash: flash-attn is not installed or does not load (pip install 'ditango[flash]')"
+            )
     return name  # type: ignore[return-value]
 
 

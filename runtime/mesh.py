@@ -4,7 +4,9 @@ Global rank order: rank = cfg_index * cp_degree + cp_index. Inside the cp axis, 
 puts Ulysses innermost (cp_index = ring_index * ulysses_degree + ulysses_index), so
 a Ulysses group is a run of adjacent ranks, which share a node whenever
 ulysses_degree divides the GPUs per node. Groups are passed explicitly; nothing here
-is a module-level global.
+is a module-level global. Besides the layout's groups every rank has a world group for
+per-step collectives (the step timeout) and a gloo control group for object messages and
+the waits on the writer (the setup timeout); `build_mesh` uses every communicator once.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
+import torch
 import torch.distributed as dist
 
 from runtime.errors import ConfigError
@@ -140,7 +143,12 @@ class Mesh:
     ring_ranks: tuple[int, ...]
     group_ranks: tuple[int, ...]  # DiTango group (adjacent cp ranks); (rank,) for other strategies
     cfg_ranks: tuple[int, ...]  # the ranks holding this cp index in each cfg group (CFG partners)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # Per-step collectives (the step timeout): every rank of the replica.
     world_group: object = None
+    # Control plane (gloo on CPU, the setup timeout): object gathers and the waits on the
+    # writer (rank 0 decoding and writing while the others wait). Never on the GPU.
+    control_group: object = None
     cp_group: object = None
     ulysses_group: object = None
     ring_group: object = None
@@ -189,19 +197,36 @@ def virtual_node_map(layout: ParallelLayout) -> tuple[int, ...]:
     return tuple(r // layout.gpus_per_node for r in range(layout.world_size))
 
 
-def build_mesh(layout: ParallelLayout, rank: int, node_of: tuple[int, ...], timeout_s: float | None = None) -> Mesh:
-    """Create the process groups (a collective call: every rank must call it identically)."""
+def build_mesh(
+    layout: ParallelLayout,
+    rank: int,
+    node_of: tuple[int, ...],
+    timeout_s: float | None = None,
+    device: torch.device | None = None,
+    control_timeout_s: float | None = None,
+) -> Mesh:
+    """Create the process groups (a collective call: every rank must call it identically).
+
+    `timeout_s` bounds per-step collectives; `control_timeout_s` (default: the same) the
+    control group's waits. Every communicator is created and used once here (`warm_up`),
+    so none is created lazily inside a step while another one has work in flight (NCCL
+    documents concurrent communicators as able to deadlock)."""
     groups = rank_groups(layout)
     mine: dict[str, tuple[int, ...]] = {}
     handles: dict[str, object] = {}
     distributed = dist.is_available() and dist.is_initialized()
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-    for kind in ("cp", "ulysses", "ring", "group", "cfg"):
-        for ranks in groups[kind]:
+    everyone = [tuple(range(layout.world_size))]
+    for kind, members in (*((k, groups[k]) for k in GROUP_KINDS), ("world", everyone)):
+        for ranks in members:
             handle = dist.new_group(list(ranks), timeout=timeout) if distributed and len(ranks) > 1 else None
             if rank in ranks:
                 mine[kind], handles[kind] = ranks, handle
-    return Mesh(
+    control = None
+    if distributed and layout.world_size > 1:
+        control_timeout = timeout if control_timeout_s is None else timedelta(seconds=control_timeout_s)
+        control = dist.new_group(list(range(layout.world_size)), timeout=control_timeout, backend="gloo")
+    mesh = Mesh(
         layout=layout,
         rank=rank,
         node_of=tuple(node_of),
@@ -210,10 +235,40 @@ def build_mesh(layout: ParallelLayout, rank: int, node_of: tuple[int, ...], time
         ring_ranks=mine["ring"],
         group_ranks=mine["group"],
         cfg_ranks=mine["cfg"],
-        world_group=dist.group.WORLD if distributed else None,
+        device=device or torch.device("cpu"),
+        world_group=handles["world"],
+        control_group=control,
         cp_group=handles["cp"],
         ulysses_group=handles["ulysses"],
         ring_group=handles["ring"],
         group_group=handles["group"],
         cfg_group=handles["cfg"],
     )
+    warm_up(mesh)
+    return mesh
+
+
+GROUP_KINDS = ("cp", "ulysses", "ring", "group", "cfg")
+
+
+def warm_up(mesh: Mesh) -> None:
+    """One small all-reduce on each of this rank's groups, in a fixed order of kinds.
+
+    Deadlock-free: every rank is in exactly one group of each kind and visits the kinds in
+    the same order, so each group's members meet at the same call. Point-to-point traffic
+    later goes through `batch_isend_irecv` (runtime/comm.py), which uses these same
+    communicators, so no communicator is created after this."""
+    if mesh.world_group is None:
+        return
+    probes = []
+    for kind in (*GROUP_KINDS, "world"):
+        group = getattr(mesh, f"{kind}_group")
+        if group is not None:
+            probe = torch.ones(1, device=mesh.device)
+            dist.all_reduce(probe, group=group)
+            probes.append((kind, probe, dist.get_world_size(group)))
+    probe = torch.ones(1)
+    dist.all_reduce(probe, group=mesh.control_group)
+    probes.append(("control", probe, mesh.world_size))
+    for kind, probe, size in probes:  # .item() waits for the device: every communicator is up
+        assert probe.item() == size, f"warm-up on the {kind} group gave {probe.item()}, expected {size}"

@@ -29,6 +29,7 @@ class DenoiseListener(Protocol):
     def begin_step(self, step: int) -> None: ...
     def begin_branch(self, branch: int) -> None: ...
     def end_step(self, step: int) -> None: ...
+    def end_run(self) -> None: ...
 
 
 @dataclass
@@ -160,6 +161,8 @@ class WanDenoiser:
             result.step_s.append(time.perf_counter() - start)
             if on_step is not None:
                 on_step(i + 1, steps)
+        if listener is not None:
+            listener.end_run()
         result.latents_BCFHW = latents
         return result
 

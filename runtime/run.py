@@ -25,7 +25,7 @@ from runtime.config import Item, RunConfig
 from runtime.errors import ConfigError
 from runtime.kernels import resolve_backend
 from runtime.mesh import Mesh, build_mesh
-from runtime.models.loading import load_components, resolve_placement
+from runtime.models.loading import load_components, placement_on, resolve_placement
 from runtime.models.registry import resolve_model
 from runtime.pipeline import WanDenoiser, synchronize
 from runtime.plots import write_heatmap, write_rel_mae_plot
@@ -61,9 +61,16 @@ class RankContext:
     comm: Comm
 
     @classmethod
-    def single(cls, cfg: RunConfig) -> RankContext:
-        mesh = build_mesh(cfg.layout, 0, (0,))
+    def single(cls, cfg: RunConfig, device: torch.device | None = None) -> RankContext:
+        """One process; `device` None: resolved from `cfg.device` (CUDA when asked or available)."""
+        device = device or resolve_placement(cfg.device, cfg.dtype).device
+        mesh = build_mesh(cfg.layout, 0, (0,), device=device)
         return cls(mesh, Comm(mesh))
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device, chosen by its launcher (the local GPU of its global rank)."""
+        return self.mesh.device
 
     @property
     def distributed(self) -> bool:
@@ -73,18 +80,20 @@ class RankContext:
     def is_writer(self) -> bool:
         return self.mesh.rank == 0
 
+    # Object collectives go over the control group (gloo, setup timeout): they carry records,
+    # not tensors, and the waits on the writer can last as long as a video's decode.
     def gather(self, obj) -> list:
         if not self.distributed:
             return [obj]
         out = [None] * self.mesh.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.mesh.control_group)
         return out
 
     def from_writer(self, obj):
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.mesh.control_group)
         return box[0]
 
 
@@ -224,6 +233,12 @@ def exact_reference(denoiser: WanDenoiser, latents, text, item: Item) -> torch.T
         listener.ctx.ditango = saved
 
 
+def release_device_memory(device: torch.device) -> None:
+    """Return the allocator's unused blocks to the GPU (the VAE decode at 720p needs them)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer) -> dict:
     paths = output_paths(cfg.out_dir, item.id)
     timing = ItemTiming()
@@ -264,6 +279,7 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
         start = time.perf_counter()
         reference = exact_reference(denoiser, latents, text, item)
         timing.reference_s = time.perf_counter() - start
+    release_device_memory(device)  # what the denoising held (DiTango's cache) goes back before the decode
     if not ctx.is_writer:
         return {}
 
@@ -328,7 +344,7 @@ def execute(
     ctx = ctx or RankContext.single(cfg)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     wall_start = time.perf_counter()
-    placement = resolve_placement(cfg.device, cfg.dtype, index=ctx.mesh.rank)
+    placement = placement_on(ctx.device, cfg.dtype)
     if cfg.layout.strategy == "none":
         backend = "diffusers"  # diffusers' own attention processor, untouched
     else:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from runtime.config import RunConfig
 from slurm.options import SlurmOptions
+from slurm.rank import exit_soon, is_peer_failure
 
 
 def run_steps(
@@ -34,8 +35,9 @@ def run_steps(
 ) -> list[tuple[str | None, int | None]]:
     """Run array tasks (default all) as srun steps of the current allocation, one after the
     other; each step's (error, failing rank), error None when it succeeded."""
-    from slurm.submit import snapshot_code
+    from slurm.submit import absolute_paths, snapshot_code
 
+    cfg = absolute_paths(cfg)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
     folder = (cfg.out_dir / "slurm" / f"srun-{stamp}").resolve()
     code = snapshot_code(folder / "code")
@@ -49,11 +51,7 @@ def run_steps(
         call = folder / f"call-{task}.pkl"
         with open(call, "wb") as f:
             pickle.dump((cfg, task, opts.array, decided), f)
-        cmd = [
-            "srun", f"--nodes={cfg.nodes}", f"--ntasks-per-node={cfg.gpus_per_node}",
-            "--kill-on-bad-exit=1", f"--output={folder}/task-{task}-rank-%t.log",
-            sys.executable, "-m", "slurm.allocation", str(call),
-        ]  # fmt: skip
+        cmd = srun_command(cfg, folder, task, call)
         proc = subprocess.Popen(cmd, env=env, cwd=code, stdin=subprocess.DEVNULL)
         while proc.poll() is None:
             if on_state is not None:
@@ -63,13 +61,42 @@ def run_steps(
     return errors
 
 
+def srun_command(cfg: RunConfig, folder: Path, task: int, call: Path) -> list[str]:
+    """The job step of one array task: a task per rank, each on its own GPU when the run
+    computes on GPUs; `--kill-on-bad-exit` ends the step when one rank fails (its NCCL peers
+    would otherwise wait in their collectives until the watchdog)."""
+    gpus = [f"--gpus-per-node={cfg.gpus_per_node}"] if cfg.device == "cuda" else []
+    return [
+        "srun", f"--nodes={cfg.nodes}", f"--ntasks-per-node={cfg.gpus_per_node}", *gpus,
+        "--kill-on-bad-exit=1", f"--output={folder}/task-{task}-rank-%t.log",
+        sys.executable, "-m", "slurm.allocation", str(call),
+    ]  # fmt: skip
+
+
+def allocation_gpus_per_node() -> int | None:
+    """GPUs per node of the current allocation, from what Slurm sets (None: it says nothing,
+    e.g. no GPU was requested). SLURM_GPUS_ON_NODE (batch script and steps), else the request
+    as salloc passes it on (SLURM_GPUS_PER_NODE, e.g. "8" or "h100:8"), else SLURM_JOB_GPUS
+    (the GPU indices of this node)."""
+    on_node = os.environ.get("SLURM_GPUS_ON_NODE")
+    if on_node and on_node.strip().isdigit():
+        return int(on_node)
+    per_node = os.environ.get("SLURM_GPUS_PER_NODE")
+    if per_node:
+        count = per_node.split(",")[0].split(":")[-1].split("(")[0]
+        if count.isdigit():
+            return int(count)
+    ids = os.environ.get("SLURM_JOB_GPUS")
+    if ids:
+        return len([i for i in ids.split(",") if i.strip()])
+    return None
+
+
 def _step_error(folder: Path, task: int, returncode: int) -> tuple[str, int | None]:
     """(error, rank) of the rank of this step that raised first (not a peer it took down)."""
-    from slurm.submit import _SECONDARY
-
     found = sorted(folder.glob(f"task-{task}-rank-*.error"), key=lambda p: p.stat().st_mtime)
     errors = [(p.read_text(encoding="utf-8").strip(), int(p.name.split("-rank-")[1].split(".")[0])) for p in found]
-    own = [e for e in errors if not any(m in e[0] for m in _SECONDARY)]
+    own = [e for e in errors if not is_peer_failure(e[0])]
     if errors:
         return (own or errors)[0]
     return f"srun exited with code {returncode} (logs: {folder}/task-{task}-rank-*.log)", None
@@ -98,6 +125,7 @@ def main(call: Path) -> None:
     try:
         SlurmRun()(cfg, task, tasks, decided)
     except BaseException as exc:
+        exit_soon()  # SlurmRun armed it already, unless it failed before that
         rank = os.environ.get("SLURM_PROCID", "0")
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         (call.parent / f"task-{task}-rank-{rank}.error").write_text(f"rank {rank}: {type(exc).__name__}: {first}\n")

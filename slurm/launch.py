@@ -10,9 +10,8 @@ launch is retried for the items left (`launch`, `blame`). The CLI only ever call
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
-
-import torch
 
 from runtime.comm import Comm
 from runtime.config import RunConfig
@@ -30,13 +29,18 @@ from runtime.run import (
 )
 from slurm.aggregate import aggregate
 from slurm.local import EventSink, RankFailed, run_ranks
+from slurm.rank import current_device, select_device
 from slurm.sharding import shard
 
-# Debugging aid and test hook: "RANK:STEP[:ITEM_ID]" makes that rank raise after that
+# Debugging aid and test hook: "RANK:STEP[:ITEM_ID]" makes that rank fail after that
 # denoising step (of that item only, when given). With FAULT_ONCE_ENV=FILE it fires once:
 # FILE is created when it fires, and an existing FILE disarms it (a transient failure).
+# FAULT_KIND_ENV says how: "raise" (default), "hang" (the rank stops answering, as a stuck
+# GPU or a wedged node would: its peers must time out) or "exit" (the process dies at once).
 FAULT_ENV = "DITANGO_FAULT_INJECT"
 FAULT_ONCE_ENV = "DITANGO_FAULT_ONCE"
+FAULT_KIND_ENV = "DITANGO_FAULT_KIND"
+FAULT_KINDS = ("raise", "hang", "exit")
 
 
 class FaultHook:
@@ -56,11 +60,19 @@ class FaultHook:
             return
         if len(self.spec) == 3 and self.spec[2] != self.item:
             return
+        kind = os.environ.get(FAULT_KIND_ENV, "raise")
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"{FAULT_KIND_ENV} must be one of {', '.join(FAULT_KINDS)}, got {kind!r}")
         if self.once:
             try:
                 os.close(os.open(self.once, os.O_CREAT | os.O_EXCL))
             except FileExistsError:
                 return
+        if kind == "hang":
+            while True:
+                time.sleep(60)
+        if kind == "exit":
+            os._exit(3)
         raise RuntimeError(f"injected fault on rank {self.rank} after step {step} ({FAULT_ENV})")
 
 
@@ -120,7 +132,10 @@ def rank_main(
     mine = {i.id for i in cfg.items}
     skipped = {k: v for k, v in skipped.items() if k in mine}
     decided = {k: v for k, v in (decided or {}).items() if k in mine}
-    mesh = build_mesh(cfg.layout, rank, node_map(cfg, events.replica), timeout_s=cfg.timeout_s)
+    mesh = build_mesh(
+        cfg.layout, rank, node_map(cfg, events.replica), timeout_s=cfg.timeout_s, device=current_device(),
+        control_timeout_s=cfg.setup_timeout_s,
+    )  # fmt: skip
     observer = _ForwardingObserver(events)
     ctx = RankContext(mesh, Comm(mesh))
     return execute(cfg, observer, ctx, skipped, report_name=report_name, decided=decided)
@@ -186,13 +201,13 @@ def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = 
     never loses the batch. A failure outside any item (e.g. loading the model) raises.
     """
     if cfg.world_size == 1:
-        return execute(cfg, _FaultingObserver(observer), skipped=plan_resume(cfg), report_name=report_name)
+        ctx = RankContext.single(cfg, select_device(cfg.device, 0))
+        return execute(cfg, _FaultingObserver(observer), ctx, skipped=plan_resume(cfg), report_name=report_name)
 
     def on_event(kind: str, payload: tuple) -> None:
         if observer is not None:
             getattr(observer, kind)(*payload)
 
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     attempts: dict[str, int] = {}
     given_up: dict[str, dict] = {}
     since = fs_clock(cfg.out_dir)
@@ -205,8 +220,8 @@ def launch(cfg: RunConfig, observer: Observer | None = None, report_name: str = 
                 rank_main,
                 cfg.world_size,
                 (cfg, skipped, report_name, decided),
-                timeout_s=cfg.timeout_s,
-                backend="nccl" if use_cuda else "gloo",
+                timeout_s=cfg.setup_timeout_s,
+                device=cfg.device,
                 log_dir=cfg.out_dir / "logs",
                 on_event=on_event,
                 replicas=cfg.replicas,

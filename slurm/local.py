@@ -1,10 +1,11 @@
 """Run N ranks as local processes and supervise them.
 
 Each rank is a spawned process that joins a process group (file rendezvous in a private
-temp dir; gloo on CPU, NCCL on CUDA), with the group timeout applied to every
-collective. Rank 0 may send progress events to the supervisor; other ranks' stdout and
-stderr go to per-rank log files. The first rank to fail ends the run: the others are
-terminated and `RankFailed` carries that rank's error, so nothing waits on a dead peer.
+temp dir; gloo on CPU, NCCL on CUDA with rank g on GPU g; see slurm/rank.py), with the
+group timeout applied to every collective. Rank 0 may send progress events to the
+supervisor; other ranks' stdout and stderr go to per-rank log files. The first rank to fail
+ends the run: it reports its error and exits at once, the others are terminated, and
+`RankFailed` carries that rank's error, so nothing waits on a dead peer.
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import signal
+import sys
 import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from slurm.rank import apply_environment, is_peer_failure, join, select_device
 
 POLL_S = 0.1
 GRACE_S = 5.0
@@ -67,30 +70,36 @@ def _die_with_parent() -> None:
         pass
 
 
-def _bootstrap(rank, world, replicas, rdzv, backend, timeout_s, threads, log_dir, q, target, args):
+def _bootstrap(rank, world, replicas, rdzv, device, timeout_s, threads, log_dir, q, target, args):
     _die_with_parent()
     try:
         if log_dir is not None:
             _redirect_output(Path(log_dir) / f"rank-{rank}.log")
+            apply_environment(Path(log_dir).parent)
         torch.set_num_threads(threads)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+        # The GPU of the GLOBAL rank (all ranks are on this machine): replica r's ranks get
+        # their own GPUs, not the first ones again.
+        rank_device = select_device(device, rank)
         # Each replica is its own process group (world), with its own rendezvous file.
         size = world // replicas
         replica, local = divmod(rank, size)
-        dist.init_process_group(
-            backend, init_method=f"file://{rdzv}/store-{replica}", rank=local, world_size=size,
-            timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
+        join(
+            rank_device, rank=local, world_size=size, timeout_s=timeout_s, init_method=f"file://{rdzv}/store-{replica}"
+        )
         result = target(local, size, EventSink(rank, q, replica, leader=local == 0), *args)
         q.put(("result", rank, result))
     except BaseException as exc:  # report everything, including KeyboardInterrupt, then exit non-zero
         traceback.print_exc()
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # Exit now, without destroy_process_group (it can block with a dead peer): the
+        # supervisor stops the other ranks. The queue is flushed first so the error arrives.
+        q.close()
+        q.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_ranks(
@@ -99,7 +108,7 @@ def run_ranks(
     args: tuple = (),
     *,
     timeout_s: float = 600.0,
-    backend: str = "gloo",
+    device: str = "cpu",
     log_dir: Path | None = None,
     on_event: Callable[[str, tuple], None] | None = None,
     replicas: int = 1,
@@ -108,7 +117,8 @@ def run_ranks(
 
     With `replicas` R, the processes form R independent process groups of world_size / R
     ranks (contiguous blocks); `target` sees its rank and size inside its group, and
-    `events.replica`. `RankFailed.rank` is the global rank."""
+    `events.replica`. `RankFailed.rank` is the global rank. `device`: "cpu", "cuda" or "auto"
+    (global rank g takes GPU g); `timeout_s`: the process group's (setup) timeout."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -119,7 +129,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_bootstrap,
-                args=(rank, world_size, replicas, rdzv, backend, timeout_s, threads, log_dir, q, target, args),
+                args=(rank, world_size, replicas, rdzv, device, timeout_s, threads, log_dir, q, target, args),
                 daemon=False,
             )
             for rank in range(world_size)
@@ -146,7 +156,7 @@ def run_ranks(
                 elif kind == "result":
                     results[rank] = rest[0]
                 else:
-                    raise RankFailed(rank, rest[0], _log(log_dir, rank))
+                    raise _root_cause(q, procs, rank, rest[0], log_dir)
             deadline = time.monotonic() + EXIT_WAIT_S
             for p in procs:  # ranks only tear down now; one stuck there is stopped by `_stop`
                 p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -176,6 +186,31 @@ def _drain_error(q, rank: int, exitcode: int, log_dir: Path | None) -> None:
         if kind == "error":
             raise RankFailed(who, rest[0], _log(log_dir, who))
     raise RankFailed(rank, f"process exited with code {exitcode}", _log(log_dir, rank))
+
+
+def _root_cause(q, procs, rank: int, message: str, log_dir: Path | None) -> RankFailed:
+    """The failure to report when `rank` sent `message`. A peer's reaction ('connection closed',
+    'timed out') usually means another rank died without a word (killed, out of memory, a
+    crash in native code): within a second, such a rank is the one to blame."""
+    if not is_peer_failure(message):
+        return RankFailed(rank, message, _log(log_dir, rank))
+    spoke = {rank}
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        try:
+            kind, who, *rest = q.get(timeout=POLL_S)
+            if kind == "error":
+                spoke.add(who)
+                if not is_peer_failure(rest[0]):  # a rank with its own error: the cause
+                    return RankFailed(who, rest[0], _log(log_dir, who))
+        except queue_mod.Empty:
+            pass
+        silent = [(r, p.exitcode) for r, p in enumerate(procs) if r not in spoke and p.exitcode not in (None, 0)]
+        if silent:
+            r, code = silent[0]
+            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            return RankFailed(r, f"process {how} without an error (its peer {rank}: {message})", _log(log_dir, r))
+    return RankFailed(rank, message, _log(log_dir, rank))
 
 
 def _stop(procs) -> None:

@@ -72,8 +72,11 @@ def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool) -> d
         "time": opts.time_min,
         # Warning before the time limit (checkpoint + requeue): 2 minutes, or a quarter of short limits.
         "signal_delay_s": min(120, opts.time_min * 15),
+        # One failing rank ends the step at once: under NCCL its peers would otherwise spin in
+        # their collectives until the watchdog's timeout (slurm/rank.py).
+        "srun_args": ["--kill-on-bad-exit=1"],
     }
-    if use_gpus:
+    if use_gpus:  # one GPU per task; each task picks its own by SLURM_LOCALID
         params["gpus_per_node"] = cfg.gpus_per_node
     optional = {
         "partition": opts.partition, "account": opts.account, "qos": opts.qos, "mem": opts.mem,
@@ -86,10 +89,13 @@ def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool) -> d
     return params
 
 
-def choose_executor(requested: Executor, layout_nodes: int, opts: SlurmOptions) -> Literal["local", "srun", "sbatch"]:
+def choose_executor(
+    requested: Executor, layout_nodes: int, opts: SlurmOptions, require_sbatch: bool = True
+) -> Literal["local", "srun", "sbatch"]:
     """`auto`: inside an allocation (SLURM_JOB_ID) start ranks with srun there; else submit
     with sbatch when it is on PATH and the run needs more than one node or any Slurm option
-    was given; else run locally."""
+    was given; else run locally. `require_sbatch` False (a dry run): `slurm` means sbatch even
+    where sbatch is not installed."""
     in_allocation = bool(os.environ.get("SLURM_JOB_ID"))
     have_sbatch = shutil.which("sbatch") is not None
     if requested == "local":
@@ -97,7 +103,7 @@ def choose_executor(requested: Executor, layout_nodes: int, opts: SlurmOptions) 
     if requested == "slurm":
         if in_allocation:
             return "srun"
-        if not have_sbatch:
+        if not have_sbatch and require_sbatch:
             raise ConfigError("--executor slurm: sbatch is not on PATH (is this a Slurm login node?)")
         return "sbatch"
     if in_allocation:

@@ -14,15 +14,17 @@ per submission), `jobs.json` (what `ditango status` and `ditango cancel` read), 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import replace
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 
 import submitit
-import torch
 import torch.distributed as dist
 
 from runtime.comm import Comm
@@ -32,6 +34,7 @@ from runtime.mesh import build_mesh
 from runtime.run import RankContext, SilentObserver, execute, plan_resume
 from slurm.launch import FaultHook, replica_share
 from slurm.options import SlurmOptions, submitit_parameters
+from slurm.rank import apply_environment, exit_soon, is_peer_failure, join, select_device
 from slurm.sharding import shard
 
 CODE_PACKAGES = ("ditango_cli", "runtime", "planner", "slurm")
@@ -60,13 +63,13 @@ class _FaultObserver(SilentObserver):
 
 
 class SlurmRun(submitit.helpers.Checkpointable):
-    """One array task of a batch, on every rank of its job."""
+    """One array task of a batch, on every rank of its job (or srun step)."""
 
     def __call__(self, cfg: RunConfig, task: int, tasks: int, decided: dict | None = None) -> dict | None:
         env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        use_cuda = torch.cuda.is_available() and cfg.device != "cpu"
-        if use_cuda:  # one GPU per task: NCCL and the object collectives use the current device
-            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        apply_environment(cfg.out_dir)
+        # The GPU of this task on its node (SLURM_LOCALID), whatever its rank inside a replica.
+        device = select_device(cfg.device, env.local_rank)
         # With --replicas, each replica is its own process group, meeting at its first rank's node.
         size = cfg.layout.world_size
         replica, rank = divmod(env.rank, size)
@@ -75,28 +78,38 @@ class SlurmRun(submitit.helpers.Checkpointable):
             job = submitit.JobEnvironment()
             leader = job.hostnames[(replica * size) // (env.world_size // job.num_nodes)]
             init = {"rank": rank, "world_size": size, "init_method": f"tcp://{leader}:{env.master_port + 1 + replica}"}
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s), **init)
+        join(device, timeout_s=cfg.setup_timeout_s, **init)
         try:
-            # The real topology: which node each rank is on (byte counters, DiTango groups).
-            node_of = [None] * size
-            dist.all_gather_object(node_of, submitit.JobEnvironment().node)
-            items = tuple(shard(cfg.items, task, tasks))
-            if not items:
-                return None
-            cfg, report_name = replica_share(replace(cfg, items=items), replica, f"report.task-{task}.json")
-            if cfg is None:
-                return None
-            mesh = build_mesh(cfg.layout, rank, tuple(node_of), timeout_s=cfg.timeout_s)
-            skipped = plan_resume(cfg) if rank == 0 else None
-            box = [skipped]
-            dist.broadcast_object_list(box, src=0)
-            mine = {i.id for i in cfg.items}
-            decided = {k: v for k, v in (decided or {}).items() if k in mine}
-            observer = _FaultObserver(env.rank)
-            ctx = RankContext(mesh, Comm(mesh))
-            return execute(cfg, observer, ctx, box[0], report_name=report_name, decided=decided)
-        finally:
-            dist.destroy_process_group()
+            result = self._run(cfg, task, tasks, decided, env.rank, rank, size, replica, device)
+        except BaseException:
+            # Out without destroy_process_group (it can block on a dead peer) and within a
+            # deadline: srun's --kill-on-bad-exit then ends the peers, which under NCCL would
+            # otherwise spin in their collective until the watchdog fires.
+            exit_soon()
+            raise
+        dist.destroy_process_group()
+        return result
+
+    @staticmethod
+    def _run(cfg, task, tasks, decided, global_rank, rank, size, replica, device) -> dict | None:
+        # The real topology: which node each rank is on (byte counters, DiTango groups).
+        node_of = [None] * size
+        dist.all_gather_object(node_of, submitit.JobEnvironment().node)
+        items = tuple(shard(cfg.items, task, tasks))
+        if not items:
+            return None
+        cfg, report_name = replica_share(replace(cfg, items=items), replica, f"report.task-{task}.json")
+        if cfg is None:
+            return None
+        mesh = build_mesh(
+            cfg.layout, rank, tuple(node_of), timeout_s=cfg.timeout_s, device=device,
+            control_timeout_s=cfg.setup_timeout_s,
+        )  # fmt: skip
+        ctx = RankContext(mesh, Comm(mesh))
+        skipped = ctx.from_writer(plan_resume(cfg) if rank == 0 else None)
+        mine = {i.id for i in cfg.items}
+        decided = {k: v for k, v in (decided or {}).items() if k in mine}
+        return execute(cfg, _FaultObserver(global_rank), ctx, skipped, report_name=report_name, decided=decided)
 
 
 def jobs_file(out_dir: Path) -> Path:
@@ -110,6 +123,46 @@ def read_jobs(out_dir: Path) -> list[dict]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def absolute_paths(cfg: RunConfig) -> RunConfig:
+    """Jobs and srun steps start in the code snapshot: every path they get must be absolute."""
+    return replace(
+        cfg, out_dir=cfg.out_dir.resolve(), model_path=None if cfg.model_path is None else cfg.model_path.resolve()
+    )
+
+
+def submission_config(cfg: RunConfig) -> RunConfig:
+    """The config a job runs: absolute paths, and the device intent made explicit: a
+    submission computes on GPUs unless told `--device cpu`, and a compute node without one
+    is then an error, not a silent CPU run."""
+    return replace(absolute_paths(cfg), device="cpu" if cfg.device == "cpu" else "cuda")
+
+
+def job_parameters(cfg: RunConfig, opts: SlurmOptions, code: Path) -> dict:
+    """`SlurmExecutor.update_parameters(**this)` for a submission of `submission_config(cfg)`
+    running the snapshot at `code`."""
+    params = submitit_parameters(cfg, opts, use_gpus=cfg.device == "cuda")
+    # Run from the snapshot: the job's working directory is the first entry of its sys.path
+    # (python -m), ahead of PYTHONPATH and of an editable install of the checkout.
+    params["setup"] = [f"export PYTHONPATH={code}:${{PYTHONPATH:-}}"]
+    params.setdefault("additional_parameters", {})["chdir"] = str(code)
+    return params
+
+
+def submission_folder(cfg: RunConfig) -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    return cfg.out_dir / "slurm" / stamp
+
+
+def sbatch_script(cfg: RunConfig, opts: SlurmOptions, folder: Path, jobs: int) -> str:
+    """The sbatch script `submit` would hand to Slurm for `jobs` array tasks, rendered by
+    submitit's own template (the function its SlurmExecutor calls), without submitting."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder / "%j"))])
+    params = job_parameters(cfg, opts, folder / "code")
+    return _make_sbatch_string(command=command, folder=folder / "%j", map_count=jobs if jobs > 1 else None, **params)
+
+
 def submit(
     cfg: RunConfig, opts: SlurmOptions, decided: dict | None = None, tasks: list[int] | None = None
 ) -> list[submitit.Job]:
@@ -119,26 +172,17 @@ def submit(
     `tasks`: the array tasks to submit (default all), e.g. only those with work left."""
     if opts.array > len(cfg.items):
         raise ConfigError(f"--array {opts.array} is more than the {len(cfg.items)} items")
-    # The job starts in the code snapshot (its first sys.path entry), so paths must be absolute.
-    cfg = replace(
-        cfg, out_dir=cfg.out_dir.resolve(), model_path=None if cfg.model_path is None else cfg.model_path.resolve()
-    )
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-    folder = cfg.out_dir / "slurm" / stamp
+    cfg = submission_config(cfg)
+    folder = submission_folder(cfg)
     code = snapshot_code(folder / "code")
     executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=20)
-    params = submitit_parameters(cfg, opts, use_gpus=cfg.device == "cuda")
-    # Run from the snapshot: the job's working directory is the first entry of its sys.path
-    # (python -m), ahead of PYTHONPATH and of an editable install of the checkout.
-    params["setup"] = [f"export PYTHONPATH={code}:${{PYTHONPATH:-}}"]
-    params.setdefault("additional_parameters", {})["chdir"] = str(code)
-    executor.update_parameters(**params)
+    executor.update_parameters(**job_parameters(cfg, opts, code))
     tasks = list(range(opts.array)) if tasks is None else tasks
     n, total = len(tasks), opts.array
     jobs = executor.map_array(SlurmRun(), [cfg] * n, tasks, [total] * n, [decided or {}] * n)
     record = read_jobs(cfg.out_dir) if jobs_file(cfg.out_dir).is_file() else []
     record.append({
-        "submitted_at": stamp, "folder": str(folder), "job_ids": [j.job_id for j in jobs],
+        "submitted_at": folder.name, "folder": str(folder), "job_ids": [j.job_id for j in jobs],
         "tasks": cfg.world_size,
     })  # fmt: skip
     jobs_file(cfg.out_dir).write_text(json.dumps(record, indent=2) + "\n")
@@ -151,33 +195,47 @@ def job_error(job: submitit.Job) -> str | None:
 
 
 def job_failure(job: submitit.Job) -> tuple[str | None, int | None]:
-    """(error, rank) of a finished job: a task's own exception line (e.g. the rank that raised)
-    rather than a peer's 'task failed' or a log path; rank None when no task says."""
-    found = []
+    """(error, rank) of a finished job. In order of preference: a task's own exception line
+    (the rank that raised); a peer's reaction to it ('timed out', 'connection closed'); the
+    last line of a task that left no exception (one killed by srun, say). The rank is given
+    only in the first case."""
+    own, secondary, other = [], [], []
     for t in range(max(1, job.num_tasks)):
         exc = job.task(t).exception() if job.num_tasks > 1 else job.exception()
         if exc is None:
             continue
         text = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         raised = [ln for ln in text if ln.split(":")[0].endswith(("Error", "Exception", "Interrupt"))]
-        found.append((raised[-1] if raised else (text[-1] if text else type(exc).__name__), t))
-    own = [f for f in found if not any(m in f[0] for m in _SECONDARY)]
+        if not raised:
+            other.append(text[-1] if text else type(exc).__name__)
+            continue
+        line = _DOTTED.sub(r"\1", raised[-1])
+        if is_peer_failure(line):
+            secondary.append(line)
+        else:
+            own.append((line, t))
     if own:
         return own[0]
-    return (found[0][0], None) if found else (None, None)
+    return ((secondary or other)[0], None) if secondary or other else (None, None)
 
 
-# What a rank says when a PEER failed (not the root cause): prefer any other task's error.
-_SECONDARY = (
-    "FailedJobError", "UncompletedJobError", "Connection closed by peer", "remote worker", "gloo/transport",
-    "Timed out waiting", "NCCL communicator was aborted", "ProcessGroup",
-)  # fmt: skip
+# "runtime.errors.ConfigError: ..." -> "ConfigError: ...": the class says enough.
+_DOTTED = re.compile(r"^(?:[A-Za-z_]\w*\.)+(\w+(?:Error|Exception|Interrupt):)")
 
 
-def wait(jobs: list[submitit.Job], on_state=None, poll_s: float = 2.0) -> list[tuple[str | None, int | None]]:
+def wait(
+    jobs: list[submitit.Job], on_state=None, poll_s: float = 2.0, force_s: float = 10.0
+) -> list[tuple[str | None, int | None]]:
     """Block until every job is done; returns each job's (error, failing rank), error None when
-    it succeeded."""
-    while not all(j.done() for j in jobs):
+    it succeeded. submitit asks sacct at 2, 4, 8, ... 64 s, then every minute, unless every task
+    left a result; a job killed by srun leaves none, so ask sacct every `force_s` seconds too."""
+    last_forced = time.monotonic()
+    while True:
+        force = time.monotonic() - last_forced >= force_s
+        if force:
+            last_forced = time.monotonic()
+        if all(j.done(force_check=force) for j in jobs):
+            break
         if on_state is not None:
             on_state([j.state for j in jobs])
         time.sleep(poll_s)

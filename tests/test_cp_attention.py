@@ -80,3 +80,44 @@ def test_exact_attention_and_byte_counts(world, nodes):
         elif strategy == "ring":
             # Ring 0->1->2->3->0 over nodes {0,1} | {2,3}: ranks 0 and 2 receive across nodes.
             assert [n > 0 for n in inter] == [True, False, True, False]
+
+
+def _warm_up_target(rank, world, events):
+    import torch.distributed as dist
+
+    touched, real = [], dist.all_reduce
+
+    def spy(tensor, *args, group=None, **kwargs):
+        touched.append(group)
+        return real(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        layout = ParallelLayout(nodes=2, gpus_per_node=2, cfg_degree=2, strategy="ditango", group_size=1)
+        mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
+    finally:
+        dist.all_reduce = real
+    groups = {k: getattr(mesh, f"{k}_group") for k in ("cp", "ulysses", "ring", "group", "cfg", "world", "control")}
+    # P2P of one op goes through a batch (the group's communicator), never a lone send/recv.
+    lone = []
+    dist.send, dist.recv = (lambda *a, **k: lone.append("send")), (lambda *a, **k: lone.append("recv"))
+    comm = Comm(mesh)
+    partner = mesh.cfg_ranks[1 - mesh.cfg_index]
+    got = comm.one_way(
+        torch.full((3,), float(rank)) if mesh.cfg_index == 0 else None, mesh.cfg_ranks[0], mesh.cfg_ranks[1],
+        (3,), torch.float32, "cpu", mesh.cfg_group, "cfg",
+    )  # fmt: skip
+    return {k: g is not None and g in touched for k, g in groups.items() if g is not None}, got, partner, lone
+
+
+def test_build_mesh_warms_up_every_communicator_and_p2p_is_batched():
+    """Communicators are created eagerly (a collective on each of a rank's groups inside
+    build_mesh) so that none is created lazily inside a step; single P2P uses batch_isend_irecv."""
+    per_rank = run_ranks(_warm_up_target, 4, (), timeout_s=TIMEOUT_S)
+    for rank, (warmed, got, partner, lone) in enumerate(per_rank):
+        # cfg 2 x cp 2: cp, ring, cfg, world (ring = cp here) and the gloo control group exist.
+        assert warmed and all(warmed.values()), (rank, warmed)
+        assert {"cp", "ring", "cfg", "world", "control"} <= set(warmed)
+        assert lone == []
+        if rank >= 2:  # the cfg-1 side received from its cfg-0 partner
+            assert torch.equal(got, torch.full((3,), float(partner)))

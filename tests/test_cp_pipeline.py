@@ -141,6 +141,36 @@ def test_failing_item_is_retried_then_given_up_while_the_batch_goes_on(runner, t
     assert json.loads((out / "b.json").read_text())["status"] == "done"
 
 
+STEP_TIMEOUT_S = 10
+FAULT_MARGIN_S = 15  # detection, stopping the ranks, blame and report, on a loaded CI machine
+
+
+@pytest.mark.parametrize("kind", ["raise", "hang", "exit"])
+def test_a_failing_rank_ends_the_local_run_within_the_step_timeout(runner, tmp_path, monkeypatch, kind):
+    """A rank that raises, stops answering (a wedged GPU) or dies without a word (killed, out
+    of memory) ends the whole launch within the per-step timeout plus a margin, with the error
+    of the rank at fault on the item; nothing waits for the setup timeout (30 minutes) or forever."""
+    fired = tmp_path / "fired"
+    monkeypatch.setenv("DITANGO_FAULT_INJECT", "1:2")
+    monkeypatch.setenv("DITANGO_FAULT_KIND", kind)
+    monkeypatch.setenv("DITANGO_FAULT_ONCE", str(fired))  # its mtime says when the fault fired
+    out = tmp_path / "out"
+    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--parallel", "ring",
+            "--retries", "0", "--timeout", str(STEP_TIMEOUT_S), *FAST, "--steps", "6"]  # fmt: skip
+    result = runner.invoke(app, args)
+    elapsed = time.time() - fired.stat().st_mtime
+    assert result.exit_code == 1, result.stderr
+    assert elapsed <= STEP_TIMEOUT_S + FAULT_MARGIN_S, elapsed
+    (item,) = json.loads((out / "report.json").read_text())["items"]
+    assert item["status"] == "failed"
+    if kind == "raise":
+        assert "rank 1 failed: RuntimeError: injected fault on rank 1 after step 2" in item["error"]
+    elif kind == "exit":  # its peer saw the connection drop; the dead rank is the one blamed
+        assert "rank 1 failed: process exited with code 3 without an error" in item["error"]
+    else:  # the peer of the silent rank timed out in its collective
+        assert "rank 0 failed" in item["error"] and "Timed out" in item["error"]
+
+
 def test_replicas_split_the_items_and_match_one_process(runner, tmp_path):
     """--replicas 2 on 2 ranks: two independent single-rank replicas take the items round-robin,
     each writes its own report, and every video equals the one-process run."""

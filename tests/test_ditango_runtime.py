@@ -239,3 +239,66 @@ def test_state_cache_round_trip_dtypes():
         assert (
             cache.out_NLUBSHD.dtype == dtype and bool(cache.filled_NLU[1, 2, 1]) and not bool(cache.filled_NLU[0, 0, 0])
         )
+
+
+def _mismatch_target(rank, world, events):
+    layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy="ditango", group_size=1)
+    mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
+    rt = DiTangoRuntime(mesh, Comm(mesh), "torch", PlannerConfig(warmup=0, cooldown=0), layers=1, heads=H, head_dim=D)
+    rt.begin_run(10, B, steps=4, branches=1)
+    rt.begin_step(0)  # identical plans: passes
+    if rank == 1:  # a rank whose planner went its own way (e.g. non-identical statistics)
+        plan = rt.planner.plan
+        rt.planner.plan = lambda step: StepPlan(step, "selective", ~plan(step).compute_LU, 0.0)
+    rt.begin_step(1)
+
+
+def test_a_plan_that_differs_between_ranks_raises_before_any_exchange():
+    """Under NCCL mismatched exchanges hang until the watchdog; the per-step check raises instead."""
+    from slurm.local import RankFailed
+
+    with pytest.raises(RankFailed, match="DiTango plans differ across ranks at step 1"):
+        run_ranks(_mismatch_target, 2, (), timeout_s=TIMEOUT_S)
+
+
+def test_cache_is_preallocated_per_item_and_freed_after_it():
+    layout = ParallelLayout(nodes=1, gpus_per_node=1, strategy="ditango")
+    mesh = build_mesh(layout, 0, (0,))
+    # One rank has no remote group; a hand-made layout view with 4 groups exercises the sizes.
+    rt = DiTangoRuntime(mesh, Comm(mesh), "torch", PlannerConfig(), layers=3, heads=H, head_dim=D)
+    rt.G = 4
+    rt.begin_run(11, B, steps=8, branches=2, local_tokens=10)
+    # out [N=2, L=3, U=3, B, S=10, H, D] fp32 + lse; references [N, L, U, B, S, H] + anchors [N, L, B, S, H]
+    slots = 2 * 3 * 3 * B * 10 * H
+    assert rt.cache.nbytes() == slots * (D + 1) * 4 and rt.cache.out_NLUBSHD.dtype == torch.float32
+    assert rt.reference_bytes() == slots * 4 + 2 * 3 * B * 10 * H * 4
+    assert rt.cache_peak_bytes == rt.cache.nbytes() + rt.reference_bytes()  # before the first step
+    rt.end_run()
+    assert rt.cache.nbytes() == 0 and rt.reference_bytes() == 0
+
+
+def test_cache_dtype_and_automatic_cap_follow_the_device(monkeypatch):
+    from runtime.strategies import ditango
+
+    assert ditango.cache_dtype_for(None, torch.device("cpu")) == torch.float32
+    assert ditango.cache_dtype_for(None, torch.device("cuda", 0)) == torch.bfloat16
+    assert ditango.cache_dtype_for("float32", torch.device("cuda", 0)) == torch.float32
+    assert ditango.auto_cache_limit(torch.device("cpu")) is None
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * gib)
+    # free 50 + 2 held unused by the allocator, minus 10% of 80 GiB headroom
+    assert ditango.auto_cache_limit(torch.device("cuda", 0)) == 44 * gib
+
+
+def test_rotary_tables_reach_the_layers_in_float32():
+    """The bug: float64 tables (diffusers' Wan rope) promoted q and k to float64 in every layer."""
+    from runtime.strategies.parallelize import ShardContext
+
+    layout = ParallelLayout(nodes=1, gpus_per_node=1, strategy="ring")
+    mesh = build_mesh(layout, 0, (0,))
+    ctx = ShardContext(mesh, Comm(mesh), "torch")
+    cos, sin = (torch.randn(1, 12, 1, 8, dtype=torch.float64) for _ in range(2))
+    c, s = ctx.shard_rope(None, None, (cos, sin))
+    assert c.dtype == s.dtype == torch.float32 and torch.allclose(c.double(), cos, atol=1e-7)

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -159,24 +161,25 @@ def test_a_failed_item_is_retried_in_a_new_submission(runner, tmp_path, monkeypa
 
 
 def test_time_limit_requeues_and_finishes_the_batch(runner, tmp_path):
-    """2-minute limit, about 2.5 minutes of work (45 items of 90 steps, ~3.5 s each): Slurm signals 30 s before
-    the limit, submitit checkpoints (requeues the same call) and the requeued job skips what
-    was finished."""
+    """2-minute limit, 30 items of 90 steps (3.5 to 6.5 s each on CI machines: 105 s or more of work,
+    past the first job's window even when the signal comes late): Slurm signals 30 s before the
+    limit (up to a minute earlier), submitit checkpoints (requeues the same call) and the requeued
+    job skips what was finished."""
     prompts = tmp_path / "batch.txt"
     colours = ("red", "green", "blue", "yellow", "white")
     lines = [
         f"a {c} {s} moving {d}" for c in colours for s in ("circle", "square") for d in ("left", "right", "up", "down")
     ]
-    prompts.write_text("\n".join((lines * 2)[:45]) + "\n")  # ids differ by index
+    prompts.write_text("\n".join(lines[:30]) + "\n")
     out = tmp_path / "out"
     args = ["generate", "--prompts", str(prompts), "--out", str(out), "--device", "cpu", "--quiet",
             "--partition", "debug", "--executor", "slurm", "--time", "2", "--steps", "90"]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
-    assert len(list(out.glob("*.mp4"))) == 45
+    assert len(list(out.glob("*.mp4"))) == 30
     task = json.loads((out / "report.task-0.json").read_text())
     skipped = sum(i["status"] == "skipped" for i in task["items"])
-    assert 0 < skipped < 45  # the last (requeued) run resumed: it found finished items
+    assert 0 < skipped < 30  # the last (requeued) run resumed: it found finished items
 
 
 def _text(path) -> str:
@@ -184,3 +187,109 @@ def _text(path) -> str:
         return path.read_text(encoding="utf-8")
     except OSError:
         return ""
+
+
+GPU_ARGS = [
+    "--steps",
+    "3",
+    "--height",
+    "32",
+    "--width",
+    "64",
+    "--frames",
+    "5",
+    "--quiet",
+    "--partition",
+    "debug",
+    "--executor",
+    "slurm",
+    "--nodes",
+    "2",
+    "--gpus",
+    "2",
+]  # fmt: skip  (no --device: auto)
+
+
+def _scontrol_job(job_id: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+
+
+def test_gpu_request_of_device_auto_is_recorded_by_slurm(runner, tmp_path, monkeypatch):
+    """`--device auto` on a submission asks for a GPU per task, built by the code a GPU cluster
+    gets; the nodes advertise gres/gpu:2 without real GPUs, so the ranks compute on CPUs through
+    the documented DITANGO_RANK_DEVICE=cpu. The dry run prints the very script submitted."""
+    monkeypatch.setenv("DITANGO_RANK_DEVICE", "cpu")  # sbatch exports the environment to the job
+    out = tmp_path / "out"
+    args = ["generate", "--prompt", "a green circle moving up", "--out", str(out), *GPU_ARGS]
+    dry = runner.invoke(app, [*args, "--dry-run", "--json"])
+    assert dry.exit_code == 0, dry.stderr
+    planned = json.loads(dry.stdout)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    (submission,) = json.loads((out / "jobs.json").read_text())
+    (job_id,) = submission["job_ids"]
+    shown = _scontrol_job(job_id)
+    assert "TresPerNode=gres:gpu:2" in shown or "TresPerNode=gres/gpu:2" in shown, shown
+    acct = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "ReqTRES"], capture_output=True,
+                          text=True, timeout=30).stdout  # fmt: skip
+    assert "gres/gpu=4" in acct, acct  # 2 nodes x 2
+    submitted = (Path(submission["folder"]) / job_id / f"{job_id}_submission.sh").read_text()
+    assert submitted == planned["sbatch_script"].replace(planned["folder"], submission["folder"])
+    report = json.loads((out / "report.json").read_text())
+    assert report["device"] == "cpu" and report["counts"]["done"] == 1
+
+
+def test_a_gpu_job_on_nodes_without_cuda_fails_clearly(runner, tmp_path, monkeypatch):
+    """Never a silent CPU run: the job asked for GPUs, torch finds none on the node."""
+    monkeypatch.delenv("DITANGO_RANK_DEVICE", raising=False)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["generate", "--prompt", "a red ball", "--out", str(out), *GPU_ARGS])
+    assert result.exit_code == 1
+    assert "this run asked for GPUs" in result.stderr and "no CUDA device" in result.stderr
+    assert not list(out.glob("*.mp4"))
+
+
+def _sacct_end(job_id: str) -> str:
+    """The job's End by accounting, which may say 'Unknown' for a few seconds after the end."""
+    deadline = time.monotonic() + 60
+    while True:
+        out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "End"], capture_output=True, text=True,
+                             timeout=30).stdout.split()  # fmt: skip
+        if (out and out[0][:1].isdigit()) or time.monotonic() > deadline:
+            return out[0] if out else ""
+        time.sleep(1)
+
+
+SLURM_STEP_TIMEOUT_S = 15
+SLURM_JOB_END_MARGIN_S = 15  # the peer's exit, srun killing the rest (KillWait 5 s), the job's end
+SLURM_NOTICE_MARGIN_S = 35  # sacct polled every 10 s, up to 15 s for a killed task's missing result
+
+
+@pytest.mark.parametrize("kind", ["raise", "hang"])
+def test_a_failing_rank_ends_the_job_within_the_step_timeout(runner, tmp_path, monkeypatch, kind):
+    """A rank that raises or stops answering ends the job (not only its own task) within the step
+    timeout plus a margin, by Slurm's accounting: the peer times out, exits non-zero, and srun's
+    --kill-on-bad-exit ends the silent rank, which would otherwise keep the job until its time
+    limit (an hour here)."""
+    fired = tmp_path / "fired"
+    monkeypatch.setenv("DITANGO_FAULT_INJECT", "1:2")
+    monkeypatch.setenv("DITANGO_FAULT_KIND", kind)
+    monkeypatch.setenv("DITANGO_FAULT_ONCE", str(fired))
+    out = tmp_path / "out"
+    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--retries", "0",
+            "--timeout", str(SLURM_STEP_TIMEOUT_S), *SMALL, "--steps", "6"]  # fmt: skip
+    result = runner.invoke(app, args)
+    returned = time.time() - fired.stat().st_mtime
+    assert result.exit_code == 1, result.stderr
+    (job_id,) = json.loads((out / "jobs.json").read_text())[0]["job_ids"]
+    end = _sacct_end(job_id)
+    ended = datetime.fromisoformat(end).timestamp() - fired.stat().st_mtime  # sacct: local time, 1 s resolution
+    assert ended <= SLURM_STEP_TIMEOUT_S + SLURM_JOB_END_MARGIN_S, ended
+    # ... and the waiting command learns of it (sacct polling, reading the tasks' results) soon after.
+    assert returned <= ended + SLURM_NOTICE_MARGIN_S, (returned, ended)
+    (item,) = json.loads((out / "report.json").read_text())["items"]
+    assert item["status"] == "failed"
+    if kind == "raise":
+        assert "injected fault on rank 1 after step 2" in item["error"]
+    else:
+        assert "Timed out" in item["error"]

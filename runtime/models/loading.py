@@ -22,23 +22,24 @@ class Placement:
         return str(self.dtype).removeprefix("torch.")
 
 
-def resolve_placement(device: str = "auto", dtype: str | None = None, index: int | None = None) -> Placement:
-    """`auto` picks CUDA when available; the default dtype is float32 on CPU, bfloat16 on CUDA.
-
-    `index` selects the GPU of a local rank (ignored on CPU)."""
+def resolve_placement(device: str = "auto", dtype: str | None = None) -> Placement:
+    """`auto` picks CUDA when available here; the default dtype is float32 on CPU, bfloat16 on CUDA."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda requested but no CUDA device is available; use --device cpu or auto")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
+    return placement_on(torch.device(device), dtype)
+
+
+def placement_on(device: torch.device, dtype: str | None = None) -> Placement:
+    """The placement on a device the launcher chose (a rank's own GPU, or the CPU)."""
     if dtype is None:
-        dtype = "bfloat16" if device == "cuda" else "float32"
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if device == "cuda" and index is not None:
-        return Placement(torch.device("cuda", index % torch.cuda.device_count()), DTYPES[dtype])
-    return Placement(torch.device(device), DTYPES[dtype])
+    return Placement(device, DTYPES[dtype])
 
 
 def _dtype_kwarg() -> str:

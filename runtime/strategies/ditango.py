@@ -42,7 +42,7 @@ from planner.ditango import (
     drift,
     importance_weights,
 )
-from runtime.cache import StateCache, compose_factor, unit_bytes
+from runtime.cache import StateCache, anchor_bytes, compose_factor, unit_bytes
 from runtime.comm import Comm
 from runtime.errors import ConfigError
 from runtime.kernels import Backend, attention
@@ -50,24 +50,44 @@ from runtime.mesh import Mesh
 from runtime.state import AttentionState, merge, merge_all
 from runtime.strategies.ring import ring_attention
 
+CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Without --cache-memory-limit on a GPU, the cache may take the free memory minus this much,
+# left for activations, the KV blocks in flight and the allocator's fragmentation.
+AUTO_LIMIT_HEADROOM_FRACTION = 0.10  # of the GPU's total memory
+AUTO_LIMIT_HEADROOM_MIN = 4 * 2**30
+
+
+def cache_dtype_for(name: str | None, device: torch.device) -> torch.dtype:
+    """`name` None: bfloat16 on CUDA (where memory decides what fits), float32 on CPU."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return CACHE_DTYPES[name]
+
 
 @dataclass(frozen=True)
 class DiTangoOptions:
     """User intent for --parallel ditango beyond the planner: cache precision and memory cap."""
 
     planner: PlannerConfig = field(default_factory=PlannerConfig)
-    cache_dtype: str = "float32"  # float32 | bfloat16 (the `out` part; lse stays float32)
-    cache_limit_bytes: int | None = None
+    cache_dtype: str | None = None  # float32 | bfloat16 (the `out` part; lse stays float32); None: by device
+    cache_limit_bytes: int | None = None  # None: automatic on CUDA (free memory), none on CPU
 
     def __post_init__(self) -> None:
-        if self.cache_dtype not in ("float32", "bfloat16"):
+        if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPES:
             raise ConfigError(f"--cache-dtype must be float32 or bfloat16, got {self.cache_dtype!r}")
         if self.cache_limit_bytes is not None and self.cache_limit_bytes <= 0:
             raise ConfigError(f"--cache-memory-limit must be > 0, got {self.cache_limit_bytes}")
 
-    @property
-    def torch_cache_dtype(self) -> torch.dtype:
-        return torch.float32 if self.cache_dtype == "float32" else torch.bfloat16
+
+def auto_cache_limit(device: torch.device) -> int | None:
+    """This GPU's budget for the cache when the user set none: free memory (counting what the
+    allocator holds unused) minus the headroom. None on CPU (no cap)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    headroom = max(AUTO_LIMIT_HEADROOM_MIN, int(AUTO_LIMIT_HEADROOM_FRACTION * total))
+    return max(1, free - headroom)
 
 
 class DiTangoRuntime:
@@ -82,7 +102,7 @@ class DiTangoRuntime:
         layers: int,
         heads: int,
         head_dim: int,
-        cache_dtype: torch.dtype = torch.float32,
+        cache_dtype: torch.dtype | None = None,
         cache_limit_bytes: int | None = None,
     ) -> None:
         self.mesh, self.comm, self.backend = mesh, comm, backend
@@ -97,6 +117,9 @@ class DiTangoRuntime:
         self.step_plan: StepPlan | None = None
         self.branch = 0
         self.cache_peak_bytes = 0
+        self._device = torch.device("cpu")
+        self.c_ref_NLUBSH: torch.Tensor | None = None  # [N, L, U, B, S, H] float32
+        self.c_anchor_NLBSH: torch.Tensor | None = None  # [N, L, B, S, H] float32
 
     # -- per item ------------------------------------------------------------------------
     @property
@@ -106,27 +129,63 @@ class DiTangoRuntime:
     def unit_offsets(self, unit: int) -> range:
         return range(1 + unit * self.k, min(self.G, 1 + (unit + 1) * self.k))
 
-    def begin_run(self, max_tokens: int, batch: int, steps: int, branches: int, device=None) -> None:
-        """`max_tokens`: the LARGEST local chunk of any rank, so every rank picks the same
-        compose factor (and so the same units and plan) even when chunks are uneven."""
-        per_unit = unit_bytes(batch, max_tokens, self.heads, self.head_dim, self.cache_dtype)
-        self.k = compose_factor(self.G - 1, branches, self.layers, per_unit, self.cache_limit_bytes)
+    def begin_run(
+        self, max_tokens: int, batch: int, steps: int, branches: int, device=None, local_tokens: int | None = None
+    ) -> None:
+        """Size and allocate the item's cache before its first step.
+
+        `max_tokens`: the LARGEST local chunk of any rank, so every rank picks the same
+        compose factor (and so the same units and plan) even when chunks are uneven;
+        `local_tokens`: this rank's chunk (the buffers' S; default `max_tokens`). Without a
+        user cap on CUDA the cap is the free memory, agreed (minimum) over the plan group."""
+        self._device = device = torch.device("cpu") if device is None else torch.device(device)
+        local_tokens = max_tokens if local_tokens is None else local_tokens
+        dtype = self.cache_dtype or cache_dtype_for(None, device)
+        limit = self.cache_limit_bytes
+        if limit is None and device.type == "cuda":
+            limit = self._agree_min(auto_cache_limit(device))
+        per_unit = unit_bytes(batch, max_tokens, self.heads, self.head_dim, dtype)
+        anchors = branches * self.layers * anchor_bytes(batch, max_tokens, self.heads)
+        self.k = compose_factor(self.G - 1, branches, self.layers, per_unit, limit, fixed_bytes=anchors)
         self.branches = branches
         self.planner = DiTangoPlanner(self.planner_cfg, steps, self.layers, self.units)
-        self.cache = StateCache(branches, self.layers, self.units, self.cache_dtype)
-        self._device = device or torch.device("cpu")
         U, L, N = self.units, self.layers, branches
+        self.cache = StateCache(N, L, U, dtype)
+        self.cache.allocate(batch, local_tokens, self.heads, self.head_dim, device)
+        # Compressed local states C [B, S, H] for the drift estimate: the reference of each
+        # unit (its last refresh) and of each layer's anchor. Preallocated with the cache.
+        self.c_ref_NLUBSH = torch.zeros(N, L, U, batch, local_tokens, self.heads, device=device)
+        self.c_anchor_NLBSH = torch.zeros(N, L, batch, local_tokens, self.heads, device=device)
         # Planner statistics stay on the compute device; the host sees them once per step.
-        self.weights_NLU = torch.zeros(N, L, U, device=self._device)
-        self.alpha_NLU = torch.ones(N, L, U, device=self._device)
-        self.c_anchor: dict[tuple[int, int], torch.Tensor] = {}
-        self.c_ref: dict[tuple[int, int, int], torch.Tensor] = {}
-        self.cache_peak_bytes = 0
+        self.weights_NLU = torch.zeros(N, L, U, device=device)
+        self.alpha_NLU = torch.ones(N, L, U, device=device)
+        self.cache_peak_bytes = self.cache.nbytes() + self.reference_bytes()
         self._reset_step_stats()
+
+    def end_run(self) -> None:
+        """Free the item's buffers (the caller then returns the memory to the device)."""
+        if self.cache is not None:
+            self.cache.reset()
+        self.c_ref_NLUBSH = self.c_anchor_NLBSH = None
 
     def reference_bytes(self) -> int:
         """Compressed local states kept for the drift estimate (per branch, layer, unit + anchors)."""
-        return sum(t.nbytes for t in self.c_ref.values()) + sum(t.nbytes for t in self.c_anchor.values())
+        return sum(t.nbytes for t in (self.c_ref_NLUBSH, self.c_anchor_NLBSH) if t is not None)
+
+    def _plan_group(self):
+        """Who must follow one plan: the whole world when CFG branches run on different ranks
+        (as the authors do), else the cp group. (group, size); group None on one rank."""
+        if self.mesh.layout.cfg_degree > 1:
+            return self.mesh.world_group, self.mesh.world_size
+        return self.mesh.cp_group, len(self.mesh.cp_ranks)
+
+    def _agree_min(self, value: int) -> int:
+        group, _ = self._plan_group()
+        if group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return int(t.item())
 
     def _reset_step_stats(self) -> None:
         self.ase_NLU = torch.zeros(self.branches, self.layers, self.units, device=self._device)
@@ -135,7 +194,25 @@ class DiTangoRuntime:
     def begin_step(self, step: int) -> None:
         assert self.planner is not None, "begin_run first"
         self.step_plan = self.planner.plan(step)
+        self._check_plan_agrees(self.step_plan)
         self._reset_step_stats()
+
+    def _check_plan_agrees(self, plan: StepPlan) -> None:
+        """Raise, before any exchange, when this step's plan differs between ranks: mismatched
+        P2P exchanges would hang NCCL until its watchdog instead of failing. One all-reduce
+        (max of the fingerprint and of its negation) of two integers per step."""
+        group, _ = self._plan_group()
+        if group is None:
+            return
+        h = plan.fingerprint()
+        t = torch.tensor([h, -h], dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        high, low = int(t[0]), -int(t[1])
+        if high != low:
+            raise RuntimeError(
+                f"DiTango plans differ across ranks at step {plan.step} (this rank: {plan!r}, fingerprint {h}; "
+                f"range {low}..{high}): the KV exchanges would not pair up"
+            )
 
     def begin_branch(self, branch: int) -> None:
         self.branch = branch
@@ -147,14 +224,10 @@ class DiTangoRuntime:
             self.cache_peak_bytes = max(self.cache_peak_bytes, self.cache.peak_bytes + self.reference_bytes())
         if plan.kind != "selective":
             return
-        # One vector for every rank (and branch): ASE [L, U] then the gate scalar.
+        # One vector for every rank (and branch): ASE [L, U] then the gate scalar, averaged
+        # over the plan group so that every rank plans the next step identically.
         stats = torch.cat([self.ase_NLU.mean(0).flatten(), self.gate_NL.mean().reshape(1)])
-        # With CFG branches on different ranks the whole world averages, so both branches
-        # follow one plan (as the authors do); otherwise the cp group.
-        if self.mesh.layout.cfg_degree > 1:
-            group, size = self.mesh.world_group, self.mesh.world_size
-        else:
-            group, size = self.mesh.cp_group, len(self.mesh.cp_ranks)
+        group, size = self._plan_group()
         if group is not None:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
             stats = stats / size
@@ -204,6 +277,10 @@ class DiTangoRuntime:
             )
 
         fresh: dict[int, AttentionState] = {}
+        # A fetch (cp communicator) is in flight while the group ring (group communicator) runs:
+        # two communicators used at once, which NCCL allows when every rank issues their
+        # operations in the same order. Here every rank posts the fetch first, then its group
+        # ring, at every offset; both communicators exist since the mesh's warm-up.
         pending = fetch(offsets[0]) if offsets else None  # in flight while the own group computes
         local = group_state(q_BSHD, k_BSHD, v_BSHD, g)
         for n, d in enumerate(offsets):
@@ -230,25 +307,25 @@ class DiTangoRuntime:
     def _measure(self, layer: int, kind: str, local: AttentionState, units: list, compute_U: list[bool]) -> None:
         n = self.branch
         c_now = compressed_state(local.out_BSHD)
+        c_ref_UBSH = self.c_ref_NLUBSH[n, layer]
         if kind == "anchor":
             norms = torch.stack([s.lse_BSH.norm() for s in units] + [local.lse_BSH.norm()])
             self.weights_NLU[n, layer] = importance_weights(norms)[:-1]
             if self.planner_cfg.use_alpha:
                 out_norms = torch.stack([s.out_BSHD.norm() for s in units])
                 self.alpha_NLU[n, layer] = alpha_factors(out_norms, local.out_BSHD.norm())
-            self.c_anchor[n, layer] = c_now
-            for u in range(self.units):
-                self.c_ref[n, layer, u] = c_now
+            self.c_anchor_NLBSH[n, layer].copy_(c_now)
+            c_ref_UBSH.copy_(c_now.expand_as(c_ref_UBSH))
             return
         # Refresh first, then measure (the authors' order): a unit computed at this step has a
         # cache as fresh as the local state, so its drift restarts from zero here.
         for u in range(self.units):
             if compute_U[u]:
-                self.c_ref[n, layer, u] = c_now
-        drift_U = torch.stack([drift(c_now, self.c_ref[n, layer, u]) for u in range(self.units)])
+                c_ref_UBSH[u].copy_(c_now)
+        drift_U = torch.stack([drift(c_now, c_ref_UBSH[u]) for u in range(self.units)])
         alpha = self.alpha_NLU[n, layer] if self.planner_cfg.use_alpha else None
         self.ase_NLU[n, layer] = ase(self.weights_NLU[n, layer], drift_U, alpha)
-        anchor = self.c_anchor[n, layer]  # relative drift since the anchor (the gate), kept on device
+        anchor = self.c_anchor_NLBSH[n, layer]  # relative drift since the anchor (the gate), kept on device
         self.gate_NL[n, layer] = (c_now - anchor).norm() / anchor.norm().clamp_min(torch.finfo(torch.float32).tiny)
 
     def item_report(self) -> dict:

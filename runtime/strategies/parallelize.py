@@ -23,7 +23,7 @@ from runtime.comm import Comm
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
 from runtime.state import AttentionState
-from runtime.strategies.ditango import DiTangoOptions, DiTangoRuntime
+from runtime.strategies.ditango import CACHE_DTYPES, DiTangoOptions, DiTangoRuntime
 from runtime.strategies.ring import ring_attention
 from runtime.strategies.sharding import chunk_bounds, chunk_sizes
 from runtime.strategies.ulysses import heads_to_seq, seq_to_heads
@@ -48,10 +48,12 @@ class ShardContext:
 
     # -- hooks -------------------------------------------------------------------------
     def shard_rope(self, module, args, output):
-        cos, sin = output  # [1, S_full, 1, D]
+        cos, sin = output  # [1, S_full, 1, D], float64 in diffusers' Wan rope
         self.seq_sizes = chunk_sizes(cos.shape[1], self.cp)
         a, b = self.local_bounds()
-        return cos[:, a:b], sin[:, a:b]
+        # float32 once per forward here, rather than q and k promoted to float64 in every layer
+        # (float64 is slow on GPUs; the angles' float32 rounding is far below bf16's).
+        return cos[:, a:b].float(), sin[:, a:b].float()
 
     def shard_hidden(self, module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
@@ -153,7 +155,14 @@ class Parallelized:
         _, _, F, H, W = latents_BCFHW.shape
         pt, ph, pw = self.patch
         sizes = chunk_sizes((F // pt) * (H // ph) * (W // pw), self.ctx.cp)
-        self.ctx.ditango.begin_run(max(sizes), latents_BCFHW.shape[0], steps, branches, latents_BCFHW.device)
+        self.ctx.ditango.begin_run(
+            max(sizes), latents_BCFHW.shape[0], steps, branches, latents_BCFHW.device,
+            local_tokens=sizes[self.ctx.mesh.cp_index],
+        )  # fmt: skip
+
+    def end_run(self) -> None:
+        if self.ctx.ditango is not None:
+            self.ctx.ditango.end_run()
 
     def begin_step(self, step: int) -> None:
         if self.ctx.ditango is not None:
@@ -183,7 +192,8 @@ def parallelize_wan(
         cfg = transformer.config
         ctx.ditango = DiTangoRuntime(
             mesh, comm, backend, opts.planner, layers=cfg.num_layers, heads=cfg.num_attention_heads,
-            head_dim=cfg.attention_head_dim, cache_dtype=opts.torch_cache_dtype, cache_limit_bytes=opts.cache_limit_bytes,
+            head_dim=cfg.attention_head_dim, cache_dtype=None if opts.cache_dtype is None else CACHE_DTYPES[opts.cache_dtype],
+            cache_limit_bytes=opts.cache_limit_bytes,
         )  # fmt: skip
     handles = [
         transformer.rope.register_forward_hook(ctx.shard_rope),

@@ -1,0 +1,113 @@
+"""`ditango generate --dry-run`: what would be launched, printed, with nothing run.
+
+No job is submitted, no process started, no weights loaded and nothing written. Shown:
+the executor and its shape (nodes, tasks per node, GPUs requested), the sbatch script
+submitit would submit or the srun command of each array task, the environment every rank
+gets, and every rank's place (node, local GPU, replica, cfg/cp/ulysses/ring/group index).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from rich.console import Console
+from rich.table import Table
+
+from runtime.config import RunConfig
+from slurm.options import SlurmOptions
+from slurm.placement import rank_slots
+from slurm.rank import RANK_DEVICE_ENV, rank_environment
+
+
+def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
+    """Everything `--dry-run` prints, as JSON-ready data (what `--json` prints)."""
+    from slurm.submit import absolute_paths, sbatch_script, submission_config, submission_folder
+
+    if where == "sbatch":
+        cfg = submission_config(cfg)
+    elif where == "srun":
+        cfg = absolute_paths(cfg)
+    gpus = cfg.gpus_per_node if cfg.device == "cuda" and where != "local" else 0
+    record: dict = {
+        "dry_run": True,
+        "executor": where,
+        "nodes": cfg.nodes,
+        "tasks_per_node": cfg.gpus_per_node,
+        "gpus_per_node_requested": gpus,
+        "device": cfg.device,
+        "backend": "nccl" if cfg.device == "cuda" else "gloo",
+        "replicas": cfg.replicas,
+        "layout": cfg.layout.to_json(),
+        "timeouts_s": {"step": cfg.timeout_s, "setup": cfg.setup_timeout_s},
+        "items": len(cfg.items),
+        "array": opts.array,
+        "environment": rank_environment(cfg.out_dir),
+        "ranks": [s.to_json() for s in rank_slots(cfg, local=where == "local")],
+    }
+    if where == "sbatch":
+        folder = submission_folder(cfg)
+        record["folder"] = str(folder)
+        record["sbatch_script"] = sbatch_script(cfg, opts, folder, opts.array)
+        record["environment"] = {**record["environment"], "PYTHONPATH": f"{folder / 'code'}:$PYTHONPATH"}
+    elif where == "srun":
+        from slurm.allocation import srun_command
+
+        folder = cfg.out_dir / "slurm" / "srun-<stamp>"
+        record["srun_commands"] = [
+            shlex.join(srun_command(cfg, folder, t, folder / f"call-{t}.pkl")) for t in range(opts.array)
+        ]
+        record["environment"] = {**record["environment"], "PYTHONPATH": f"{folder / 'code'}:$PYTHONPATH"}
+    return record
+
+
+def show_dry_run(cfg: RunConfig, opts: SlurmOptions, where: str, as_json: bool) -> int:
+    record = describe(cfg, opts, where)
+    if as_json:
+        print(json.dumps(record, indent=2))
+        return 0
+    out = Console(soft_wrap=True, highlight=False, width=max(120, Console().width))
+    gpus = record["gpus_per_node_requested"]
+    if where == "local":
+        executor = (
+            f"local, {cfg.world_size} process(es) on this machine ({record['nodes']} virtual node(s) of "
+            f"{record['tasks_per_node']})" + ("; one GPU per rank" if cfg.device == "cuda" else "")
+        )
+    else:
+        request = f"{gpus} GPU(s) per node requested" if gpus else "no GPUs requested"
+        kind = "sbatch (a new Slurm job)" if where == "sbatch" else "srun (steps of the current allocation)"
+        executor = (
+            f"{kind}; {record['nodes']} node(s) x {record['tasks_per_node']} task(s), one rank per task; {request}"
+        )
+    out.print("dry run: nothing is submitted, started, loaded or written", markup=False)
+    out.print(f"executor: {executor}", markup=False)
+    out.print(
+        f"device {record['device']} ({record['backend']}); {record['replicas']} replica(s) of "
+        f"{cfg.layout.world_size} rank(s), strategy {cfg.layout.strategy}; {record['items']} item(s) in "
+        f"{opts.array} array task(s); timeouts: step {cfg.timeout_s:g} s, setup {cfg.setup_timeout_s:g} s",
+        markup=False,
+    )
+    if where == "sbatch":
+        out.print(f"\nsbatch script (submission folder {record['folder']}):", markup=False)
+        out.print(record["sbatch_script"], markup=False)
+    elif where == "srun":
+        out.print("\nsrun command per array task:", markup=False)
+        for line in record["srun_commands"]:
+            out.print(f"  {line}", markup=False)
+    out.print("\nenvironment of every rank (values already set in the environment win):", markup=False)
+    for key, value in record["environment"].items():
+        out.print(f"  {key}={value}", markup=False)
+    out.print(f"  ({RANK_DEVICE_ENV}=cpu would make the ranks compute on CPUs whatever was requested)", markup=False)
+    table = Table("rank", "node", "local", "gpu", "replica", "in replica", "cfg", "cp", "ulysses", "ring")
+    with_group = cfg.layout.strategy == "ditango"
+    if with_group:
+        table.add_column("group")
+    for r in record["ranks"]:
+        row = [r["rank"], r["node"], r["local_rank"], "-" if r["gpu"] is None else r["gpu"], r["replica"]]
+        row += [r["replica_rank"], r["cfg_index"], r["cp_index"], r["ulysses_index"], r["ring_index"]]
+        if with_group:
+            row.append(r["group_index"])
+        table.add_row(*map(str, row))
+    out.print()
+    out.print(table)
+    return 0

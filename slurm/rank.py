@@ -1,0 +1,147 @@
+"""One rank's bring-up, the same for every launcher (local processes, srun steps, sbatch jobs).
+
+In order: the environment NCCL reads (`rank_environment`), the rank's own GPU made current
+(`select_device`), the process group joined with that device bound (`join`), and, on an
+error, an exit that cannot hang (`exit_soon`). The mesh and its communicators come after
+(`runtime.mesh.build_mesh`, which creates every communicator eagerly).
+
+Why each piece (ALGORITHMS.md section 6): under NCCL a rank whose peer died does not fail
+fast as under gloo: it spins in the collective until the watchdog's timeout, and then the
+process aborts without running Python `finally` blocks. So a failing rank must exit
+promptly and non-zero (the launcher, or srun's `--kill-on-bad-exit`, then stops its peers),
+and it must not call `destroy_process_group()` on the way out: since torch 2.6 that waits for
+in-flight work and can block forever when a peer is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from runtime.errors import ConfigError
+
+# The device ranks compute on, overriding the run's: "cpu" lets a job that asked Slurm for
+# GPUs compute on CPUs (the GPU request path tested on a cluster without GPUs); "cuda" insists.
+RANK_DEVICE_ENV = "DITANGO_RANK_DEVICE"
+# How long a failing rank may take to exit before the kernel ends it (SIGALRM).
+EXIT_DEADLINE_S = 30
+
+# What a rank says when a PEER failed (not the root cause): blame prefers any other error.
+PEER_FAILURE_MARKERS = (
+    "FailedJobError", "UncompletedJobError", "Connection closed by peer", "Connection reset by peer", "Read error",
+    "remote worker", "gloo/transport", "Timed out waiting", "NCCL communicator was aborted", "ProcessGroup",
+)  # fmt: skip
+
+
+def is_peer_failure(message: str) -> bool:
+    return any(m in message for m in PEER_FAILURE_MARKERS)
+
+
+def nccl_environment(log_dir: Path) -> dict[str, str]:
+    """What NCCL ranks are given (each unless the user's environment already sets it)."""
+    return {
+        # A collective that fails or times out ends the process without aborting the
+        # communicators first (3 = tear down, skip clean-up): the clean-up itself can hang on
+        # a dead peer. This is torch's default since 2.2; set so that older ones agree.
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        # On a timeout, every rank writes what its collectives were doing (the flight
+        # recorder) next to the rank logs: which rank was missing, in which collective.
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(log_dir / "nccl-trace-rank-"),
+    }
+
+
+def rank_environment(out_dir: Path) -> dict[str, str]:
+    """The environment every rank of a run gets (set before the process group exists)."""
+    return nccl_environment(log_dir(out_dir))
+
+
+def log_dir(out_dir: Path) -> Path:
+    return out_dir / "logs"
+
+
+def apply_environment(out_dir: Path) -> dict[str, str]:
+    """Set `rank_environment` in this process (the user's own values win); returns what applies."""
+    applied = {key: os.environ.setdefault(key, value) for key, value in rank_environment(out_dir).items()}
+    log_dir(out_dir).mkdir(parents=True, exist_ok=True)
+    return applied
+
+
+def device_intent(device: str) -> str:
+    """The run's device ("auto", "cpu" or "cuda"), unless RANK_DEVICE_ENV overrides it here."""
+    override = os.environ.get(RANK_DEVICE_ENV)
+    if not override:
+        return device
+    if override not in ("cpu", "cuda"):
+        raise ConfigError(f"{RANK_DEVICE_ENV} must be cpu or cuda, got {override!r}")
+    return override
+
+
+def select_device(device: str, local_rank: int) -> torch.device:
+    """The device of the rank with `local_rank` on this node, made current.
+
+    "cuda" (what a Slurm submission asks for unless --device cpu) insists on a GPU: a node
+    without one is an error, never a silent CPU run. "auto" takes a GPU when one is visible.
+    Rank i of a node takes GPU i; a node that shows each task only its own GPU (Slurm's
+    per-task binding) gives every rank GPU 0.
+    """
+    device = device_intent(device)
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise ConfigError(
+            f"this run asked for GPUs, but {socket.gethostname()} has no CUDA device that torch can use "
+            f"(CUDA_VISIBLE_DEVICES={visible}); request GPUs on this partition, or run with --device cpu"
+        )
+    count = torch.cuda.device_count()
+    if count == 1:
+        index = 0
+    elif local_rank < count:
+        index = local_rank
+    else:
+        raise ConfigError(
+            f"local rank {local_rank} on {socket.gethostname()} has no GPU of its own: {count} are visible; "
+            "use --gpus-per-node <= the GPUs of a node"
+        )
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def current_device() -> torch.device:
+    """The device this rank's process group is bound to (after `join`)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def join(device: torch.device, *, rank: int, world_size: int, timeout_s: float, init_method: str | None = None) -> None:
+    """`init_process_group` for this rank. With NCCL the device is bound (`device_id`): the
+    default communicator is created now, and `new_group` splits it instead of creating
+    communicators lazily inside the first step. `timeout_s` is the setup timeout: the default
+    group carries only bring-up collectives."""
+    extra = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s), **extra,
+    )  # fmt: skip
+
+
+def exit_soon(seconds: int = EXIT_DEADLINE_S) -> None:
+    """On an error path: make sure this process is gone within `seconds`, whatever blocks its
+    exit (a communicator torn down at interpreter exit while a peer is dead). SIGALRM's default
+    action ends the process at the kernel level, which no stuck thread can delay."""
+    if hasattr(signal, "alarm"):
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(seconds)

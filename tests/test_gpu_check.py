@@ -1,0 +1,77 @@
+"""The CPU-checkable parts of benchmarks/gpu_check.py, at small sizes: the same code and limits
+the GPU acceptance script applies, so a broken check is found here before a GPU session."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.conftest import PARITY_CONFIG
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+_spec = importlib.util.spec_from_file_location("gpu_check", _PATH)
+gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
+
+
+def test_kernel_contract_on_cpu():
+    rows = gpu_check.kernel_rows(
+        device="cpu", backends=["torch", "reference"], dtypes=(torch.float32, torch.bfloat16), head_dims=(48, 8),
+        lengths=(33, 100),
+    )  # fmt: skip
+    # 2 backends x 2 dtypes x 2 head dims x 4 cases x 4 rows
+    assert len(rows) == 128
+    bad = [r for r in rows if not r.ok]
+    assert not bad, bad[:3]
+
+
+def test_kernel_contract_fails_a_wrong_state(monkeypatch):
+    """The limits are tight enough to fail a wrong answer: an lse off by 0.01 fails."""
+    from runtime import kernels
+    from runtime.state import AttentionState
+
+    real = kernels.attention
+
+    def wrong(q, k, v, scale, backend):
+        state = real(q, k, v, scale, backend)
+        return AttentionState(state.out_BSHD, state.lse_BSH + 0.01)
+
+    monkeypatch.setattr(gpu_check, "attention", wrong)
+    rows = gpu_check.kernel_rows(device="cpu", backends=["torch"], dtypes=(torch.float32,), head_dims=(8,))
+    assert any(not r.ok and "lse vs float64" in r.check for r in rows)
+
+
+TINY = dict(
+    patch_size=(1, 2, 2), num_attention_heads=PARITY_CONFIG.heads, attention_head_dim=PARITY_CONFIG.head_dim,
+    in_channels=4, out_channels=4, text_dim=PARITY_CONFIG.text_dim, freq_dim=16, ffn_dim=PARITY_CONFIG.ffn_dim,
+    num_layers=PARITY_CONFIG.layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+    rope_max_seq_len=64,
+)  # fmt: skip
+
+
+def processor_row(dtype: torch.dtype, rel_tol: float):
+    (row,) = gpu_check.processor_rows(
+        device="cpu", config=TINY, latent_shape=(3, 8, 10), dtype=dtype, text_len=7, rel_tol=rel_tol, reps=1
+    )
+    return row
+
+
+def test_processor_matches_diffusers_on_cpu():
+    """Section 3 at a tiny geometry: our processor (one rank) against diffusers'. In float32 on
+    the CPU both call the same fused kernel on the same float32 rotary tables."""
+    row = processor_row(torch.float32, 1e-5)
+    assert row.ok and row.value <= 1e-5, row
+    # bf16 with the float32 modules diffusers keeps (rope, norms): within bf16 rounding.
+    row = processor_row(torch.bfloat16, 2e-2)
+    assert row.ok, row
+
+
+def test_processor_check_fails_a_wrong_rotation(monkeypatch):
+    from runtime.strategies import parallelize
+
+    monkeypatch.setattr(parallelize, "apply_rotary", lambda x, cos, sin: x)
+    row = processor_row(torch.float32, 1e-5)
+    assert not row.ok and row.value > 1e-3, row

@@ -1,0 +1,313 @@
+"""GPU launch logic on a machine without GPUs: CUDA availability and device counts are
+monkeypatched, and what would reach NCCL (the device, `init_process_group`'s arguments, the
+environment) is captured instead of run. One GPU cannot run a multi-rank NCCL job, so this is
+where device mapping, GPU requests and the NCCL settings are proven."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ditango_cli.app import app
+from runtime.config import Item, RunConfig
+from runtime.errors import ConfigError
+from runtime.mesh import ParallelLayout
+from slurm import rank as rank_mod
+from slurm.placement import rank_slots
+
+SMALL = ["--prompt", "a red ball", "--steps", "2", "--height", "32", "--width", "64", "--frames", "5"]
+
+
+class FakeCuda:
+    """torch.cuda as a node with `count` GPUs would show it (no kernels run)."""
+
+    def __init__(self, monkeypatch, count: int) -> None:
+        self.count, self.current = count, None
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+
+    def set_device(self, index) -> None:
+        index = index.index if isinstance(index, torch.device) else index
+        assert 0 <= index < self.count, index
+        self.current = index
+
+
+@pytest.fixture
+def no_slurm(monkeypatch, tmp_path):
+    """A login node without Slurm installed and outside any allocation."""
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-path") + os.pathsep + str(Path(sys.executable).parent))
+    monkeypatch.delenv(rank_mod.RANK_DEVICE_ENV, raising=False)
+
+
+def dry_run(runner, *args) -> dict:
+    result = runner.invoke(app, ["generate", *SMALL, "--dry-run", "--json", *args])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+# -- GPU requests ----------------------------------------------------------------------------
+def test_submission_from_a_cpu_only_host_requests_one_gpu_per_task(runner, no_slurm, monkeypatch, tmp_path):
+    """The bug: `--device auto` stayed `auto` and the job asked for no GPUs."""
+    FakeCuda(monkeypatch, 0)
+    out = tmp_path / "out"
+    job = dry_run(runner, "--executor", "slurm", "--nodes", "4", "--gpus", "8", "--out", str(out))
+    assert job["executor"] == "sbatch" and job["device"] == "cuda" and job["backend"] == "nccl"
+    assert (job["nodes"], job["tasks_per_node"], job["gpus_per_node_requested"]) == (4, 8, 8)
+    script = job["sbatch_script"]
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8"):
+        assert line in script.splitlines(), line
+    assert "--kill-on-bad-exit=1" in script
+    assert not out.exists()  # a dry run writes nothing
+    assert [r["gpu"] for r in job["ranks"][:9]] == [0, 1, 2, 3, 4, 5, 6, 7, 0]
+    assert [r["node"] for r in job["ranks"][7:9]] == [0, 1]
+
+    cpu = dry_run(runner, "--executor", "slurm", "--nodes", "4", "--gpus", "8", "--device", "cpu", "--out", str(out))
+    assert cpu["device"] == "cpu" and cpu["gpus_per_node_requested"] == 0 and cpu["backend"] == "gloo"
+    assert "gpus" not in cpu["sbatch_script"] and all(r["gpu"] is None for r in cpu["ranks"])
+
+
+def test_dry_run_prints_the_sbatch_script(runner, no_slurm, monkeypatch, tmp_path):
+    FakeCuda(monkeypatch, 0)
+    args = ["generate", *SMALL, "--executor", "slurm", "--nodes", "4", "--gpus", "8", "--dry-run"]
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "o"), "--partition", "gpu"])
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "#!/bin/bash" in lines and "#SBATCH --gpus-per-node=8" in lines and "#SBATCH --partition=gpu" in lines
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in result.stdout and "8 GPU(s) per node requested" in result.stdout
+
+
+def test_gpu_host_with_fewer_gpus_than_the_world_can_submit(runner, no_slurm, monkeypatch, tmp_path):
+    """The bug: the local GPU count was checked for any executor, refusing every multi-node job."""
+    FakeCuda(monkeypatch, 2)
+    out = str(tmp_path / "out")
+    job = dry_run(runner, "--executor", "slurm", "--nodes", "4", "--gpus", "8", "--out", out)
+    assert job["gpus_per_node_requested"] == 8
+    # Locally the same layout needs 32 GPUs here, and says so.
+    result = runner.invoke(app, ["generate", *SMALL, "--executor", "local", "--nodes", "4", "--gpus", "8",
+                                 "--device", "cuda", "--out", out])  # fmt: skip
+    assert result.exit_code == 2 and "32 ranks need 32 GPUs on this machine, found 2" in result.stderr
+
+
+def test_inside_an_allocation_gpus_are_checked_against_the_allocation(runner, no_slurm, monkeypatch, tmp_path):
+    FakeCuda(monkeypatch, 0)  # salloc's shell runs on a login node
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_GPUS_PER_NODE", "h100:4")
+    out = str(tmp_path / "out")
+    job = dry_run(runner, "--nodes", "2", "--gpus", "4", "--out", out)
+    assert job["executor"] == "srun" and job["device"] == "cuda"
+    assert "--gpus-per-node=4" in job["srun_commands"][0] and "--kill-on-bad-exit=1" in job["srun_commands"][0]
+    result = runner.invoke(app, ["generate", *SMALL, "--nodes", "2", "--gpus", "8", "--dry-run", "--out", out])
+    assert result.exit_code == 2 and "allocation 42 has 4" in result.stderr
+    monkeypatch.delenv("SLURM_GPUS_PER_NODE")  # an allocation without GPUs
+    assert dry_run(runner, "--nodes", "2", "--gpus", "4", "--out", out)["device"] == "cpu"
+    result = runner.invoke(app, ["generate", *SMALL, "--gpus", "2", "--device", "cuda", "--dry-run", "--out", out])
+    assert result.exit_code == 2 and "allocation 42 has no GPUs" in result.stderr
+
+
+def test_submitted_config_insists_on_cuda_unless_cpu(tmp_path):
+    from slurm.options import SlurmOptions
+    from slurm.submit import job_parameters, submission_config
+
+    for device, gpus in (("auto", 8), ("cuda", 8), ("cpu", None)):
+        cfg = submission_config(RunConfig("m", None, (ITEM,), Path("out"), device=device,
+                                          layout=ParallelLayout(4, 8, strategy="ring")))  # fmt: skip
+        assert cfg.device == ("cpu" if device == "cpu" else "cuda") and cfg.out_dir.is_absolute()
+        params = job_parameters(cfg, SlurmOptions(), tmp_path / "code")
+        assert params.get("gpus_per_node") == gpus and params["srun_args"] == ["--kill-on-bad-exit=1"]
+
+
+# -- device mapping --------------------------------------------------------------------------
+def test_select_device_takes_the_local_rank_gpu(monkeypatch):
+    cuda = FakeCuda(monkeypatch, 4)
+    monkeypatch.delenv(rank_mod.RANK_DEVICE_ENV, raising=False)
+    assert rank_mod.select_device("cuda", 3) == torch.device("cuda", 3) and cuda.current == 3
+    assert rank_mod.select_device("auto", 1) == torch.device("cuda", 1) and cuda.current == 1
+    with pytest.raises(ConfigError, match="local rank 4 .* has no GPU of its own: 4 are visible"):
+        rank_mod.select_device("cuda", 4)
+    assert rank_mod.select_device("cpu", 3) == torch.device("cpu")
+    monkeypatch.setenv(rank_mod.RANK_DEVICE_ENV, "cpu")  # the documented test setting
+    assert rank_mod.select_device("cuda", 3) == torch.device("cpu")
+    monkeypatch.delenv(rank_mod.RANK_DEVICE_ENV)
+    FakeCuda(monkeypatch, 1)  # Slurm binding one GPU to each task
+    assert rank_mod.select_device("cuda", 5) == torch.device("cuda", 0)
+
+
+def test_a_node_without_gpus_is_an_error_when_gpus_were_asked_for(monkeypatch):
+    FakeCuda(monkeypatch, 0)
+    monkeypatch.delenv(rank_mod.RANK_DEVICE_ENV, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(ConfigError, match=r"asked for GPUs, .* no CUDA device .*CUDA_VISIBLE_DEVICES=0,1"):
+        rank_mod.select_device("cuda", 0)
+    assert rank_mod.select_device("auto", 0) == torch.device("cpu")  # local auto: CPU is what was asked
+
+
+ITEM = Item("a", "a red circle", "", 0, 480, 832, 81, 50, 5.0)
+
+
+def two_nodes_four_replicas(out: Path = Path("/out"), **kwargs) -> RunConfig:
+    """2 nodes x 4 GPUs as 4 replicas of 2 ranks (two replicas per node)."""
+    return RunConfig("m", None, (ITEM,), out, device="cuda", layout=ParallelLayout(1, 2, strategy="ring"),
+                     replicas=4, alloc_gpus_per_node=4, **kwargs)  # fmt: skip
+
+
+def clean_nccl_environment(monkeypatch, tmp_path) -> None:
+    """Unset the NCCL settings for the test, and have them unset again after it."""
+    for key in rank_mod.nccl_environment(tmp_path):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+
+
+def test_replicas_use_their_own_local_gpus():
+    """The bug: the model went to cuda:(rank inside the replica), piling replicas onto the first GPUs."""
+    cfg = two_nodes_four_replicas()
+    slots = rank_slots(cfg)
+    assert [(s.replica, s.replica_rank, s.node, s.gpu) for s in slots] == [
+        (0, 0, 0, 0), (0, 1, 0, 1), (1, 0, 0, 2), (1, 1, 0, 3), (2, 0, 1, 0), (2, 1, 1, 1), (3, 0, 1, 2), (3, 1, 1, 3),
+    ]  # fmt: skip
+    for node in (0, 1):  # no two ranks of a node share a GPU
+        gpus = [s.gpu for s in slots if s.node == node]
+        assert sorted(gpus) == [0, 1, 2, 3]
+    local = rank_slots(cfg, local=True)  # the local launcher: all ranks on this machine
+    assert [s.gpu for s in local] == list(range(8))
+
+
+class _Queue:
+    def __init__(self) -> None:
+        self.items = []
+
+    def put(self, item) -> None:
+        self.items.append(item)
+
+
+def test_local_rank_bootstrap_binds_the_global_rank_gpu(monkeypatch, tmp_path):
+    """slurm/local.py: rank 3 of 4 as replica 1's rank 1 sits on GPU 3, and NCCL gets device_id."""
+    import torch.distributed as dist
+
+    from slurm import local
+
+    cuda = FakeCuda(monkeypatch, 4)
+    monkeypatch.delenv(rank_mod.RANK_DEVICE_ENV, raising=False)
+    clean_nccl_environment(monkeypatch, tmp_path)
+    calls = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.update(args=a, kwargs=k))
+    monkeypatch.setattr(dist, "is_initialized", lambda: "args" in calls)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: calls["args"][0])
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.update(destroyed=True))
+    monkeypatch.setattr(local, "_die_with_parent", lambda: None)
+    monkeypatch.setattr(local, "_redirect_output", lambda log: None)
+    seen = {}
+
+    def target(rank, size, events, *args):
+        seen.update(rank=rank, size=size, device=rank_mod.current_device(), replica=events.replica)
+        return "ok"
+
+    q = _Queue()
+    local._bootstrap(3, 4, 2, str(tmp_path), "cuda", 1800.0, 1, tmp_path / "out" / "logs", q, target, ())
+    assert q.items == [("result", 3, "ok")]
+    assert cuda.current == 3 and seen == {"rank": 1, "size": 2, "device": torch.device("cuda", 3), "replica": 1}
+    assert calls["args"] == ("nccl",) and calls["kwargs"]["device_id"] == torch.device("cuda", 3)
+    assert calls["kwargs"]["timeout"].total_seconds() == 1800.0 and calls["kwargs"]["rank"] == 1
+    assert calls["destroyed"]  # on success only
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(tmp_path / "out" / "logs"))
+
+
+class _DistEnv:
+    def __init__(self, rank, local_rank, world) -> None:
+        self.rank, self.local_rank, self.world_size, self.master_port = rank, local_rank, world, 29500
+
+    def export(self, **kwargs):
+        return self
+
+
+class _JobEnv:
+    hostnames = ["gpu-a", "gpu-b"]
+    num_nodes = 2
+    node = 0
+
+
+def test_slurm_task_binds_its_local_gpu_and_never_destroys_on_error(monkeypatch, tmp_path):
+    """slurm/submit.py: task 6 of 2 nodes x 4 (replicas of 2) is replica 3's rank 0 on GPU 2;
+    on an error it arms the exit deadline and does not call destroy_process_group."""
+    import submitit
+    import torch.distributed as dist
+
+    from slurm import submit
+
+    cuda = FakeCuda(monkeypatch, 4)
+    monkeypatch.delenv(rank_mod.RANK_DEVICE_ENV, raising=False)
+    clean_nccl_environment(monkeypatch, tmp_path)
+    monkeypatch.setattr(submitit.helpers, "TorchDistributedEnvironment", lambda: _DistEnv(6, 2, 8))
+    monkeypatch.setattr(submitit, "JobEnvironment", _JobEnv)
+    calls = {"destroyed": 0, "deadline": 0}
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.update(args=a, kwargs=k))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.__setitem__("destroyed", calls["destroyed"] + 1))
+    monkeypatch.setattr(submit, "exit_soon", lambda: calls.__setitem__("deadline", calls["deadline"] + 1))
+
+    def failing_run(cfg, task, tasks, decided, global_rank, rank, size, replica, device):
+        calls.update(run=(global_rank, rank, size, replica, device))
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(submit.SlurmRun, "_run", staticmethod(failing_run))
+    cfg = two_nodes_four_replicas(tmp_path / "out", timeout_s=30.0, setup_timeout_s=900.0)
+    with pytest.raises(RuntimeError, match="boom"):
+        submit.SlurmRun()(cfg, 0, 1)
+    assert cuda.current == 2 and calls["run"] == (6, 0, 2, 3, torch.device("cuda", 2))
+    kwargs = calls["kwargs"]
+    assert calls["args"] == ("nccl",) and kwargs["device_id"] == torch.device("cuda", 2)
+    assert kwargs["rank"] == 0 and kwargs["world_size"] == 2 and kwargs["init_method"] == "tcp://gpu-b:29504"
+    assert kwargs["timeout"].total_seconds() == 900.0  # setup timeout; per-step groups get 30 s
+    assert calls["destroyed"] == 0 and calls["deadline"] == 1
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_exit_soon_arms_a_kernel_level_deadline(monkeypatch):
+    import signal
+
+    armed = {}
+    monkeypatch.setattr(signal, "alarm", lambda s: armed.setdefault("s", s))
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: armed.setdefault("handler", (sig, handler)))
+    rank_mod.exit_soon(12)
+    assert armed == {"handler": (signal.SIGALRM, signal.SIG_DFL), "s": 12}
+
+
+def test_user_nccl_settings_win(monkeypatch, tmp_path):
+    clean_nccl_environment(monkeypatch, tmp_path)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    applied = rank_mod.apply_environment(tmp_path)
+    assert applied["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert (tmp_path / "logs").is_dir()
+
+
+def test_a_broken_flash_attn_falls_back_with_a_warning(monkeypatch):
+    """A flash-attn built for another torch/CUDA fails to import with OSError or RuntimeError,
+    not ImportError: `auto` must fall back to torch (with a warning), not end the run."""
+    import builtins
+
+    from runtime import kernels
+
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "flash_attn":
+            raise OSError("flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    kernels.flash_attn_available.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="flash-attn is installed but does not load .*undefined symbol"):
+            assert kernels.resolve_backend("auto", torch.device("cuda", 0), torch.bfloat16) == "torch"
+        with pytest.raises(ConfigError, match="not installed or does not load"):
+            kernels.resolve_backend("flash", torch.device("cuda", 0), torch.bfloat16)
+    finally:
+        kernels.flash_attn_available.cache_clear()
