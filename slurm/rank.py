@@ -53,9 +53,17 @@ def nccl_environment(log_dir: Path) -> dict[str, str]:
         # On a timeout, every rank writes what its collectives were doing (the flight
         # recorder) next to the rank logs: which rank was missing, in which collective.
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(log_dir / "nccl-trace-rank-"),
+        **_flight_recorder(log_dir / "nccl-trace-rank-"),
     }
+
+
+def _flight_recorder(prefix: Path) -> dict[str, str]:
+    """The flight recorder's buffer and dump file, under the names this torch reads (renamed
+    TORCH_FR_* by 2.11; the old names still work there, with a deprecation warning)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) >= (2, 11):
+        return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": str(prefix)}
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(prefix)}
 
 
 def rank_environment(out_dir: Path) -> dict[str, str]:

@@ -218,7 +218,8 @@ def test_local_rank_bootstrap_binds_the_global_rank_gpu(monkeypatch, tmp_path):
     assert calls["kwargs"]["timeout"].total_seconds() == 1800.0 and calls["kwargs"]["rank"] == 1
     assert calls["destroyed"]  # on success only
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(tmp_path / "out" / "logs"))
+    (dump,) = [k for k in rank_mod.nccl_environment(tmp_path) if k.endswith("TEMP_FILE")]
+    assert os.environ[dump].startswith(str(tmp_path / "out" / "logs" / "nccl-trace-rank-"))
 
 
 class _DistEnv:
