@@ -150,11 +150,12 @@ def nccl_rows() -> list[Row]:
     import torch.distributed as dist
 
     from planner.ditango import PlannerConfig
+    from planner.layout import ParallelLayout
     from planner.plan import StepPlan
     from runtime.comm import Comm
-    from runtime.mesh import Mesh, ParallelLayout, warm_up
-    from runtime.strategies.ditango import DiTangoRuntime
+    from runtime.mesh import Mesh, warm_up
     from runtime.strategies.ring import ring_attention
+    from runtime.strategies.selective import SelectiveRuntime
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -171,9 +172,9 @@ def nccl_rows() -> list[Row]:
             cp = layout.cp_degree
             return Mesh(
                 layout=layout, rank=0, node_of=(0,) * cp, cp_ranks=(0,) * cp, ulysses_ranks=(0,),
-                ring_ranks=(0,) * cp, group_ranks=(0,) * layout.group, cfg_ranks=(0,), device=device,
+                ring_ranks=(0,) * cp, near_ranks=(0,) * layout.group, cfg_ranks=(0,), device=device,
                 world_group=world, control_group=control, cp_group=world, ulysses_group=None,
-                ring_group=world, group_group=world if layout.group > 1 else None, cfg_group=None,
+                ring_group=world, near_group=world if layout.group > 1 else None, cfg_group=None,
             )  # fmt: skip
 
         ring_mesh = mesh_for(ParallelLayout(nodes=1, gpus_per_node=4, strategy="ring"))
@@ -200,7 +201,7 @@ def nccl_rows() -> list[Row]:
 
         layout = ParallelLayout(nodes=1, gpus_per_node=4, strategy="ditango", group_size=1)  # 4 groups, 3 remote
         dmesh = mesh_for(layout)
-        rt = DiTangoRuntime(dmesh, Comm(dmesh), "torch", PlannerConfig(warmup=0, cooldown=0), 1, H, D)
+        rt = SelectiveRuntime(dmesh, Comm(dmesh), "torch", PlannerConfig(warmup=0, cooldown=0), 1, H, D)
         rt.begin_run(S, B, steps=4, branches=1, device=device, local_tokens=S)
         units = rt.units
         worst = 0.0
@@ -252,9 +253,10 @@ def processor_rows(
     on one rank: sharding hooks, our processor and kernels), same random weights and inputs."""
     from diffusers import WanTransformer3DModel
 
+    from planner.layout import ParallelLayout
     from runtime.comm import Comm
     from runtime.kernels import resolve_backend
-    from runtime.mesh import ParallelLayout, build_mesh
+    from runtime.mesh import build_mesh
     from runtime.strategies import parallelize_wan
 
     config = config or WAN_1_3B
@@ -314,10 +316,11 @@ def processor_rows(
 # -- 4. the DiTango cache at its target size ----------------------------------------------------
 def cache_rows() -> list[Row]:
     from planner.ditango import PlannerConfig
+    from planner.layout import ParallelLayout
     from runtime.cache import anchor_bytes, unit_bytes
     from runtime.comm import Comm
-    from runtime.mesh import Mesh, ParallelLayout
-    from runtime.strategies.ditango import DiTangoRuntime
+    from runtime.mesh import Mesh
+    from runtime.strategies.selective import SelectiveRuntime
 
     device = torch.device("cuda", 0)
     layers, heads, head_dim, cp, group, branches = 40, 40, 128, 16, 2, 2  # Wan2.1-14B, CP 16
@@ -326,7 +329,7 @@ def cache_rows() -> list[Row]:
     layout = ParallelLayout(nodes=2, gpus_per_node=8, strategy="ditango", group_size=group)
     mesh = Mesh(
         layout=layout, rank=0, node_of=(0,) * cp, cp_ranks=(0,) * cp, ulysses_ranks=(0,), ring_ranks=(0,) * cp,
-        group_ranks=(0,) * group, cfg_ranks=(0,), device=device,
+        near_ranks=(0,) * group, cfg_ranks=(0,), device=device,
     )  # fmt: skip
     units = layout.groups - 1
     expected = branches * layers * (units * unit_bytes(1, local, heads, head_dim, torch.bfloat16))
@@ -334,15 +337,15 @@ def cache_rows() -> list[Row]:
     rows = []
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
-    rt = DiTangoRuntime(mesh, Comm(mesh), "torch", PlannerConfig(), layers, heads, head_dim)
+    rt = SelectiveRuntime(mesh, Comm(mesh), "torch", PlannerConfig(), layers, heads, head_dim)
     start = time.perf_counter()
     rt.begin_run(local, 1, steps=50, branches=branches, device=device, local_tokens=local)
     torch.cuda.synchronize()
     alloc_s = time.perf_counter() - start
     held = torch.cuda.memory_allocated(device) - base
     counted = rt.cache.nbytes() + rt.reference_bytes()
-    rows.append(Row("cache", f"14B 720p CP16 bf16: buffers (GB) = formula {expected / 1e9:.3f} GB (auto cap, k={rt.k})",
-                    counted / 1e9, f"== {expected / 1e9:.3f}", counted == expected and rt.k == 1))  # fmt: skip
+    rows.append(Row("cache", f"14B 720p CP16 bf16: buffers (GB) = formula {expected / 1e9:.3f} GB (auto cap, k={rt.compose})",
+                    counted / 1e9, f"== {expected / 1e9:.3f}", counted == expected and rt.compose == 1))  # fmt: skip
     # The planner's statistics come on top: a few KiB.
     rows.append(Row("cache", "GPU memory taken beyond the buffers (bytes)", float(held - expected), "0..1 MiB",
                     0 <= held - expected <= 2**20))  # fmt: skip
@@ -352,11 +355,13 @@ def cache_rows() -> list[Row]:
     left = torch.cuda.memory_allocated(device) - base
     rows.append(Row("cache", "bytes left after the item (freed before decode)", float(left), "== 0", left == 0))
     cap = 10 * 2**30
-    capped = DiTangoRuntime(mesh, Comm(mesh), "torch", PlannerConfig(), layers, heads, head_dim, cache_limit_bytes=cap)
+    capped = SelectiveRuntime(
+        mesh, Comm(mesh), "torch", PlannerConfig(), layers, heads, head_dim, cache_limit_bytes=cap
+    )
     capped.begin_run(local, 1, steps=50, branches=branches, device=device, local_tokens=local)
     held = torch.cuda.memory_allocated(device) - base
-    rows.append(Row("cache", f"--cache-memory-limit 10GiB: composed k={capped.k}, {capped.units} units (GB held)",
-                    held / 1e9, f"<= {cap / 1e9:.2f}", held <= cap and capped.k > 1))  # fmt: skip
+    rows.append(Row("cache", f"--cache-memory-limit 10GiB: composed k={capped.compose}, {capped.units} units (GB held)",
+                    held / 1e9, f"<= {cap / 1e9:.2f}", held <= cap and capped.compose > 1))  # fmt: skip
     capped.end_run()
     fp32 = branches * layers * units * unit_bytes(1, local, heads, head_dim, torch.float32)
     rows.append(Row("cache", "the same cache in float32 would hold (GB; not allocated)", fp32 / 1e9, "-", True))

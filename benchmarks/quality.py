@@ -8,7 +8,7 @@ background) once with exact single-process attention and once per `--run` (ARGS 
 `ditango generate` options, e.g. "ditango-0.4=--gpus-per-node 2 --nodes 2 --executor local
 --parallel ditango --cache-ratio 0.4"). For every run it reports, against the exact videos,
 PSNR and SSIM of the decoded frames and the relative error of the final latents, and for
-every run (exact included) the prompt adherence the checker (runtime/models/tiny/judge.py)
+every run (exact included) the prompt adherence the checker (tiny_wan/judge.py)
 measures on the decoded frames: the share of prompts whose colour, motion direction and
 background it finds as asked. Frames are decoded from the saved latents, not read back
 from the MP4s, so video compression does not enter the numbers. Writes a markdown table.
@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.models.loading import load_components, resolve_placement  # noqa: E402
 from runtime.models.registry import resolve_model  # noqa: E402
-from runtime.models.tiny.data import eval_prompts  # noqa: E402
-from runtime.models.tiny.judge import judge  # noqa: E402
 from runtime.pipeline import WanDenoiser  # noqa: E402
 from runtime.quality import latent_rel_err, psnr, ssim  # noqa: E402
+from tiny_wan.data import eval_prompts  # noqa: E402
+from tiny_wan.judge import judge  # noqa: E402
 
 FOUR = "--gpus-per-node 2 --nodes 2 --executor local"
 DEFAULT_RUNS = (

@@ -1,67 +1,23 @@
-"""`ditango generate --dry-run`: what would be launched, printed, with nothing run.
+"""`ditango generate --dry-run`: what would be launched (slurm/placement.py `describe`), printed.
 
-No job is submitted, no process started, no weights loaded and nothing written. Shown:
-the executor and its shape (nodes, tasks per node, GPUs requested), the sbatch script
-submitit would submit or the srun command of each array task, the environment every rank
-gets, and every rank's place (node, local GPU, replica, cfg/cp/ulysses/ring/group index).
+No job is submitted, no process started, no weights loaded and nothing written.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 
 from rich.console import Console
 from rich.table import Table
 
 from runtime.config import RunConfig
 from slurm.options import SlurmOptions
-from slurm.placement import rank_slots
-from slurm.rank import RANK_DEVICE_ENV, rank_environment
-
-
-def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
-    """Everything `--dry-run` prints, as JSON-ready data (what `--json` prints)."""
-    from slurm.submit import absolute_paths, sbatch_script, submission_config, submission_folder
-
-    if where == "sbatch":
-        cfg = submission_config(cfg)
-    elif where == "srun":
-        cfg = absolute_paths(cfg)
-    gpus = cfg.gpus_per_node if cfg.device == "cuda" and where != "local" else 0
-    record: dict = {
-        "dry_run": True,
-        "executor": where,
-        "nodes": cfg.nodes,
-        "tasks_per_node": cfg.gpus_per_node,
-        "gpus_per_node_requested": gpus,
-        "device": cfg.device,
-        "backend": "nccl" if cfg.device == "cuda" else "gloo",
-        "replicas": cfg.replicas,
-        "layout": cfg.layout.to_json(),
-        "timeouts_s": {"step": cfg.timeout_s, "setup": cfg.setup_timeout_s},
-        "items": len(cfg.items),
-        "array": opts.array,
-        "environment": rank_environment(cfg.out_dir),
-        "ranks": [s.to_json() for s in rank_slots(cfg, local=where == "local")],
-    }
-    if where == "sbatch":
-        folder = submission_folder(cfg)
-        record["folder"] = str(folder)
-        record["sbatch_script"] = sbatch_script(cfg, opts, folder, opts.array)
-        record["environment"] = {**record["environment"], "PYTHONPATH": f"{folder / 'code'}:$PYTHONPATH"}
-    elif where == "srun":
-        from slurm.allocation import srun_command
-
-        folder = cfg.out_dir / "slurm" / "srun-<stamp>"
-        record["srun_commands"] = [
-            shlex.join(srun_command(cfg, folder, t, folder / f"call-{t}.pkl")) for t in range(opts.array)
-        ]
-        record["environment"] = {**record["environment"], "PYTHONPATH": f"{folder / 'code'}:$PYTHONPATH"}
-    return record
+from slurm.rank import RANK_DEVICE_ENV
 
 
 def show_dry_run(cfg: RunConfig, opts: SlurmOptions, where: str, as_json: bool) -> int:
+    from slurm.placement import describe
+
     record = describe(cfg, opts, where)
     if as_json:
         print(json.dumps(record, indent=2))

@@ -10,13 +10,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ditango_cli.app import app
-from ditango_cli.options import GpusOpt, JsonOpt, NodesOpt
-from runtime.errors import ConfigError
-from runtime.mesh import ParallelLayout
+from planner.errors import ConfigError
+
+NodesOpt = Annotated[int, typer.Option("--nodes", help="Nodes of the cluster to price.")]
+GpusOpt = Annotated[int, typer.Option("--gpus-per-node", "--gpus", help="GPUs per node.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 
 
-@app.command()
 def simulate(
     model: Annotated[str, typer.Option("--model", "-m", help="wan2.1-1.3b, wan2.1-14b, hunyuanvideo, tiny-wan.")] = (
         "wan2.1-14b"
@@ -43,14 +43,13 @@ def simulate(
 ) -> int:
     """Price strategies on a hardware profile: per-step attention, step and end-to-end time, bytes."""
     from planner.cost_model import (
-        MODELS,
-        estimate,
+        compare_layouts,
         load_hardware,
-        map_plan_offsets,
         plan_fraction_from_report,
         report_dict,
         synthetic_plan_fraction,
     )  # fmt: skip
+    from planner.models import MODELS
 
     if model not in MODELS:
         raise ConfigError(f"unknown model {model!r} for simulate: use one of {', '.join(MODELS)}")
@@ -73,34 +72,8 @@ def simulate(
             raise ConfigError(f"--plan {plan}: cannot read ({exc})") from None
     else:
         fraction = synthetic_plan_fraction(cache_ratio, steps)
-    rows, notes = [], []
-    for n in range(1, nodes + 1):
-        found = []
-        for s in strategies:
-            try:
-                group = None
-                if s == "ditango":
-                    group = gpus_per_node if group_size == "node" else int(group_size)
-                layout = ParallelLayout(n, gpus_per_node, 1, s, None, group).with_default_ulysses(shape.heads)
-                layout.check_model(shape.heads)
-            except (ConfigError, ValueError) as exc:
-                notes.append(f"{s} on {n} node(s): {exc}")
-                continue
-            f = fraction
-            if s == "ditango" and plan_log is not None:
-                f = map_plan_offsets(plan_log, layout.groups)  # per ring offset, by relative distance
-            est = estimate(hw, layout, shape, height, width, frames, steps,
-                           compute_fraction=f if s == "ditango" else 1.0)  # fmt: skip
-            found.append(est)
-        exact = [e.e2e_s for e in found if e.strategy != "ditango"]
-        best = min(exact) if exact else None
-        for e in found:
-            rows.append(
-                {"strategy": e.strategy, "nodes": e.nodes, "gpus_per_node": e.gpus_per_node,
-                 "attention_s": round(e.attention_s, 6), "step_s": round(e.step_s, 6), "e2e_s": round(e.e2e_s, 4),
-                 "inter_node_bytes": e.inter_node_bytes, "intra_node_bytes": e.intra_node_bytes,
-                 "speedup_vs_best_exact": None if best is None else round(best / e.e2e_s, 4)}
-            )  # fmt: skip
+    rows, notes = compare_layouts(hw, shape, nodes, gpus_per_node, strategies, group_size, height, width, frames,
+                                  steps, fraction, plan_log)  # fmt: skip
     assumptions = {**report_dict(hw), "model": model, "tokens": shape.tokens(height, width, frames),
                    "steps": steps, "ditango_computed_fraction": round(fraction, 4),
                    "ditango_plan": (f"{plan} (per ring offset from its plan file)" if plan_log is not None

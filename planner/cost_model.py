@@ -1,12 +1,8 @@
-"""Topology/hardware cost model: exact byte counts, modelled time.
+"""Topology/hardware cost model: the exact byte counts of planner/traffic.py priced, with
+the FLOPs, on a hardware profile. Its assumptions are listed in `ASSUMPTIONS` and printed by
+`ditango simulate`.
 
-The byte half reproduces, transfer by transfer, what the runtime moves (runtime/comm.py
-counts on the receiver, by the link the bytes crossed), so its predictions equal the
-runtime's counters exactly for the same shapes and plan (tests/test_cost_model.py).
-The time half prices those bytes and the FLOPs on a hardware profile; its assumptions are
-listed in `ASSUMPTIONS` and printed by `ditango simulate`.
-
-Notation: P cp ranks with chunk sizes s_j (uneven, runtime/strategies/sharding.py), H heads,
+Notation: P cp ranks with chunk sizes s_j (uneven, planner/layout.py), H heads,
 D head dim, e bytes per element of the transformer dtype, B batch (1), F forwards per
 rank per step (2 for CFG run in turn, 1 per rank with --cfg-parallel).
 """
@@ -14,14 +10,13 @@ rank per step (2 for CFG run in turn, 1 per rank with --cfg-parallel).
 from __future__ import annotations
 
 import json
-import math
-from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from runtime.errors import ConfigError
-from runtime.mesh import ParallelLayout, rank_groups, virtual_node_map
-from runtime.strategies.sharding import chunk_sizes
+from planner.errors import ConfigError
+from planner.layout import ParallelLayout, chunk_sizes
+from planner.models import ModelShape
+from planner.traffic import Topology, predict_traffic
 
 # -- hardware -----------------------------------------------------------------------------
 
@@ -75,213 +70,6 @@ def load_hardware(name_or_file: str) -> Hardware:
         return Hardware(**{k: data[k] for k in Hardware.__dataclass_fields__ if k in data})
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
         raise ConfigError(f"--hardware-file {path}: not a hardware profile ({exc})") from None
-
-
-# -- model shapes ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    layers: int
-    heads: int
-    head_dim: int
-    ffn: int
-    text_len: int
-    text_dim: int = 4096
-    latent_channels: int = 16
-    patch: tuple[int, int, int] = (1, 2, 2)
-    vae_stride: tuple[int, int, int] = (4, 8, 8)
-
-    @property
-    def hidden(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def out_channels(self) -> int:
-        return self.latent_channels * math.prod(self.patch)
-
-    def latent_shape(self, height: int, width: int, frames: int) -> tuple[int, int, int]:
-        t, s, _ = self.vae_stride
-        return ((frames - 1) // t + 1, height // s, width // s)
-
-    def tokens(self, height: int, width: int, frames: int) -> int:
-        f, h, w = self.latent_shape(height, width, frames)
-        return (f // self.patch[0]) * (h // self.patch[1]) * (w // self.patch[2])
-
-
-# Transformer configs of the public checkpoints. HunyuanVideo (13B) is approximated as 60
-# uniform blocks of its width (it has 20 dual-stream + 40 single-stream blocks).
-MODELS: dict[str, ModelShape] = {
-    "wan2.1-1.3b": ModelShape("wan2.1-1.3b", layers=30, heads=12, head_dim=128, ffn=8960, text_len=512),
-    "wan2.1-14b": ModelShape("wan2.1-14b", layers=40, heads=40, head_dim=128, ffn=13824, text_len=512),
-    "hunyuanvideo": ModelShape("hunyuanvideo", layers=60, heads=24, head_dim=128, ffn=12288, text_len=256),
-    "tiny-wan": ModelShape(
-        "tiny-wan",
-        layers=4,
-        heads=4,
-        head_dim=48,
-        ffn=768,
-        text_len=32,
-        text_dim=32,
-        latent_channels=12,
-        patch=(1, 2, 2),
-        vae_stride=(4, 4, 4),
-    ),
-}
-
-
-# -- exact byte counts -------------------------------------------------------------------
-
-
-@dataclass
-class Traffic:
-    """Bytes received, summed over ranks: {purpose: {"intra_node_bytes"|"inter_node_bytes": n}}."""
-
-    bytes: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
-
-    def add(self, purpose: str, link: str, n: int) -> None:
-        self.bytes[purpose][f"{link}_bytes"] += n
-
-    def totals(self) -> dict:
-        out = {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}}
-        for purpose, links in sorted(self.bytes.items()):
-            out["by_purpose"][purpose] = {k: v for k, v in sorted(links.items()) if v}
-            for k, v in links.items():
-                out[k] += v
-        out["by_purpose"] = {p: v for p, v in out["by_purpose"].items() if v}
-        return out
-
-
-class Topology:
-    def __init__(self, layout: ParallelLayout, node_of: tuple[int, ...] | None = None) -> None:
-        self.layout = layout
-        self.node_of = node_of or virtual_node_map(layout)
-        self.groups = rank_groups(layout)
-
-    def link(self, a: int, b: int) -> str:
-        return "intra_node" if self.node_of[a] == self.node_of[b] else "inter_node"
-
-
-def _ring_hops(t: Traffic, topo: Topology, ranks, block_bytes: list[int], purpose: str, times: int) -> None:
-    """Ring over `ranks` where member j holds a block of block_bytes[j]: P-1 hops, each rank
-    receiving from its predecessor the block that started (k+1) positions behind it."""
-    P = len(ranks)
-    for me in range(P):
-        link = topo.link(ranks[me], ranks[(me - 1) % P])
-        for k in range(P - 1):
-            t.add(purpose, link, times * block_bytes[(me - k - 1) % P])
-
-
-def attention_traffic(
-    t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int, plan_bits=None
-) -> None:
-    """Self-attention bytes of every rank for `forwards` forward passes of all layers.
-
-    `plan_bits` (DiTango only): list over forwards of [layers][units] compute booleans.
-    """
-    layout = topo.layout
-    H, D, L = shape.heads, shape.head_dim, shape.layers
-    sizes = chunk_sizes(tokens, layout.cp_degree)
-    for cp_ranks in topo.groups["cp"]:
-        if layout.strategy in ("ring", "ulysses", "usp"):
-            u = layout.ulysses
-            h = H // u
-            for uly in [g for g in topo.groups["ulysses"] if g[0] in cp_ranks]:
-                idx = [cp_ranks.index(r) for r in uly]
-                for a, ra in zip(idx, uly, strict=True):
-                    for b, rb in zip(idx, uly, strict=True):
-                        if ra != rb:  # q, k, v in; our chunk's output back
-                            t.add("attention", topo.link(ra, rb), forwards * L * (3 * sizes[b] + sizes[a]) * h * D * e)
-            if layout.ring > 1:
-                for ring in [g for g in topo.groups["ring"] if g[0] in cp_ranks]:
-                    spans = [sum(sizes[(cp_ranks.index(r) // u) * u : (cp_ranks.index(r) // u + 1) * u]) for r in ring]
-                    _ring_hops(t, topo, ring, [2 * s * h * D * e for s in spans], "attention", forwards * L)
-        elif layout.strategy == "ditango":
-            _ditango_traffic(t, topo, cp_ranks, sizes, shape, e, forwards, plan_bits)
-
-
-def _ditango_traffic(t, topo: Topology, cp_ranks, sizes, shape: ModelShape, e: int, forwards: int, plan_bits) -> None:
-    layout = topo.layout
-    size, G, P = layout.group, layout.groups, layout.cp_degree
-    H, D, L = shape.heads, shape.head_dim, shape.layers
-    kv = [2 * s * H * D * e for s in sizes]
-    groups = [cp_ranks[g * size : (g + 1) * size] for g in range(G)]
-    # Own group, every forward and layer: a ring inside the group.
-    for g in range(G):
-        _ring_hops(t, topo, groups[g], kv[g * size : (g + 1) * size], "attention", forwards * L)
-    units = 0 if plan_bits is None or not plan_bits else len(plan_bits[0][0])
-    k = math.ceil((G - 1) / units) if units else 1
-    for f in range(forwards):
-        for layer in range(L):
-            for d in range(1, G):
-                unit = (d - 1) // k
-                if plan_bits is not None and not plan_bits[f][layer][unit]:
-                    continue  # reused: nothing moves
-                for c in range(P):  # direct fetch from I*d ahead
-                    src = (c + size * d) % P
-                    t.add("attention", topo.link(cp_ranks[c], cp_ranks[src]), kv[src])
-                for g in range(G):  # then around the group ring: the remote group's other chunks
-                    remote = ((g + d) % G) * size
-                    _ring_hops(t, topo, groups[g], kv[remote : remote + size], "attention", 1)
-
-
-def gather_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int) -> None:
-    """proj_out all-gather: every rank receives each peer's (padded) chunk of the output."""
-    sizes = chunk_sizes(tokens, topo.layout.cp_degree)
-    block = max(sizes) * shape.out_channels * e
-    for cp_ranks in topo.groups["cp"]:
-        if len(cp_ranks) == 1:
-            continue
-        for a in cp_ranks:
-            for b in cp_ranks:
-                if a != b:
-                    t.add("gather", topo.link(a, b), forwards * block)
-
-
-def cfg_traffic(t: Traffic, topo: Topology, latent_numel: int, e: int, steps: int) -> None:
-    """CFG-parallel: each rank receives its partner's full prediction once per step."""
-    for pair in topo.groups["cfg"]:
-        if len(pair) == 2:
-            a, b = pair
-            t.add("cfg", topo.link(a, b), 2 * steps * latent_numel * e)
-
-
-def predict_traffic(
-    layout: ParallelLayout,
-    shape: ModelShape,
-    height: int,
-    width: int,
-    frames: int,
-    steps: int,
-    *,
-    guidance: bool = True,
-    element_bytes: int = 2,
-    plan_bits=None,
-    node_of: tuple[int, ...] | None = None,
-) -> dict:
-    """Bytes of one item, summed over ranks, in the report's `comm` format."""
-    topo = Topology(layout, node_of)
-    tokens = shape.tokens(height, width, frames)
-    branches = 2 if guidance else 1
-    forwards = steps * (1 if layout.cfg_degree == 2 else branches)
-    t = Traffic()
-    attention_traffic(t, topo, shape, tokens, element_bytes, forwards, plan_bits)
-    gather_traffic(t, topo, shape, tokens, element_bytes, forwards)
-    if layout.cfg_degree == 2:
-        cfg_traffic(t, topo, math.prod(shape.latent_shape(height, width, frames)) * shape.latent_channels,
-                    element_bytes, steps)  # fmt: skip
-    return t.totals()
-
-
-def plan_bits_from_log(plan_log: dict, layers: int, branches: int) -> list:
-    """Per forward (step-major, branch-minor) [layers][units] compute bits from a plan file."""
-    bits = []
-    for step in plan_log["steps"]:
-        rows = [[c == "1" for c in row] for row in step["compute"]]
-        bits.extend([rows] * branches)
-    assert all(len(r) == layers for r in bits)
-    return bits
 
 
 def report_dict(hw: Hardware) -> dict:
@@ -473,3 +261,41 @@ def plan_fraction_from_report(report: dict) -> float:
         if per_step:
             return sum(per_step) / len(per_step)
     raise ConfigError("--plan: the report has no DiTango item (attention.per_step); run with --parallel ditango")
+
+
+def compare_layouts(
+    hw: Hardware, shape: ModelShape, nodes: int, gpus_per_node: int, strategies: list[str], group_size: str,
+    height: int, width: int, frames: int, steps: int, fraction: float, plan_log: dict | None = None,
+) -> tuple[list[dict], list[str]]:  # fmt: skip
+    """`ditango simulate`'s rows: every strategy on 1..`nodes` nodes, with the speedup over the
+    best exact one; and a note per illegal layout. DiTango computes `fraction` of remote
+    attention, or per ring offset as `plan_log` (a plan file) says."""
+    rows, notes = [], []
+    for n in range(1, nodes + 1):
+        found = []
+        for s in strategies:
+            try:
+                group = None
+                if s == "ditango":
+                    group = gpus_per_node if group_size == "node" else int(group_size)
+                layout = ParallelLayout(n, gpus_per_node, 1, s, None, group).with_default_ulysses(shape.heads)
+                layout.check_model(shape.heads)
+            except (ConfigError, ValueError) as exc:
+                notes.append(f"{s} on {n} node(s): {exc}")
+                continue
+            f = fraction
+            if s == "ditango" and plan_log is not None:
+                f = map_plan_offsets(plan_log, layout.groups)  # per ring offset, by relative distance
+            est = estimate(hw, layout, shape, height, width, frames, steps,
+                           compute_fraction=f if s == "ditango" else 1.0)  # fmt: skip
+            found.append(est)
+        exact = [e.e2e_s for e in found if e.strategy != "ditango"]
+        best = min(exact) if exact else None
+        for e in found:
+            rows.append(
+                {"strategy": e.strategy, "nodes": e.nodes, "gpus_per_node": e.gpus_per_node,
+                 "attention_s": round(e.attention_s, 6), "step_s": round(e.step_s, 6), "e2e_s": round(e.e2e_s, 4),
+                 "inter_node_bytes": e.inter_node_bytes, "intra_node_bytes": e.intra_node_bytes,
+                 "speedup_vs_best_exact": None if best is None else round(best / e.e2e_s, 4)}
+            )  # fmt: skip
+    return rows, notes

@@ -17,12 +17,12 @@ function of replicated values and produces the same plan on every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from planner.errors import ConfigError
 from planner.plan import PlanLog, StepPlan
-from runtime.errors import ConfigError
 
 __all__ = [
     "DiTangoPlanner",
@@ -70,6 +70,21 @@ class PlannerConfig:
             raise bad("tau_max", self.tau_max, "an integer >= 1, or None to disable (design notes: 8)")
         if self.anchor_interval is not None and not (is_int(self.anchor_interval) and self.anchor_interval >= 1):
             raise bad("anchor_interval", self.anchor_interval, "an integer >= 1, or None to disable (design notes: 5)")
+
+
+@dataclass(frozen=True)
+class DiTangoOptions:
+    """User intent for --parallel ditango beyond the planner: cache precision and memory cap."""
+
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    cache_dtype: str | None = None  # float32 | bfloat16 (the `out` part; lse stays float32); None: by device
+    cache_limit_bytes: int | None = None  # None: automatic on CUDA (free memory), none on CPU
+
+    def __post_init__(self) -> None:
+        if self.cache_dtype not in (None, "float32", "bfloat16"):
+            raise ConfigError(f"--cache-dtype must be float32 or bfloat16, got {self.cache_dtype!r}")
+        if self.cache_limit_bytes is not None and self.cache_limit_bytes <= 0:
+            raise ConfigError(f"--cache-memory-limit must be > 0, got {self.cache_limit_bytes}")
 
 
 def importance_weights(lse_norms: torch.Tensor) -> torch.Tensor:

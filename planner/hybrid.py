@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from runtime.errors import ConfigError
+from planner.errors import ConfigError
 
 Stage = Literal["cfg-parallel", "pipeline-fill", "pipeline"]
 REFERENCE_STEPS = 50

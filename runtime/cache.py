@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from runtime.errors import ConfigError
+from planner.errors import ConfigError
 from runtime.state import AttentionState
 
 

@@ -2,12 +2,17 @@
 
 Bytes are counted on the receiving rank, by the link the bytes crossed (the sender's
 node vs ours: `intra_node` or `inter_node`) and by purpose (`attention` for KV/QKV
-exchange, `gather` for collecting the sharded output). Summed over ranks, received
-bytes equal sent bytes, so the totals are what crossed each kind of link.
+exchange, `gather` for collecting the sharded output, `control` for the small collectives
+that keep ranks in step). Summed over ranks, received bytes equal sent bytes, so the totals
+are what crossed each kind of link. Control collectives are counted by convention: an
+all-reduce as the copy of the tensor each peer would send in an all-gather (at least what a
+ring all-reduce moves), an object collective as its pickled payload (padded to the largest,
+as torch pads them).
 """
 
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -49,6 +54,28 @@ class Comm:
     def _count(self, src: int, nbytes: int, purpose: str) -> None:
         if src != self.mesh.rank:
             self.bytes[(purpose, self.mesh.link(src))] += nbytes
+
+    def all_reduce(self, tensor: torch.Tensor, op, group, ranks: Sequence[int], purpose: str = "control") -> None:
+        """In-place all-reduce over `group` (global `ranks`), counted under `purpose`."""
+        dist.all_reduce(tensor, op=op, group=group)
+        for peer in ranks:
+            self._count(peer, tensor.numel() * tensor.element_size(), purpose)
+
+    def gather_objects(self, obj, group, ranks: Sequence[int]) -> list:
+        """Every member's picklable `obj`, in rank order (control plane)."""
+        out = [None] * len(ranks)
+        dist.all_gather_object(out, obj, group=group)
+        size = max(len(pickle.dumps(o)) for o in out)
+        for peer in ranks:
+            self._count(peer, size, "control")
+        return out
+
+    def broadcast_object(self, obj, src: int, group):
+        """`src`'s picklable `obj` on every member (control plane)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group)
+        self._count(src, len(pickle.dumps(box[0])), "control")
+        return box[0]
 
     def exchange(
         self, send: torch.Tensor, dst: int, src: int, recv_shape: Sequence[int], group, purpose: str = "attention"

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from planner.ditango import DiTangoOptions
+from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
-from runtime.errors import ConfigError
-from runtime.mesh import ParallelLayout
-from runtime.strategies.ditango import DiTangoOptions
+from planner.layout import ParallelLayout, token_count
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -80,9 +80,7 @@ class Item:
 
     def tokens(self) -> int:
         """Length of the transformer's token sequence for this item."""
-        f, h, w = self.latent_shape
-        p = self.patch
-        return (f // p[0]) * (h // p[1]) * (w // p[2])
+        return token_count(self.latent_shape, self.patch)
 
 
 @dataclass(frozen=True)
@@ -113,6 +111,8 @@ class RunConfig:
     # nodes of `alloc_gpus_per_node` ranks (None: layout.gpus_per_node).
     replicas: int = 1
     alloc_gpus_per_node: int | None = None
+    # The effective command-line options (report.json records them: a run file for a rerun)
+    options: dict = field(default_factory=dict)
 
     @property
     def gpus_per_node(self) -> int:
@@ -144,6 +144,12 @@ class RunConfig:
             raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
         if self.world_size % self.gpus_per_node or (self.gpus_per_node % self.layout.gpus_per_node):
             raise ConfigError(f"{self.replicas} replicas of {self.layout.world_size} rank(s) do not fill whole nodes")
+        for item in self.items:
+            if item.tokens() < self.layout.cp_degree:
+                raise ConfigError(
+                    f"{item.source}: {item.tokens()} tokens cannot be split over {self.layout.cp_degree} ranks; "
+                    "use a larger size or fewer ranks"
+                )
         if self.layout.cfg_degree == 2:
             for item in self.items:
                 if item.guidance <= 1.0:

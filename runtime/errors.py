@@ -1,8 +1,6 @@
-"""Errors a user can fix. The CLI prints their message on one line and exits 2."""
+"""Errors of the runtime a user can fix (see planner/errors.py for ConfigError itself)."""
 
-
-class ConfigError(ValueError):
-    """A user-facing configuration or input problem; the message says what would be right."""
+from planner.errors import ConfigError
 
 
 class ModelDirError(ConfigError):

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from runtime.errors import ConfigError
+from planner.errors import ConfigError
 from runtime.state import AttentionState
 
 Backend = Literal["flash", "torch", "reference"]

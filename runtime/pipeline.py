@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from diffusers import WanPipeline
 
-from runtime.cfg import CfgParallel, SequentialCfg
+from runtime.guidance import CfgParallel, SequentialCfg
 from runtime.models.loading import Placement
 
 
@@ -81,7 +81,7 @@ class WanDenoiser:
         self.pipe.set_progress_bar_config(disable=True)
         # Told where the loop is (run, step, CFG branch): strategies that plan per step use it.
         self.listener: DenoiseListener | None = None
-        # How the CFG branches run (runtime/cfg.py); default: both here, cond then uncond.
+        # How the CFG branches run (runtime/guidance.py); default: both here, cond then uncond.
         self.guidance: SequentialCfg | CfgParallel = SequentialCfg()
 
     def begin_branch(self, branch: int) -> None:

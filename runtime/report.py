@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
 
 import torch
 
@@ -103,17 +101,6 @@ def item_record(
     }
 
 
-def read_sidecar(path: Path) -> dict | None:
-    """The sidecar at `path` if it is a readable schema-1 record, else None."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        return None
-    return data
-
-
 def run_report(
     cfg: RunConfig,
     records: list[dict],
@@ -142,5 +129,7 @@ def run_report(
         "peak_memory_source": peak_source,
         "per_rank_peak_memory_bytes": rank_peaks,
         "versions": versions(),
+        # The effective options: `ditango generate --config report.json` runs the same again.
+        "options": cfg.options,
         "items": records,
     }

@@ -12,25 +12,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from runtime.cfg import CfgParallel, Hybrid
 from runtime.comm import Comm
 from runtime.config import Item, RunConfig
-from runtime.errors import ConfigError
+from runtime.guidance import CfgParallel, Hybrid
 from runtime.kernels import resolve_backend
 from runtime.mesh import Mesh, build_mesh
 from runtime.models.loading import load_components, placement_on, resolve_placement
 from runtime.models.registry import resolve_model
+from runtime.outputs import mark_running, output_paths, plan_resume, record_failure
 from runtime.pipeline import WanDenoiser, synchronize
 from runtime.plots import write_heatmap, write_rel_mae_plot
 from runtime.quality import quality_record
-from runtime.report import SCHEMA, ItemTiming, item_record, peak_memory, read_sidecar, run_report
+from runtime.report import SCHEMA, ItemTiming, item_record, peak_memory, run_report
 from runtime.strategies import parallelize_wan
 from runtime.video import write_json, write_latents, write_mp4
 
@@ -85,117 +83,12 @@ class RankContext:
     def gather(self, obj) -> list:
         if not self.distributed:
             return [obj]
-        out = [None] * self.mesh.world_size
-        dist.all_gather_object(out, obj, group=self.mesh.control_group)
-        return out
+        return self.comm.gather_objects(obj, self.mesh.control_group, range(self.mesh.world_size))
 
     def from_writer(self, obj):
         if not self.distributed:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.mesh.control_group)
-        return box[0]
-
-
-def output_paths(out_dir: Path, item_id: str) -> dict[str, Path]:
-    return {
-        "video": out_dir / f"{item_id}.mp4",
-        "sidecar": out_dir / f"{item_id}.json",
-        "latents": out_dir / f"{item_id}.latents.safetensors",
-    }
-
-
-RUNNING = "running"  # sidecar status of an item being generated (or whose run died)
-
-
-def fs_clock(out_dir: Path) -> float:
-    """Now, by the output folder's file system clock (the one sidecar mtimes use): compare
-    sidecar times with this, not with this host's clock, which may differ on a shared file system."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = out_dir / ".ditango-clock"
-    stamp.touch()
-    return stamp.stat().st_mtime
-
-
-def _sidecars_since(items, out_dir: Path, since: float):
-    for item in items:
-        path = output_paths(out_dir, item.id)["sidecar"]
-        record = read_sidecar(path)
-        if record is not None:
-            try:
-                if path.stat().st_mtime >= since:
-                    yield item, record
-            except FileNotFoundError:  # replaced between the read and the stat
-                continue
-
-
-def running_items(cfg: RunConfig, since: float, items=None) -> list[Item]:
-    """Items (of `items`, default all) marked in flight at or after `since`: after a failed
-    launch that started at `since`, the ones to blame. Older markers (a run killed earlier)
-    blame nobody: that item simply runs again."""
-    return [
-        i
-        for i, r in _sidecars_since(cfg.items if items is None else items, cfg.out_dir, since)
-        if r.get("status") == RUNNING
-    ]
-
-
-def settled_since(cfg: RunConfig, since: float) -> dict[str, dict]:
-    """Records of the items settled at or after `since` (by `fs_clock`): done, or failed with
-    no retry left (given up, possibly inside a process)."""
-    return {
-        i.id: r
-        for i, r in _sidecars_since(cfg.items, cfg.out_dir, since)
-        if r.get("status") == "done" or (r.get("status") == "failed" and r.get("attempts", 0) > cfg.retries)
-    }
-
-
-def record_failure(cfg: RunConfig, item: Item, error: str, attempts: int) -> dict:
-    """Write (and return) the sidecar of an item whose attempt failed."""
-    record = item_record(item, model=cfg.model, status="failed", video=None, latents=None, timing=None, error=error)
-    record["attempts"] = attempts
-    write_json(output_paths(cfg.out_dir, item.id)["sidecar"], record)
-    return record
-
-
-# What must match for an existing output to count as this item's (the layout may differ:
-# exact strategies produce the same video).
-RESUME_KEYS = ("model", "prompt", "negative_prompt", "seed", "height", "width", "frames", "steps", "guidance")
-
-
-def completed_record(cfg: RunConfig, item: Item) -> dict | None:
-    """The sidecar of this item if its outputs are complete, else None.
-
-    Complete: MP4 and a "done" sidecar exist (and the latents file when asked for).
-    Outputs made with other settings raise instead of being skipped or overwritten.
-    """
-    paths = output_paths(cfg.out_dir, item.id)
-    record = read_sidecar(paths["sidecar"])
-    if record is None or record.get("status") != "done" or not paths["video"].is_file():
-        return None
-    wanted = {"model": cfg.model, **{k: getattr(item, k) for k in RESUME_KEYS if k != "model"}}
-    differ = [k for k in RESUME_KEYS if record.get(k) != wanted[k]]
-    if differ:
-        k = differ[0]
-        raise ConfigError(
-            f"{item.source}: {paths['video']} exists but was made with {k} {record.get(k)!r}, not {wanted[k]!r}; "
-            "use --overwrite to replace it, or another --out"
-        )
-    if cfg.save_latents and not paths["latents"].is_file():
-        return None
-    return record
-
-
-def plan_resume(cfg: RunConfig) -> dict[str, dict]:
-    """{item id: existing record} for the items a run will skip (none with `overwrite`)."""
-    if cfg.overwrite:
-        return {}
-    done = {}
-    for item in cfg.items:
-        record = completed_record(cfg, item)
-        if record is not None:
-            done[item.id] = {**record, "status": "skipped"}
-    return done
+        return self.comm.broadcast_object(obj, 0, self.mesh.control_group)
 
 
 def sum_comm(per_rank: list[dict]) -> dict:
@@ -213,7 +106,7 @@ def sum_comm(per_rank: list[dict]) -> dict:
 def attention_record(denoiser: WanDenoiser, ctx: RankContext) -> dict | None:
     """DiTango's per-item plan record, with every rank's plan hash (they must be equal)."""
     listener = denoiser.listener
-    ditango = None if listener is None else listener.ctx.ditango
+    ditango = None if listener is None else listener.ctx.selective
     if ditango is None:
         return None
     record = ditango.item_report()
@@ -225,12 +118,12 @@ def attention_record(denoiser: WanDenoiser, ctx: RankContext) -> dict | None:
 def exact_reference(denoiser: WanDenoiser, latents, text, item: Item) -> torch.Tensor:
     """The same item through the exact ring path (DiTango's runtime switched off for one run)."""
     listener = denoiser.listener
-    saved = listener.ctx.ditango
-    listener.ctx.ditango = None  # ShardContext falls back to ring over the cp group
+    saved = listener.ctx.selective
+    listener.ctx.selective = None  # ShardContext falls back to ring over the cp group
     try:
         return denoiser.denoise(latents, text, item.steps, item.guidance).latents_BCFHW
     finally:
-        listener.ctx.ditango = saved
+        listener.ctx.selective = saved
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -245,11 +138,7 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
     device = denoiser.device
     ctx.comm.reset()
     if ctx.is_writer:
-        # Replaces any old "done" sidecar (it must not outlive a redo) and marks the item in
-        # flight: after a crash, the launcher knows which item to blame and retry.
-        write_json(
-            paths["sidecar"], item_record(item, model=cfg.model, status=RUNNING, video=None, latents=None, timing=None)
-        )
+        mark_running(cfg, item)
     # No rank starts the item before its marker exists: the writer may still be finishing the
     # previous item's video while the others are already here, and a failure in this item must
     # not be blamed on that one.
@@ -338,7 +227,7 @@ def execute(
     A single process retries a failing item up to `cfg.retries` times, records it as
     failed and goes on with the others. With several ranks a failure raises instead: the
     peers are inside collectives of the same item, so the launcher ends them all and
-    relaunches (slurm/launch.py), blaming the item whose sidecar says it was running.
+    relaunches (slurm/supervise.py), blaming the item whose sidecar says it was running.
     """
     observer = observer or SilentObserver()
     ctx = ctx or RankContext.single(cfg)

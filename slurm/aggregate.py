@@ -4,24 +4,16 @@ for items without one, from the latest task report that mentions them (failures)
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from runtime.outputs import item_records, read_record
 from runtime.report import SCHEMA
 from runtime.video import write_json
 
 
-def _load(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) and data.get("schema") == SCHEMA else None
-
-
 def aggregate(out_dir: Path) -> dict:
     paths = [p for p in sorted(out_dir.glob("report*.json")) if ".partial-" not in p.name]
-    loaded = [(_load(p), p) for p in paths]
+    loaded = [(read_record(p), p) for p in paths]
     # A previous aggregate is an output, not an input (its items are older than the tasks').
     reports = sorted(
         ((r, p) for r, p in loaded if r is not None and "items" in r and "aggregated_from" not in r),
@@ -37,9 +29,8 @@ def aggregate(out_dir: Path) -> dict:
         when = path.stat().st_mtime
         for item in report["items"]:
             items[item["id"]] = (item, when)
-    for path in out_dir.glob("*.json"):
-        record = None if ".partial-" in path.name else _load(path)  # a writer killed mid-write
-        if record is None or "id" not in record or "items" in record or record.get("status") not in ("done", "failed"):
+    for path, record in item_records(out_dir):
+        if record.get("status") not in ("done", "failed"):
             continue
         when = path.stat().st_mtime
         if record["id"] not in items or when >= items[record["id"]][1]:

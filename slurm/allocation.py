@@ -21,8 +21,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from runtime.config import RunConfig
+from slurm.aggregate import aggregate
 from slurm.options import SlurmOptions
 from slurm.rank import exit_soon, is_peer_failure
+from slurm.supervise import Outcome
 
 
 def run_steps(
@@ -59,6 +61,21 @@ def run_steps(
             time.sleep(poll_s)
         errors.append((None, None) if proc.returncode == 0 else _step_error(folder, task, proc.returncode))
     return errors
+
+
+class SrunExecutor:
+    """Array tasks as srun steps of the current allocation, one after the other."""
+
+    def __init__(self, cfg: RunConfig, opts: SlurmOptions, on_state: Callable | None = None, say=print) -> None:
+        self.cfg, self.opts, self.on_state, self.say = cfg, opts, on_state, say
+
+    def launch(self, tasks: list[int], decided: dict[str, dict]) -> list[Outcome]:
+        self.say(f"executor: srun in allocation {os.environ.get('SLURM_JOB_ID')}")
+        failures = run_steps(self.cfg, self.opts, decided, self.on_state, tasks=tasks)
+        return [Outcome(t, error, rank, f"step {t}") for t, (error, rank) in zip(tasks, failures, strict=True)]
+
+    def report(self) -> dict:
+        return aggregate(self.cfg.out_dir)
 
 
 def srun_command(cfg: RunConfig, folder: Path, task: int, call: Path) -> list[str]:

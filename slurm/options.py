@@ -12,8 +12,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Literal
 
+from planner.errors import ConfigError
 from runtime.config import RunConfig
-from runtime.errors import ConfigError
 
 Executor = Literal["auto", "local", "slurm"]
 _KEY = re.compile(r"[a-z][a-z0-9_-]*")
@@ -32,7 +32,6 @@ class SlurmOptions:
     job_name: str = "ditango"
     array: int = 1
     array_parallelism: int | None = None
-    retries: int = 0
 
     def __post_init__(self) -> None:
         if self.time_min < 1:

@@ -13,14 +13,17 @@ puts it on virtual node g // GPUs per node; each rank computes on the GPU of its
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import asdict, dataclass
 
 import torch
 
+from planner.errors import ConfigError
 from runtime.config import RunConfig
-from runtime.errors import ConfigError
 from runtime.models.loading import resolve_placement
-from slurm.allocation import allocation_gpus_per_node
+from slurm.allocation import allocation_gpus_per_node, srun_command
+from slurm.options import SlurmOptions
+from slurm.rank import rank_environment
 
 
 @dataclass(frozen=True)
@@ -97,3 +100,45 @@ def ranks_device(where: str, device: str, world: int, gpus_per_node: int) -> str
             f"{torch.cuda.device_count()} (NCCL needs one GPU per rank); use fewer ranks or --device cpu"
         )
     return placement.device.type
+
+
+def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
+    """What a launch of `cfg` by `where` (local, srun, sbatch) would be, as JSON-ready data: the
+    executor and its shape (nodes, tasks per node, GPUs requested), the sbatch script submitit
+    would submit or the srun command of each array task, the environment every rank gets, and
+    every rank's place. What `generate --dry-run` prints."""
+    from slurm.submit import absolute_paths, sbatch_script, submission_config, submission_folder
+
+    if where == "sbatch":
+        cfg = submission_config(cfg)
+    elif where == "srun":
+        cfg = absolute_paths(cfg)
+    gpus = cfg.gpus_per_node if cfg.device == "cuda" and where != "local" else 0
+    record: dict = {
+        "dry_run": True,
+        "executor": where,
+        "nodes": cfg.nodes,
+        "tasks_per_node": cfg.gpus_per_node,
+        "gpus_per_node_requested": gpus,
+        "device": cfg.device,
+        "backend": "nccl" if cfg.device == "cuda" else "gloo",
+        "replicas": cfg.replicas,
+        "layout": cfg.layout.to_json(),
+        "timeouts_s": {"step": cfg.timeout_s, "setup": cfg.setup_timeout_s},
+        "items": len(cfg.items),
+        "array": opts.array,
+        "environment": rank_environment(cfg.out_dir),
+        "ranks": [s.to_json() for s in rank_slots(cfg, local=where == "local")],
+    }
+    if where == "sbatch":
+        folder = submission_folder(cfg)
+        record["folder"] = str(folder)
+        record["sbatch_script"] = sbatch_script(cfg, opts, folder, opts.array)
+        record["environment"] = {**record["environment"], "PYTHONPATH": f"{folder / 'code'}:$PYTHONPATH"}
+    elif where == "srun":
+        folder = cfg.out_dir / "slurm" / "srun-<stamp>"
+        record["srun_commands"] = [
+            shlex.join(srun_command(cfg, folder, t, folder / f"call-{t}.pkl")) for t in range(opts.array)
+        ]
+        record["environment"] = {**record["environment"], "PYTHONPATH": f"{folder / 'code'}:$PYTHONPATH"}
+    return record

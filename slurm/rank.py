@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime.errors import ConfigError
+from planner.errors import ConfigError
 
 # The device ranks compute on, overriding the run's: "cpu" lets a job that asked Slurm for
 # GPUs compute on CPUs (the GPU request path tested on a cluster without GPUs); "cuda" insists.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from runtime.errors import ConfigError
+from planner.errors import ConfigError
 
 T = TypeVar("T")
 

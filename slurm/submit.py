@@ -27,15 +27,18 @@ from pathlib import Path
 import submitit
 import torch.distributed as dist
 
+from planner.errors import ConfigError
 from runtime.comm import Comm
 from runtime.config import RunConfig
-from runtime.errors import ConfigError
 from runtime.mesh import build_mesh
-from runtime.run import RankContext, SilentObserver, execute, plan_resume
-from slurm.launch import FaultHook, replica_share
+from runtime.outputs import plan_resume
+from runtime.run import RankContext, SilentObserver, execute
+from slurm.aggregate import aggregate
+from slurm.faults import FaultInjecting
 from slurm.options import SlurmOptions, submitit_parameters
 from slurm.rank import apply_environment, exit_soon, is_peer_failure, join, select_device
 from slurm.sharding import shard
+from slurm.supervise import Outcome, replica_share
 
 CODE_PACKAGES = ("ditango_cli", "runtime", "planner", "slurm")
 
@@ -47,19 +50,6 @@ def snapshot_code(dest: Path) -> Path:
     for name in CODE_PACKAGES:
         shutil.copytree(root / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
     return dest
-
-
-class _FaultObserver(SilentObserver):
-    """The local launcher's fault hook (DITANGO_FAULT_INJECT) for Slurm tasks."""
-
-    def __init__(self, rank: int) -> None:
-        self.fault = FaultHook(rank)
-
-    def item_started(self, item) -> None:
-        self.fault.item_started(item)
-
-    def step_done(self, step: int, steps: int) -> None:
-        self.fault.step_done(step)
 
 
 class SlurmRun(submitit.helpers.Checkpointable):
@@ -109,7 +99,8 @@ class SlurmRun(submitit.helpers.Checkpointable):
         skipped = ctx.from_writer(plan_resume(cfg) if rank == 0 else None)
         mine = {i.id for i in cfg.items}
         decided = {k: v for k, v in (decided or {}).items() if k in mine}
-        return execute(cfg, _FaultObserver(global_rank), ctx, skipped, report_name=report_name, decided=decided)
+        observer = FaultInjecting(SilentObserver(), global_rank)
+        return execute(cfg, observer, ctx, skipped, report_name=report_name, decided=decided)
 
 
 def jobs_file(out_dir: Path) -> Path:
@@ -240,6 +231,29 @@ def wait(
             on_state([j.state for j in jobs])
         time.sleep(poll_s)
     return [job_failure(j) for j in jobs]
+
+
+class SbatchExecutor:
+    """Array tasks as one job array of multi-node jobs; with `wait`, followed to their end."""
+
+    def __init__(self, cfg: RunConfig, opts: SlurmOptions, wait: bool, on_state=None, say=print) -> None:
+        self.cfg, self.opts, self.wait, self.on_state, self.say = cfg, opts, wait, on_state, say
+        self.job_ids: list[str] = []
+
+    def launch(self, tasks: list[int], decided: dict[str, dict]) -> list[Outcome] | None:
+        jobs = submit(self.cfg, self.opts, decided, tasks)
+        self.job_ids = [j.job_id for j in jobs]
+        if not self.wait:
+            return None
+        self.say(f"submitted job(s) {', '.join(self.job_ids)}; waiting (Ctrl-C stops waiting, not the job)")
+        failures = wait(jobs, self.on_state)
+        return [
+            Outcome(t, error, rank, f"job {j.job_id}", j.state.startswith("CANCELLED"))
+            for t, j, (error, rank) in zip(tasks, jobs, failures, strict=True)
+        ]
+
+    def report(self) -> dict:
+        return aggregate(self.cfg.out_dir)
 
 
 def job_states(out_dir: Path) -> list[dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from runtime.models.tiny import TinyWanConfig, build_tiny_wan
+from tiny_wan import TinyWanConfig, build_tiny_wan
 
 # Deliberately unlike tiny-wan (other seed, heads, head dim, depth, text width) so parity
 # tests do not only pass for the built-in configuration.

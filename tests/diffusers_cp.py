@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.models.tiny import TinyWanConfig
+from tiny_wan import TinyWanConfig
 
 # Same sizes as the parity model in conftest.py (deliberately unlike the built-in tiny-wan).
 DEFAULT_MODEL_CONFIG = TinyWanConfig(seed=11, heads=2, head_dim=12, layers=3, ffn_dim=40, text_dim=24, text_heads=2)
@@ -119,7 +119,7 @@ def _worker(
         )
         from diffusers import ContextParallelConfig, WanPipeline
 
-        from runtime.models.tiny import build_tiny_wan
+        from tiny_wan import build_tiny_wan
 
         components = build_tiny_wan(model_config)
         components["transformer"].enable_parallelism(

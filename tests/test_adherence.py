@@ -12,9 +12,9 @@ import pytest
 from ditango_cli.app import app
 from runtime.models.loading import load_components, resolve_placement
 from runtime.models.registry import resolve_model
-from runtime.models.tiny.data import eval_prompts
-from runtime.models.tiny.judge import judge
 from runtime.pipeline import WanDenoiser
+from tiny_wan.data import eval_prompts
+from tiny_wan.judge import judge
 
 COLOUR_BAR, DIRECTION_BAR = 0.90, 0.80  # the bars over 20 prompts
 

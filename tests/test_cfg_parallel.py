@@ -7,18 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.ditango import PlannerConfig
+from planner.ditango import DiTangoOptions, PlannerConfig
 from planner.hybrid import HybridConfig
-from runtime.cfg import CfgParallel, Hybrid
+from planner.layout import ParallelLayout, virtual_node_map
 from runtime.comm import Comm
-from runtime.mesh import ParallelLayout, build_mesh, virtual_node_map
+from runtime.guidance import CfgParallel, Hybrid
+from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.models.tiny import build_tiny_wan
 from runtime.pipeline import WanDenoiser
 from runtime.strategies import parallelize_wan
-from runtime.strategies.ditango import DiTangoOptions
 from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
+from tiny_wan import build_tiny_wan
 
 LATENT_ATOL = 1e-4
 TIMEOUT_S = 90
@@ -50,8 +50,8 @@ def _target(rank, world, events, runs):
         if hybrid:
             runner.counter.remove()
         plan = None
-        if handle and handle.ctx.ditango:
-            report = handle.ctx.ditango.item_report()
+        if handle and handle.ctx.selective:
+            report = handle.ctx.selective.item_report()
             plan = (report["plan_hash"], report["computed_fraction"])
         if handle:
             handle.remove(denoiser.transformer)

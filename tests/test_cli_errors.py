@@ -274,7 +274,7 @@ def test_existing_output_with_other_settings_is_refused(runner, tmp_path):
 
 
 def test_byte_order_mark_in_prompt_files(tmp_path):
-    from ditango_cli.prompts import Overrides, build_items
+    from runtime.items import Overrides, build_items
     from runtime.models.registry import REGISTRY
 
     for name, body in (("p.txt", "a red circle\n"), ("p.jsonl", '{"prompt": "a red circle"}\n')):

@@ -7,19 +7,21 @@ import json
 
 import pytest
 
-from planner.cost_model import HARDWARE, ModelShape, estimate, plan_bits_from_log, predict_traffic
-from planner.ditango import PlannerConfig
-from runtime.cfg import CfgParallel, SequentialCfg
+from planner.cost_model import HARDWARE, estimate
+from planner.ditango import DiTangoOptions, PlannerConfig
+from planner.layout import ParallelLayout, virtual_node_map
+from planner.models import ModelShape
+from planner.traffic import plan_bits_from_log, predict_traffic
 from runtime.comm import Comm
-from runtime.mesh import ParallelLayout, build_mesh, virtual_node_map
+from runtime.guidance import CfgParallel, SequentialCfg
+from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.models.tiny import build_tiny_wan
 from runtime.pipeline import WanDenoiser
 from runtime.run import sum_comm
 from runtime.strategies import parallelize_wan
-from runtime.strategies.ditango import DiTangoOptions
 from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
+from tiny_wan import build_tiny_wan
 
 SHAPE = ModelShape("cp-test", layers=CP_MODEL.layers, heads=CP_MODEL.heads, head_dim=CP_MODEL.head_dim,
                    ffn=CP_MODEL.ffn_dim, text_len=TEXT_LEN, text_dim=CP_MODEL.text_dim)  # fmt: skip
@@ -47,7 +49,7 @@ def _target(rank, world, events):
         denoiser.guidance = CfgParallel(mesh, comm) if layout.cfg_degree == 2 else SequentialCfg()
         text = denoiser.encode_text("a yellow circle moving down", "blurry", 4.0)
         denoiser.denoise(denoiser.initial_latents(5, H, W, F), text, STEPS, 4.0)
-        log = handle.ctx.ditango.item_report()["plan_log"] if handle.ctx.ditango else None
+        log = handle.ctx.selective.item_report()["plan_log"] if handle.ctx.selective else None
         handle.remove(denoiser.transformer)
         out[name] = (comm.totals(), log)
     return out
@@ -58,13 +60,14 @@ def test_byte_predictions_equal_runtime_counters():
     for name, kwargs, _ in RUNS:
         measured = sum_comm([per_rank[r][name][0] for r in range(4)])
         layout = ParallelLayout(nodes=2, gpus_per_node=2, **kwargs)
-        bits = None
+        bits = kinds = None
         if layout.strategy == "ditango":
             logs = {json.dumps(per_rank[r][name][1], sort_keys=True) for r in range(4)}
             assert len(logs) == 1  # one plan on every rank
             bits = plan_bits_from_log(per_rank[0][name][1], SHAPE.layers, branches=2)
+            kinds = [step["kind"] for step in per_rank[0][name][1]["steps"]]
             assert not all(all(all(row) for row in f) for f in bits)  # the plan reused something
-        predicted = predict_traffic(layout, SHAPE, H, W, F, STEPS, element_bytes=4, plan_bits=bits)
+        predicted = predict_traffic(layout, SHAPE, H, W, F, STEPS, element_bytes=4, plan_bits=bits, plan_kinds=kinds)
         assert predicted == measured, name
         assert measured["inter_node_bytes"] > 0
 
@@ -111,7 +114,7 @@ def test_simulate_bad_input(runner, bad, needle):
 
 def test_hardware_profile_file(tmp_path):
     from planner.cost_model import load_hardware
-    from runtime.errors import ConfigError
+    from planner.errors import ConfigError
 
     f = tmp_path / "gpu.json"
     f.write_text(json.dumps({"name": "x", "bf16_tflops": 500.0, "hbm_tbps": 3.0, "intra_gbps": 400.0,

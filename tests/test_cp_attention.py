@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from planner.layout import ParallelLayout, chunk_sizes, virtual_node_map
 from runtime.comm import Comm
 from runtime.kernels import reference_attention
-from runtime.mesh import ParallelLayout, build_mesh, virtual_node_map
+from runtime.mesh import build_mesh
 from runtime.strategies import ShardContext
-from runtime.strategies.sharding import chunk_sizes
 from slurm.local import run_ranks
 
 ATOL = 1e-5  # the bound for attention-level parity
@@ -97,7 +97,7 @@ def _warm_up_target(rank, world, events):
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
     finally:
         dist.all_reduce = real
-    groups = {k: getattr(mesh, f"{k}_group") for k in ("cp", "ulysses", "ring", "group", "cfg", "world", "control")}
+    groups = {k: getattr(mesh, f"{k}_group") for k in ("cp", "ulysses", "ring", "near", "cfg", "world", "control")}
     # P2P of one op goes through a batch (the group's communicator), never a lone send/recv.
     lone = []
     dist.send, dist.recv = (lambda *a, **k: lone.append("send")), (lambda *a, **k: lone.append("recv"))

@@ -8,18 +8,18 @@ import itertools
 import pytest
 import torch
 
-from planner.ditango import PlannerConfig, StepPlan
+from planner.ditango import DiTangoOptions, PlannerConfig, StepPlan
+from planner.layout import ParallelLayout, chunk_bounds, chunk_sizes, virtual_node_map
 from runtime.comm import Comm
 from runtime.kernels import reference_attention
-from runtime.mesh import ParallelLayout, build_mesh, virtual_node_map
+from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.models.tiny import build_tiny_wan
 from runtime.pipeline import WanDenoiser
 from runtime.strategies import parallelize_wan
-from runtime.strategies.ditango import DiTangoOptions, DiTangoRuntime
-from runtime.strategies.sharding import chunk_bounds, chunk_sizes
+from runtime.strategies.selective import SelectiveRuntime
 from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
+from tiny_wan import build_tiny_wan
 
 ATOL = 1e-5
 TIMEOUT_S = 90
@@ -39,7 +39,7 @@ def _gap_target(rank, world, events, group_size):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
     ref = reference_attention(q, k, v, D**-0.5)[0][:, a:b]
-    rt = DiTangoRuntime(mesh, comm, "torch", PlannerConfig(warmup=0, cooldown=0), layers=1, heads=H, head_dim=D)
+    rt = SelectiveRuntime(mesh, comm, "torch", PlannerConfig(warmup=0, cooldown=0), layers=1, heads=H, head_dim=D)
     rt.begin_run(b - a, B, steps=4, branches=1)
     units = rt.units
     rt.step_plan = StepPlan(0, "anchor", torch.ones(1, units, dtype=torch.bool), None)
@@ -98,7 +98,7 @@ def _pipeline_target(rank, world, events, runs):
         text = denoiser.encode_text("a yellow circle moving down", "blurry", 4.0)
         x = denoiser.initial_latents(5, 48, 80, 5)
         latents = denoiser.denoise(x, text, STEPS, 4.0).latents_BCFHW
-        report = handle.ctx.ditango.item_report() if handle.ctx.ditango else None
+        report = handle.ctx.selective.item_report() if handle.ctx.selective else None
         handle.remove(denoiser.transformer)
         denoiser.listener = None
         out[name] = (latents, comm.totals(), report)
@@ -244,7 +244,7 @@ def test_state_cache_round_trip_dtypes():
 def _mismatch_target(rank, world, events):
     layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy="ditango", group_size=1)
     mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
-    rt = DiTangoRuntime(mesh, Comm(mesh), "torch", PlannerConfig(warmup=0, cooldown=0), layers=1, heads=H, head_dim=D)
+    rt = SelectiveRuntime(mesh, Comm(mesh), "torch", PlannerConfig(warmup=0, cooldown=0), layers=1, heads=H, head_dim=D)
     rt.begin_run(10, B, steps=4, branches=1)
     rt.begin_step(0)  # identical plans: passes
     if rank == 1:  # a rank whose planner went its own way (e.g. non-identical statistics)
@@ -265,8 +265,8 @@ def test_cache_is_preallocated_per_item_and_freed_after_it():
     layout = ParallelLayout(nodes=1, gpus_per_node=1, strategy="ditango")
     mesh = build_mesh(layout, 0, (0,))
     # One rank has no remote group; a hand-made layout view with 4 groups exercises the sizes.
-    rt = DiTangoRuntime(mesh, Comm(mesh), "torch", PlannerConfig(), layers=3, heads=H, head_dim=D)
-    rt.G = 4
+    rt = SelectiveRuntime(mesh, Comm(mesh), "torch", PlannerConfig(), layers=3, heads=H, head_dim=D)
+    rt.groups = 4
     rt.begin_run(11, B, steps=8, branches=2, local_tokens=10)
     # out [N=2, L=3, U=3, B, S=10, H, D] fp32 + lse; references [N, L, U, B, S, H] + anchors [N, L, B, S, H]
     slots = 2 * 3 * 3 * B * 10 * H
@@ -278,18 +278,18 @@ def test_cache_is_preallocated_per_item_and_freed_after_it():
 
 
 def test_cache_dtype_and_automatic_cap_follow_the_device(monkeypatch):
-    from runtime.strategies import ditango
+    from runtime.strategies import selective
 
-    assert ditango.cache_dtype_for(None, torch.device("cpu")) == torch.float32
-    assert ditango.cache_dtype_for(None, torch.device("cuda", 0)) == torch.bfloat16
-    assert ditango.cache_dtype_for("float32", torch.device("cuda", 0)) == torch.float32
-    assert ditango.auto_cache_limit(torch.device("cpu")) is None
+    assert selective.cache_dtype_for(None, torch.device("cpu")) == torch.float32
+    assert selective.cache_dtype_for(None, torch.device("cuda", 0)) == torch.bfloat16
+    assert selective.cache_dtype_for("float32", torch.device("cuda", 0)) == torch.float32
+    assert selective.auto_cache_limit(torch.device("cpu")) is None
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (50 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * gib)
     # free 50 + 2 held unused by the allocator, minus 10% of 80 GiB headroom
-    assert ditango.auto_cache_limit(torch.device("cuda", 0)) == 44 * gib
+    assert selective.auto_cache_limit(torch.device("cuda", 0)) == 44 * gib
 
 
 def test_rotary_tables_reach_the_layers_in_float32():

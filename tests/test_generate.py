@@ -140,7 +140,7 @@ def test_models_lists_registry(runner, tmp_path):
 
 def test_builtin_params_match_registry():
     from runtime.models.registry import REGISTRY
-    from runtime.models.tiny import TRAINED_ARCH, build_tiny_wan
+    from tiny_wan import TRAINED_ARCH, build_tiny_wan
 
     transformer = build_tiny_wan(TRAINED_ARCH)["transformer"]
     spec = REGISTRY["tiny-wan"]

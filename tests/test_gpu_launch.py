@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from ditango_cli.app import app
+from planner.errors import ConfigError
+from planner.layout import ParallelLayout
 from runtime.config import Item, RunConfig
-from runtime.errors import ConfigError
-from runtime.mesh import ParallelLayout
 from slurm import rank as rank_mod
 from slurm.placement import rank_slots
 

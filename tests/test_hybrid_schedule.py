@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from planner.errors import ConfigError
 from planner.hybrid import HybridConfig, HybridSchedule, detect_tau1, scaled_defaults
-from runtime.errors import ConfigError
 
 
 def u_shape(n: int, bottom: int) -> list[float]:

@@ -6,11 +6,11 @@ import json
 
 import torch
 
-from planner.cost_model import MODELS
+from planner.models import MODELS
 from runtime.models.checkpoint import inspect_model_dir
 from runtime.models.loading import load_components, resolve_placement
 from runtime.models.registry import BUILTIN_DIR, REGISTRY, resolve_model
-from runtime.models.tiny import TRAINED_ARCH, build_tiny_wan
+from tiny_wan import TRAINED_ARCH, build_tiny_wan
 
 
 def test_builtin_is_a_checked_diffusers_directory_within_budget():

@@ -21,8 +21,8 @@ from planner.ditango import (
     importance_weights,
     relative_drift,
 )
+from planner.errors import ConfigError
 from planner.plan import PlanLog, StepPlan
-from runtime.errors import ConfigError
 
 FP32_RTOL = 1e-6
 

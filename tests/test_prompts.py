@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ditango_cli.prompts import Overrides, build_items, derived_id
+from runtime.items import Overrides, build_items, derived_id
 from runtime.models.registry import REGISTRY
 
 TINY = REGISTRY["tiny-wan"].defaults

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from planner.errors import ConfigError
+from planner.layout import ParallelLayout
 from runtime.config import Item, RunConfig
-from runtime.errors import ConfigError
-from runtime.mesh import ParallelLayout
 from slurm.options import SlurmOptions, choose_executor, submitit_parameters
 from slurm.sharding import replica_of, shard
 

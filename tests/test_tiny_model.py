@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.models.tiny import TRAINED_ARCH, build_tokenizer
-from runtime.models.tiny.data import (
+from tiny_wan import TRAINED_ARCH, build_tokenizer
+from tiny_wan.data import (
     BACKGROUNDS,
     COLOURS,
     DIRECTIONS,
@@ -17,8 +17,8 @@ from runtime.models.tiny.data import (
     eval_prompts,
     sample_spec,
 )
-from runtime.models.tiny.judge import judge, video_to_frames
-from runtime.models.tiny.vae import build_vae, decode_latents, encode_video
+from tiny_wan.judge import judge, video_to_frames
+from tiny_wan.vae import build_vae, decode_latents, encode_video
 
 VAE_TOL = 1e-5  # closed-form weights: only float32 rounding (measured ~2e-6)
 JUDGE_CLIPS = 100
@@ -108,7 +108,7 @@ def test_judge_finds_no_object_or_no_motion_when_there_is_none():
 
 
 def test_training_resumes_bit_exactly(tmp_path):
-    from runtime.models.tiny.train import TrainConfig, Trainer
+    from tiny_wan.train import TrainConfig, Trainer
 
     cfg = TrainConfig(steps=4, batch=2, warmup=1)
     straight = Trainer(cfg, tmp_path / "a")
@@ -136,7 +136,7 @@ def test_training_stops_at_until_and_goes_on_later(tmp_path):
     """--until ends a run early on the schedule of --steps; a later sitting without it goes on."""
     import json
 
-    from runtime.models.tiny.train import main
+    from tiny_wan.train import main
 
     args = ["--run-dir", str(tmp_path), "--steps", "3", "--batch", "2", "--warmup", "1", "--checkpoint-minutes", "99"]
     main([*args, "--until", "1"])

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.errors import ConfigError, ModelDirError
+from planner.errors import ConfigError
+from runtime.errors import ModelDirError
 from runtime.models.registry import ResolvedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

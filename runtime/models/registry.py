@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from runtime.errors import ConfigError, ModelDirError
+from planner.errors import ConfigError
+from planner.models import MODELS, ModelShape
+from runtime.errors import ModelDirError
 from runtime.models.checkpoint import inspect_model_dir
 
 MODEL_ROOT_ENV = "DITANGO_MODEL_ROOT"
@@ -38,13 +40,31 @@ class Defaults:
 class ModelSpec:
     name: str
     description: str
-    params: int  # transformer parameters
-    heads: int
-    layers: int
-    head_dim: int
+    shape: ModelShape  # the transformer (planner/models.py, the one model table)
     defaults: Defaults
     dir_name: str | None = None  # directory under the model root, for named checkpoints
     builtin: bool = False  # shipped inside the package (BUILTIN_DIR)
+
+    @property
+    def params(self) -> int:
+        return self.shape.params
+
+    @property
+    def heads(self) -> int:
+        return self.shape.heads
+
+    @property
+    def layers(self) -> int:
+        return self.shape.layers
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape.head_dim
+
+
+def _defaults(shape: ModelShape, **kwargs) -> Defaults:
+    """Generation defaults with the geometry (VAE stride, patch) of `shape`."""
+    return Defaults(vae_stride=shape.vae_stride[1], patch=shape.patch, **kwargs)
 
 
 # Wan2.1 settings: diffusers' WanPipeline defaults (50 steps, guidance 5.0, 832x480, 81 frames,
@@ -55,40 +75,23 @@ REGISTRY: dict[str, ModelSpec] = {
     "tiny-wan": ModelSpec(
         name="tiny-wan",
         description="built-in tiny Wan trained on moving shapes (runtime/models/tiny/weights)",
-        params=2_712_816,
-        heads=4,
-        layers=4,
-        head_dim=48,
-        defaults=Defaults(
-            steps=25,
-            guidance=2.5,
-            height=64,
-            width=64,
-            frames=17,
-            fps=8,
-            max_text_len=32,
-            vae_stride=4,
-            patch=(1, 2, 2),
+        shape=MODELS["tiny-wan"],
+        defaults=_defaults(
+            MODELS["tiny-wan"], steps=25, guidance=2.5, height=64, width=64, frames=17, fps=8, max_text_len=32
         ),
         builtin=True,
     ),
     "wan2.1-1.3b": ModelSpec(
         name="wan2.1-1.3b",
         description="Wan2.1 text-to-video 1.3B",
-        params=1_418_996_800,
-        heads=12,
-        layers=30,
-        head_dim=128,
+        shape=MODELS["wan2.1-1.3b"],
         defaults=WAN_DEFAULTS,
         dir_name="Wan2.1-T2V-1.3B-Diffusers",
     ),
     "wan2.1-14b": ModelSpec(
         name="wan2.1-14b",
         description="Wan2.1 text-to-video 14B",
-        params=14_288_491_584,
-        heads=40,
-        layers=40,
-        head_dim=128,
+        shape=MODELS["wan2.1-14b"],
         defaults=WAN_DEFAULTS,
         dir_name="Wan2.1-T2V-14B-Diffusers",
     ),
@@ -139,14 +142,25 @@ def resolve_model(model: str, root: str | Path | None = None) -> ResolvedModel:
 def spec_from_dir(path: Path, transformer_config: dict, params: int) -> ModelSpec:
     """A spec for a user-supplied directory: Wan defaults, shapes from its transformer config."""
     patch = tuple(int(p) for p in transformer_config.get("patch_size", WAN_DEFAULTS.patch))
+    stride = vae_stride(path)
+    shape = ModelShape(
+        name=str(path),
+        layers=int(transformer_config.get("num_layers", 0)),
+        heads=int(transformer_config.get("num_attention_heads", 0)),
+        head_dim=int(transformer_config.get("attention_head_dim", 0)),
+        ffn=int(transformer_config.get("ffn_dim", 0)),
+        text_len=WAN_DEFAULTS.max_text_len,
+        params=params,
+        text_dim=int(transformer_config.get("text_dim", 4096)),
+        latent_channels=int(transformer_config.get("in_channels", 16)),
+        patch=patch,  # type: ignore[arg-type]
+        vae_stride=(4, stride, stride),
+    )
     return ModelSpec(
         name=str(path),
         description="local diffusers-format directory",
-        params=params,
-        heads=int(transformer_config.get("num_attention_heads", 0)),
-        layers=int(transformer_config.get("num_layers", 0)),
-        head_dim=int(transformer_config.get("attention_head_dim", 0)),
-        defaults=replace(WAN_DEFAULTS, vae_stride=vae_stride(path), patch=patch),
+        shape=shape,
+        defaults=replace(WAN_DEFAULTS, vae_stride=stride, patch=patch),
     )
 
 

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from planner.ditango import DiTangoOptions
+from planner.layout import chunk_bounds, chunk_sizes, token_count
 from runtime.comm import Comm
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
 from runtime.state import AttentionState
-from runtime.strategies.ditango import CACHE_DTYPES, DiTangoOptions, DiTangoRuntime
 from runtime.strategies.ring import ring_attention
-from runtime.strategies.sharding import chunk_bounds, chunk_sizes
+from runtime.strategies.selective import CACHE_DTYPES, SelectiveRuntime
 from runtime.strategies.ulysses import heads_to_seq, seq_to_heads
 
 
@@ -37,7 +38,7 @@ class ShardContext:
     comm: Comm
     backend: Backend
     seq_sizes: list[int] = field(default_factory=list)  # cp chunk sizes of the current forward
-    ditango: DiTangoRuntime | None = None  # set for --parallel ditango
+    selective: SelectiveRuntime | None = None  # DiTango's runtime side, for --parallel ditango
 
     @property
     def cp(self) -> int:
@@ -74,8 +75,8 @@ class ShardContext:
 
         Exact for ring/ulysses/usp; DiTango follows its plan for this step and layer.
         """
-        if self.ditango is not None:
-            state = self.ditango.attention(layer, q_BSHD, k_BSHD, v_BSHD, scale, self.seq_sizes)
+        if self.selective is not None:
+            state = self.selective.attention(layer, q_BSHD, k_BSHD, v_BSHD, scale, self.seq_sizes)
             return state.out_BSHD.to(q_BSHD.dtype)
         mesh, comm = self.mesh, self.comm
         u, r = mesh.layout.ulysses, mesh.layout.ring
@@ -150,31 +151,29 @@ class Parallelized:
     patch: tuple[int, int, int] = (1, 2, 2)
 
     def begin_run(self, latents_BCFHW: torch.Tensor, steps: int, branches: int) -> None:
-        if self.ctx.ditango is None:
+        if self.ctx.selective is None:
             return
-        _, _, F, H, W = latents_BCFHW.shape
-        pt, ph, pw = self.patch
-        sizes = chunk_sizes((F // pt) * (H // ph) * (W // pw), self.ctx.cp)
-        self.ctx.ditango.begin_run(
+        sizes = chunk_sizes(token_count(tuple(latents_BCFHW.shape[2:]), self.patch), self.ctx.cp)
+        self.ctx.selective.begin_run(
             max(sizes), latents_BCFHW.shape[0], steps, branches, latents_BCFHW.device,
             local_tokens=sizes[self.ctx.mesh.cp_index],
         )  # fmt: skip
 
     def end_run(self) -> None:
-        if self.ctx.ditango is not None:
-            self.ctx.ditango.end_run()
+        if self.ctx.selective is not None:
+            self.ctx.selective.end_run()
 
     def begin_step(self, step: int) -> None:
-        if self.ctx.ditango is not None:
-            self.ctx.ditango.begin_step(step)
+        if self.ctx.selective is not None:
+            self.ctx.selective.begin_step(step)
 
     def begin_branch(self, branch: int) -> None:
-        if self.ctx.ditango is not None:
-            self.ctx.ditango.begin_branch(branch)
+        if self.ctx.selective is not None:
+            self.ctx.selective.begin_branch(branch)
 
     def end_step(self, step: int) -> None:
-        if self.ctx.ditango is not None:
-            self.ctx.ditango.end_step(step)
+        if self.ctx.selective is not None:
+            self.ctx.selective.end_step(step)
 
     def remove(self, transformer) -> None:
         for handle in self.handles:
@@ -190,7 +189,7 @@ def parallelize_wan(
     if mesh.layout.strategy == "ditango":
         opts = ditango or DiTangoOptions()
         cfg = transformer.config
-        ctx.ditango = DiTangoRuntime(
+        ctx.selective = SelectiveRuntime(
             mesh, comm, backend, opts.planner, layers=cfg.num_layers, heads=cfg.num_attention_heads,
             head_dim=cfg.attention_head_dim, cache_dtype=None if opts.cache_dtype is None else CACHE_DTYPES[opts.cache_dtype],
             cache_limit_bytes=opts.cache_limit_bytes,

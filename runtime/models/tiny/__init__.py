@@ -1,7 +1,2 @@
-"""The built-in `tiny-wan` model: real diffusers Wan classes in a tiny configuration, trained
-on procedural moving-shape videos (data.py, train.py), with a closed-form VAE (vae.py) and
-a prompt-adherence checker (judge.py). The shipped weights live in `weights/`."""
-
-from runtime.models.tiny.build import TINY_WAN, TRAINED_ARCH, TinyWanConfig, build_tiny_wan, build_tokenizer
-
-__all__ = ["TINY_WAN", "TRAINED_ARCH", "TinyWanConfig", "build_tiny_wan", "build_tokenizer"]
+"""The shipped weights of the built-in `tiny-wan` model (`weights/`, a diffusers directory loaded
+like a user checkpoint). How it is built, trained and judged lives in the `tiny_wan` package."""

@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from planner.errors import ConfigError
 from runtime.config import Item
-from runtime.errors import ConfigError
 from runtime.models.registry import Defaults
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")

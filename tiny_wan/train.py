@@ -1,7 +1,7 @@
 """Train the built-in model's transformer on the procedural dataset; export a diffusers directory.
 
-    python -m runtime.models.tiny.train --run-dir runs/tiny-wan --max-minutes 85 [--until STEP]
-    python -m runtime.models.tiny.train --run-dir runs/tiny-wan --export runtime/models/tiny/weights
+    python -m tiny_wan.train --run-dir runs/tiny-wan --max-minutes 85 [--until STEP]
+    python -m tiny_wan.train --run-dir runs/tiny-wan --export runtime/models/tiny/weights
 
 Only the transformer learns. The text encoder is frozen at its seeded initialisation and
 the VAE is closed-form (`vae.py`), so training latents are exact (`encode_video`).
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.models.tiny.build import TRAINED_ARCH, build_tiny_wan
-from runtime.models.tiny.data import all_captions, sample_spec
-from runtime.models.tiny.vae import encode_video
+from tiny_wan.build import TRAINED_ARCH, build_tiny_wan
+from tiny_wan.data import all_captions, sample_spec
+from tiny_wan.vae import encode_video
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 from planner.hybrid import HybridConfig, HybridSchedule
 from runtime.comm import Comm
@@ -153,9 +152,7 @@ class Hybrid(CfgParallel):
             if undecided and self.mesh.world_group is not None:
                 # Every rank saw the same M, but a stage mismatch would pair different exchanges:
                 # rank 0's decision is the one everybody follows.
-                box = [self.schedule.tau1]
-                dist.broadcast_object_list(box, src=0, group=self.mesh.world_group)
-                self.schedule.tau1 = box[0]
+                self.schedule.tau1 = self.comm.broadcast_object(self.schedule.tau1, 0, self.mesh.world_group)
             out = eps_u + guidance * (eps_c - eps_u)
         else:
             out = self._pipeline_step(den, stage, t, latents, text)

@@ -125,7 +125,7 @@ def build_tiny_wan(cfg: TinyWanConfig = TINY_WAN) -> dict:
     latents_mean = [cfg.latents_stats[0] + cfg.latents_stats[2] * c for c in range(cfg.z_dim)]
     latents_std = [cfg.latents_stats[1] + cfg.latents_stats[2] * c for c in range(cfg.z_dim)]
     if cfg.vae == "pooling":
-        from runtime.models.tiny.vae import build_vae
+        from tiny_wan.vae import build_vae
 
         vae = build_vae(latents_mean, latents_std)
     else:

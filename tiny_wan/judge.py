@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from runtime.models.tiny.data import BACKGROUNDS, COLOURS, DIRECTIONS, PromptSpec
+from tiny_wan.data import BACKGROUNDS, COLOURS, DIRECTIONS, PromptSpec
 
 OBJECT_DIST = 0.25  # RGB distance (in [0, 1] units) from the background that marks object pixels
 MIN_AREA = 0.02  # a blob smaller than this fraction of the frame is not an object (82 px at 64x64;

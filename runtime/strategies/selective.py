@@ -27,12 +27,12 @@ the cp group so every rank plans identically, and handed to the planner.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from planner.ditango import (
+    DiTangoOptions,
     DiTangoPlanner,
     PlannerConfig,
     StepPlan,
@@ -42,15 +42,15 @@ from planner.ditango import (
     drift,
     importance_weights,
 )
+from planner.layout import chunk_sizes
 from runtime.cache import StateCache, anchor_bytes, compose_factor, unit_bytes
 from runtime.comm import Comm
-from runtime.errors import ConfigError
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
 from runtime.state import AttentionState, merge, merge_all
 from runtime.strategies.ring import ring_attention
 
-CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # DiTangoOptions.cache_dtype names
 # Without --cache-memory-limit on a GPU, the cache may take the free memory minus this much,
 # left for activations, the KV blocks in flight and the allocator's fragmentation.
 AUTO_LIMIT_HEADROOM_FRACTION = 0.10  # of the GPU's total memory
@@ -64,19 +64,20 @@ def cache_dtype_for(name: str | None, device: torch.device) -> torch.dtype:
     return CACHE_DTYPES[name]
 
 
-@dataclass(frozen=True)
-class DiTangoOptions:
-    """User intent for --parallel ditango beyond the planner: cache precision and memory cap."""
-
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
-    cache_dtype: str | None = None  # float32 | bfloat16 (the `out` part; lse stays float32); None: by device
-    cache_limit_bytes: int | None = None  # None: automatic on CUDA (free memory), none on CPU
-
-    def __post_init__(self) -> None:
-        if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPES:
-            raise ConfigError(f"--cache-dtype must be float32 or bfloat16, got {self.cache_dtype!r}")
-        if self.cache_limit_bytes is not None and self.cache_limit_bytes <= 0:
-            raise ConfigError(f"--cache-memory-limit must be > 0, got {self.cache_limit_bytes}")
+def check_cache_limit(
+    opts: DiTangoOptions, items, layout, heads: int, head_dim: int, layers: int, device: torch.device
+) -> None:
+    """Raise now (before any rank starts) when a user's cache limit cannot hold one cached unit
+    per branch and layer of some item: the same sizing `SelectiveRuntime.begin_run` does."""
+    if opts.cache_limit_bytes is None:
+        return
+    dtype = cache_dtype_for(opts.cache_dtype, device)
+    for item in items:
+        tokens = max(chunk_sizes(item.tokens(), layout.cp_degree))
+        branches = 1 if layout.cfg_degree == 2 or item.guidance <= 1 else 2
+        per_unit = unit_bytes(1, tokens, heads, head_dim, dtype)
+        anchors = branches * layers * anchor_bytes(1, tokens, heads)
+        compose_factor(layout.groups - 1, branches, layers, per_unit, opts.cache_limit_bytes, anchors)
 
 
 def auto_cache_limit(device: torch.device) -> int | None:
@@ -90,7 +91,7 @@ def auto_cache_limit(device: torch.device) -> int | None:
     return max(1, free - headroom)
 
 
-class DiTangoRuntime:
+class SelectiveRuntime:
     """Per-rank DiTango state for one model: planner, cache, anchor statistics."""
 
     def __init__(
@@ -109,9 +110,9 @@ class DiTangoRuntime:
         self.planner_cfg = planner_cfg
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
         self.cache_dtype, self.cache_limit_bytes = cache_dtype, cache_limit_bytes
-        self.I = mesh.layout.group
-        self.G = mesh.layout.groups
-        self.k = 1
+        self.group_size = mesh.layout.group  # I: adjacent cp ranks per group
+        self.groups = mesh.layout.groups  # G: groups on the cp ring
+        self.compose = 1  # k: adjacent remote groups per cached unit
         self.planner: DiTangoPlanner | None = None
         self.cache: StateCache | None = None
         self.step_plan: StepPlan | None = None
@@ -124,10 +125,10 @@ class DiTangoRuntime:
     # -- per item ------------------------------------------------------------------------
     @property
     def units(self) -> int:
-        return -(-(self.G - 1) // self.k)
+        return -(-(self.groups - 1) // self.compose)
 
     def unit_offsets(self, unit: int) -> range:
-        return range(1 + unit * self.k, min(self.G, 1 + (unit + 1) * self.k))
+        return range(1 + unit * self.compose, min(self.groups, 1 + (unit + 1) * self.compose))
 
     def begin_run(
         self, max_tokens: int, batch: int, steps: int, branches: int, device=None, local_tokens: int | None = None
@@ -146,7 +147,7 @@ class DiTangoRuntime:
             limit = self._agree_min(auto_cache_limit(device))
         per_unit = unit_bytes(batch, max_tokens, self.heads, self.head_dim, dtype)
         anchors = branches * self.layers * anchor_bytes(batch, max_tokens, self.heads)
-        self.k = compose_factor(self.G - 1, branches, self.layers, per_unit, limit, fixed_bytes=anchors)
+        self.compose = compose_factor(self.groups - 1, branches, self.layers, per_unit, limit, fixed_bytes=anchors)
         self.branches = branches
         self.planner = DiTangoPlanner(self.planner_cfg, steps, self.layers, self.units)
         U, L, N = self.units, self.layers, branches
@@ -174,17 +175,17 @@ class DiTangoRuntime:
 
     def _plan_group(self):
         """Who must follow one plan: the whole world when CFG branches run on different ranks
-        (as the authors do), else the cp group. (group, size); group None on one rank."""
+        (as the authors do), else the cp group. (group, global ranks); group None on one rank."""
         if self.mesh.layout.cfg_degree > 1:
-            return self.mesh.world_group, self.mesh.world_size
-        return self.mesh.cp_group, len(self.mesh.cp_ranks)
+            return self.mesh.world_group, tuple(range(self.mesh.world_size))
+        return self.mesh.cp_group, self.mesh.cp_ranks
 
     def _agree_min(self, value: int) -> int:
-        group, _ = self._plan_group()
+        group, ranks = self._plan_group()
         if group is None:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self._device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        self.comm.all_reduce(t, dist.ReduceOp.MIN, group, ranks)
         return int(t.item())
 
     def _reset_step_stats(self) -> None:
@@ -201,12 +202,12 @@ class DiTangoRuntime:
         """Raise, before any exchange, when this step's plan differs between ranks: mismatched
         P2P exchanges would hang NCCL until its watchdog instead of failing. One all-reduce
         (max of the fingerprint and of its negation) of two integers per step."""
-        group, _ = self._plan_group()
+        group, ranks = self._plan_group()
         if group is None:
             return
         h = plan.fingerprint()
         t = torch.tensor([h, -h], dtype=torch.int64, device=self._device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        self.comm.all_reduce(t, dist.ReduceOp.MAX, group, ranks)
         high, low = int(t[0]), -int(t[1])
         if high != low:
             raise RuntimeError(
@@ -227,10 +228,10 @@ class DiTangoRuntime:
         # One vector for every rank (and branch): ASE [L, U] then the gate scalar, averaged
         # over the plan group so that every rank plans the next step identically.
         stats = torch.cat([self.ase_NLU.mean(0).flatten(), self.gate_NL.mean().reshape(1)])
-        group, size = self._plan_group()
+        group, ranks = self._plan_group()
         if group is not None:
-            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
-            stats = stats / size
+            self.comm.all_reduce(stats, dist.ReduceOp.SUM, group, ranks)
+            stats = stats / len(ranks)
         stats = stats.cpu()  # the one host sync of the step
         self.planner.observe(step, stats[:-1].reshape(self.layers, self.units), float(stats[-1]))
 
@@ -243,17 +244,17 @@ class DiTangoRuntime:
         mesh = self.mesh
         cp = len(mesh.cp_ranks)
         c = mesh.cp_index
-        g, i = divmod(c, self.I)
+        g, i = divmod(c, self.group_size)
 
         def group_sizes(group: int) -> list[int]:
-            return [seq_sizes[(group % self.G) * self.I + j] for j in range(self.I)]
+            return [seq_sizes[(group % self.groups) * self.group_size + j] for j in range(self.group_size)]
 
         def group_state(qk, kk, vv, group: int) -> AttentionState:
-            if self.I == 1:
+            if self.group_size == 1:
                 return attention(qk, kk, vv, scale, self.backend)
             return ring_attention(
                 qk, kk, vv, scale=scale, backend=self.backend, comm=self.comm,
-                ring_ranks=mesh.group_ranks, ring_group=mesh.group_group, kv_sizes=group_sizes(group),
+                ring_ranks=mesh.near_ranks, ring_group=mesh.near_group, kv_sizes=group_sizes(group),
             )  # fmt: skip
 
         if plan.kind == "selective":
@@ -267,10 +268,10 @@ class DiTangoRuntime:
 
         def fetch(d: int):
             # Symmetric: every rank sends its own chunk back by I*d and receives from I*d ahead.
-            src_index = (c + self.I * d) % cp
+            src_index = (c + self.group_size * d) % cp
             return self.comm.exchange(
                 kv_2BKHD,
-                dst=mesh.cp_ranks[(c - self.I * d) % cp],
+                dst=mesh.cp_ranks[(c - self.group_size * d) % cp],
                 src=mesh.cp_ranks[src_index],
                 recv_shape=(2, B, seq_sizes[src_index], H, D),
                 group=mesh.cp_group,
@@ -339,8 +340,8 @@ class DiTangoRuntime:
             "plan": summary,
             "plan_hash": log.hash(),
             "cache_peak_bytes": self.cache_peak_bytes,
-            "compose_factor": self.k,
+            "compose_factor": self.compose,
             "units": self.units,
-            "groups": self.G,
-            "group_size": self.I,
+            "groups": self.groups,
+            "group_size": self.group_size,
         }

@@ -1,0 +1,297 @@
+"""`ditango generate`, `check` and `models`: the options mapped onto a RunConfig, handed to
+the supervisor (slurm/supervise.py) with the executor the run asks for, and rendered."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ditango_cli.options import (
+    DiTangoArgs,
+    ExecutorChoice,
+    GenerateArgs,
+    GuidanceArgs,
+    ItemArgs,
+    ModelArgs,
+    OutputArgs,
+    ParallelArgs,
+    RunArgs,
+    SlurmArgs,
+    command,
+    parse_bytes,
+)
+from planner.ditango import DiTangoOptions, PlannerConfig
+from planner.errors import ConfigError
+from planner.hybrid import HybridConfig
+from planner.layout import replica_layout
+from runtime.config import RunConfig
+from runtime.items import Overrides, build_items
+from runtime.kernels import resolve_backend
+from runtime.models.loading import placement_on
+from runtime.models.registry import MODEL_ROOT_ENV, REGISTRY, ResolvedModel, model_root, resolve_model
+from runtime.outputs import check_writable
+from slurm.options import SlurmOptions, choose_executor
+
+EXIT_FAILED_ITEMS = 1
+GROUPS = (ModelArgs, ItemArgs, OutputArgs, ParallelArgs, DiTangoArgs, GuidanceArgs, SlurmArgs, RunArgs)
+
+
+def ditango_options(d: DiTangoArgs) -> DiTangoOptions:
+    """--cache-ratio & co. onto the planner's config, by field name (defaults: the authors' test script)."""
+    planner = {"cache_ratio": 0.4, "warmup": 5, "cooldown": 5, "tau_max": None, "anchor_interval": None}
+    planner.update({k: getattr(d, k) for k in planner if getattr(d, k) is not None})
+    limit = None if d.cache_memory_limit is None else parse_bytes(d.cache_memory_limit)
+    return DiTangoOptions(PlannerConfig(**planner, use_alpha=bool(d.alpha)), d.cache_dtype, limit)
+
+
+def hybrid_config(g: GuidanceArgs, layers: int) -> HybridConfig | None:
+    tuned = {k: getattr(g, f"hybrid_{k}") for k in ("k", "window", "slope", "tau_cap", "split")}
+    given = [f"--hybrid-{k.replace('_', '-')}" for k, v in tuned.items() if v is not None]
+    given += ["--hybrid-first-text"] if g.hybrid_first_text != "cond" else []
+    if not g.hybrid:
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply with --hybrid")
+        return None
+    if not g.cfg_parallel:
+        raise ConfigError("--hybrid needs --cfg-parallel (the two CFG branches on two rank groups)")
+    cfg = HybridConfig(**tuned, first_segment_text=g.hybrid_first_text)  # type: ignore[arg-type]
+    cfg.split_for(layers)
+    return cfg
+
+
+def slurm_options(s: SlurmArgs) -> SlurmOptions:
+    return SlurmOptions(
+        partition=s.partition, account=s.account, qos=s.qos, time_min=s.time, cpus_per_task=s.cpus_per_task,
+        mem=s.mem, constraint=s.constraint, extra=SlurmOptions.parse_extra(s.slurm_arg or []), array=s.array,
+        array_parallelism=s.array_parallelism,
+    )  # fmt: skip
+
+
+def build_run_config(
+    m: ModelArgs, i: ItemArgs, o: OutputArgs, p: ParallelArgs, d: DiTangoArgs, g: GuidanceArgs, *,
+    where: str, create_out: bool, options: dict | None = None,
+) -> tuple[RunConfig, ResolvedModel]:  # fmt: skip
+    """Validate everything that can be checked before anything runs; `where`: the executor
+    (local, srun, sbatch), which decides what the device checks are made against."""
+    from runtime.strategies.selective import check_cache_limit
+    from slurm.placement import ranks_device
+
+    resolved = resolve_model(m.model, m.model_root)
+    spec = resolved.spec
+    overrides = Overrides(**{k: getattr(i, k) for k in Overrides.__dataclass_fields__})
+    items = build_items(i.prompt, i.prompts, overrides, spec.defaults)
+    strategy = None if p.parallel is None else p.parallel.value
+    layout = replica_layout(
+        p.nodes, p.gpus_per_node, p.replicas, spec.heads, strategy=strategy, cfg_parallel=g.cfg_parallel,
+        ulysses_degree=p.ulysses_degree, group_size=d.group_size,
+    )  # fmt: skip
+    if g.hybrid and layout.strategy == "ditango":
+        raise ConfigError("--hybrid does not combine with --parallel ditango; use ring, ulysses or usp")
+    if layout.strategy != "ditango" and d.given():
+        raise ConfigError(f"{', '.join(d.given())} only apply to --parallel ditango")
+    if d.reference not in (None, "exact"):
+        raise ConfigError(f"--reference must be 'exact', got {d.reference!r}")
+    if p.timeout <= 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {p.timeout:g}")
+    device = ranks_device(where, m.device.value, layout.world_size * p.replicas, p.gpus_per_node)
+    placement = placement_on(torch.device(device), None if m.dtype is None else m.dtype.value)
+    ditango = ditango_options(d) if layout.strategy == "ditango" else None
+    if ditango is not None:  # fail now, not inside the ranks
+        check_cache_limit(ditango, items, layout, spec.heads, spec.head_dim, spec.layers, placement.device)
+    if layout.strategy != "none":
+        resolve_backend(p.attention_backend.value, placement.device, placement.dtype, where == "local")
+    check_writable(o.out, create=create_out)
+    cfg = RunConfig(
+        model=m.model, model_path=None if spec.builtin else resolved.path,  # built-in: the running code's copy
+        items=items, out_dir=o.out.expanduser(), device=device, dtype=None if m.dtype is None else m.dtype.value,
+        save_latents=o.save_latents, overwrite=o.overwrite, max_text_len=spec.defaults.max_text_len,
+        fps=spec.defaults.fps, layout=layout, attention_backend=p.attention_backend.value, timeout_s=p.timeout,
+        setup_timeout_s=p.setup_timeout_s, ditango=ditango, reference=d.reference,
+        hybrid=hybrid_config(g, spec.layers), replicas=p.replicas, alloc_gpus_per_node=p.gpus_per_node,
+        options=options or {},
+    )  # fmt: skip
+    return cfg, resolved
+
+
+@command(*GROUPS, GenerateArgs)
+def generate(m, i, o, p, d, g, s, r, run: GenerateArgs, options: dict) -> int:
+    """Generate one MP4 per prompt, plus a sidecar JSON per item and report.json."""
+    from ditango_cli.progress import RichObserver
+    from runtime.run import SilentObserver  # torch.distributed, diffusers: only when work is asked for
+    from slurm.supervise import supervise
+
+    _quiet_libraries()
+    opts = slurm_options(s)
+    where = choose_executor(p.executor.value, p.nodes, opts, require_sbatch=not run.dry_run)
+    cfg, _ = build_run_config(m, i, o, p, d, g, where=where, create_out=not run.dry_run, options=options)
+    cfg = replace(cfg, retries=run.retries)
+    err = Console(stderr=True, soft_wrap=True)
+    say = (lambda text: None) if run.quiet else (lambda text: err.print(text, highlight=False, markup=False))
+    if cfg.hybrid is not None and cfg.hybrid.scaled():
+        for n in sorted({item.steps for item in cfg.items} - {50}):
+            h = cfg.hybrid.resolved(n)
+            say(f"note: --hybrid defaults are the paper's 50-step values scaled to {n} steps: k {h.k}, window "
+                f"{h.window}, slope {h.slope:g}, tau cap {h.tau_cap}"
+                + (" (k 1: the pipeline window is only its fill step)" if h.k == 1 else ""))  # fmt: skip
+    if opts.array > len(cfg.items):
+        raise ConfigError(f"--array {opts.array} is more than the {len(cfg.items)} items")
+    if run.dry_run:
+        from ditango_cli.dry_run import show_dry_run
+
+        return show_dry_run(cfg, opts, where, r.json)
+    if p.executor == ExecutorChoice.auto and where == "local" and cfg.nodes > 1:
+        say(f"executor: local ({cfg.nodes} virtual nodes; no sbatch on PATH)")
+    progress = contextlib.nullcontext(SilentObserver()) if run.quiet or where != "local" else RichObserver(err)
+    with progress as observer:
+        executor = _executor(cfg, opts, where, s.wait, observer, say)
+        outcome = supervise(cfg, executor, opts.array, observer.message if where == "local" else say)
+    if outcome.submitted:
+        typer.echo(f"submitted job(s) {', '.join(executor.job_ids)}; follow with: ditango status {cfg.out_dir}")
+        return 0
+    if outcome.errors:
+        for line in outcome.errors:
+            typer.echo(f"error: {line}", err=True)
+        if where != "local":
+            executor.report()  # what finished is in report.json all the same
+        return EXIT_FAILED_ITEMS
+    return report_summary(executor.report(), cfg.out_dir / "report.json", run.quiet, r.json, err)
+
+
+def _executor(cfg: RunConfig, opts: SlurmOptions, where: str, wait: bool, observer, say):
+    if where == "local":
+        from slurm.launch import LocalExecutor
+
+        return LocalExecutor(cfg, opts.array, observer)
+    from runtime.outputs import RUNNING, item_status
+
+    last: list[str | None] = [None]
+
+    def show(states):  # the job states and how many items are done, running, failed
+        status = [item_status(cfg, item) for item in cfg.items]
+        line = (
+            f"  {', '.join(states)}: {status.count('done')}/{len(cfg.items)} items done"
+            + (f", {status.count(RUNNING)} running" if RUNNING in status else "")
+            + (f", {status.count('failed')} failed" if "failed" in status else "")
+        )
+        if line != last[0]:
+            say(line)
+            last[0] = line
+
+    if where == "srun":
+        from slurm.allocation import SrunExecutor
+
+        return SrunExecutor(cfg, opts, show, say)
+    from slurm.submit import SbatchExecutor
+
+    return SbatchExecutor(cfg, opts, wait, show, say)
+
+
+@command(*GROUPS)
+def check(m, i, o, p, d, g, s, r, options: dict) -> int:
+    """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
+    from runtime.outputs import plan_resume
+
+    where = choose_executor(p.executor.value, p.nodes, slurm_options(s))
+    cfg, resolved = build_run_config(m, i, o, p, d, g, where=where, create_out=False)
+    placement = placement_on(torch.device(cfg.device), cfg.dtype)
+    skipped = plan_resume(cfg) if cfg.out_dir.is_dir() else {}
+    spec = resolved.spec
+    backend = "diffusers" if cfg.layout.strategy == "none" else resolve_backend(
+        cfg.attention_backend, placement.device, placement.dtype, where == "local")  # fmt: skip
+    summary = {
+        "model": cfg.model, "model_path": None if resolved.path is None else str(resolved.path),
+        "transformer": {"params": spec.params, "heads": spec.heads, "layers": spec.layers, "head_dim": spec.head_dim},
+        "device": str(placement.device), "dtype": placement.dtype_name, "out_dir": str(cfg.out_dir),
+        "layout": cfg.layout.to_json(), "replicas": cfg.replicas, "executor": where, "attention_backend": backend,
+        "skipped": sorted(skipped),
+        "items": [{k: getattr(it, k) for k in ("id", "prompt", "negative_prompt", "seed", "height", "width",
+                                                "frames", "steps", "guidance")} | {"tokens": it.tokens()}
+                  for it in cfg.items],
+    }  # fmt: skip
+    if r.json:
+        print(json.dumps(summary, indent=2, ensure_ascii=False))
+        return 0
+    console = Console()
+    lay = cfg.layout
+    console.print(
+        f"model {summary['model']} ({summary['model_path'] or 'built-in'}), {spec.layers} layers, {spec.heads} heads; "
+        f"device {summary['device']}, dtype {summary['dtype']}; out {summary['out_dir']}; {lay.world_size} rank(s)"
+        + (f" x {cfg.replicas} replicas" if cfg.replicas > 1 else "")
+        + f", strategy {lay.strategy} (ulysses {lay.ulysses} x ring {lay.ring}, attention {backend})",
+        highlight=False,
+    )
+    table = Table("id", "prompt", "seed", "size", "frames", "steps", "guidance", "tokens")
+    for it in summary["items"]:
+        short = it["prompt"] if len(it["prompt"]) <= 48 else it["prompt"][:45] + "..."
+        table.add_row(it["id"], short, str(it["seed"]), f"{it['width']}x{it['height']}", str(it["frames"]),
+                      str(it["steps"]), f"{it['guidance']:g}", str(it["tokens"]))  # fmt: skip
+    console.print(table)
+    todo = len(cfg.items) - len(skipped)
+    console.print(f"ok: {todo} item(s) would be generated, {len(skipped)} skipped (outputs exist)", highlight=False)
+    return 0
+
+
+@command(ModelArgs, RunArgs)
+def models(m: ModelArgs, r: RunArgs, options: dict) -> int:
+    """List registry names with size, heads, layers and where each resolves."""
+    root = model_root(m.model_root)
+    rows = []
+    for spec in REGISTRY.values():
+        if spec.builtin:
+            where = "built-in"
+        elif root is None:
+            where = f"not configured (set --model-root or {MODEL_ROOT_ENV})"
+        else:
+            path = root / spec.dir_name
+            where = str(path) if path.is_dir() else f"missing: {path}"
+        rows.append({"name": spec.name, "params": spec.params, "heads": spec.heads, "layers": spec.layers,
+                     "head_dim": spec.head_dim, "resolves_to": where, "description": spec.description})  # fmt: skip
+    if r.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table("name", "params", "heads", "layers", "resolves to")
+    for row in rows:
+        table.add_row(row["name"], _human(row["params"]), str(row["heads"]), str(row["layers"]), row["resolves_to"])
+    Console().print(table)
+    return 0
+
+
+def report_summary(report: dict, report_path: Path, quiet: bool, as_json: bool, err: Console) -> int:
+    counts = report["counts"]
+    if as_json:
+        print(report_path)
+    elif not quiet:
+        err.print(
+            f"{counts['done']} generated, {counts['skipped']} skipped, {counts['failed']} failed; report: {report_path}",
+            highlight=False,
+        )
+    if counts["failed"]:
+        failed = [rec for rec in report["items"] if rec["status"] == "failed"]
+        first = (failed[0].get("error") or "").splitlines()[0] if failed and failed[0].get("error") else "?"
+        typer.echo(f"error: {len(failed)} item(s) failed: {', '.join(rec['id'] for rec in failed)} "
+                   f"(first: {first}; see {report_path})", err=True)  # fmt: skip
+        return EXIT_FAILED_ITEMS
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """Our progress bar is the only one: hide diffusers'/transformers' loading bars."""
+    import diffusers.utils.logging
+    import transformers.utils.logging
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)

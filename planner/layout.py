@@ -1,0 +1,214 @@
+"""How the ranks are laid out: the parallel layout (user intent), its rank groups and
+node map, and how a token sequence is split over ranks. Pure arithmetic: the runtime builds
+process groups from it (runtime/mesh.py), the cost model prices it (planner/cost_model.py).
+
+Global rank order: rank = cfg_index * cp_degree + cp_index. Inside the cp axis, USP puts
+Ulysses innermost (cp_index = ring_index * ulysses_degree + ulysses_index), so a Ulysses
+group is a run of adjacent ranks, which share a node whenever ulysses_degree divides the
+GPUs per node.
+
+Token chunks are uneven and contiguous, with no padding: rank i of P gets S // P tokens plus
+one more when i < S % P (32,760 tokens over 16 ranks: 8 ranks of 2,048 and 8 of 2,047).
+Every rank can compute every chunk's size from (S, P) alone, so receivers size their buffers
+without a handshake, and attention needs no masking.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from planner.errors import ConfigError
+
+Strategy = Literal["none", "ring", "ulysses", "usp", "ditango"]
+STRATEGIES = ("none", "ring", "ulysses", "usp", "ditango")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the world is split. world = nodes x gpus_per_node = cfg_degree x cp_degree."""
+
+    nodes: int = 1
+    gpus_per_node: int = 1
+    cfg_degree: int = 1
+    strategy: Strategy = "none"
+    ulysses_degree: int | None = None  # usp only; None: the largest legal degree within a node
+    group_size: int | None = None  # ditango only: adjacent cp ranks per group; None: 2 (1 if odd)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ConfigError(f"--nodes and --gpus-per-node must be >= 1, got {self.nodes} and {self.gpus_per_node}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"--parallel must be one of {', '.join(STRATEGIES[1:])}, got {self.strategy!r}")
+        if self.cfg_degree not in (1, 2) or self.world_size % self.cfg_degree:
+            raise ConfigError(f"cfg degree must be 1 or 2 and divide the world size {self.world_size}")
+        if self.strategy == "none" and self.cp_degree > 1:
+            raise ConfigError(
+                f"{self.world_size} ranks need a context-parallel strategy: add --parallel ring, ulysses or usp"
+            )
+        if self.ulysses_degree is not None:
+            if self.strategy != "usp":
+                raise ConfigError("--ulysses-degree only applies to --parallel usp")
+            if self.ulysses_degree < 1 or self.cp_degree % self.ulysses_degree:
+                legal = ", ".join(map(str, _divisors(self.cp_degree)))
+                raise ConfigError(
+                    f"--ulysses-degree {self.ulysses_degree} must divide the cp degree {self.cp_degree} (try {legal})"
+                )
+
+        if self.group_size is not None:
+            if self.strategy != "ditango":
+                raise ConfigError("--group-size only applies to --parallel ditango")
+            if self.group_size < 1 or self.cp_degree % self.group_size:
+                legal = ", ".join(map(str, _divisors(self.cp_degree)))
+                raise ConfigError(
+                    f"--group-size {self.group_size} must divide the cp degree {self.cp_degree} (try {legal})"
+                )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def group(self) -> int:
+        """DiTango group size: adjacent cp ranks whose KV is always computed fresh together."""
+        if self.strategy != "ditango":
+            return 1
+        if self.group_size is not None:
+            return self.group_size
+        return 2 if self.cp_degree % 2 == 0 else 1
+
+    @property
+    def groups(self) -> int:
+        return self.cp_degree // self.group
+
+    @property
+    def cp_degree(self) -> int:
+        return self.world_size // self.cfg_degree
+
+    @property
+    def ulysses(self) -> int:
+        """Ulysses (head all-to-all) degree inside the cp axis."""
+        if self.strategy == "ulysses":
+            return self.cp_degree
+        if self.strategy == "usp":
+            return self.ulysses_degree or 1
+        return 1
+
+    @property
+    def ring(self) -> int:
+        return self.cp_degree // self.ulysses
+
+    def check_model(self, heads: int) -> None:
+        """Errors that depend on the model: Ulysses splits heads, so its degree must divide them."""
+        if self.ulysses > 1 and heads % self.ulysses:
+            best = max(d for d in _divisors(self.cp_degree) if heads % d == 0)
+            hint = "use --parallel ring" + (f", or --parallel usp --ulysses-degree {best}" if best > 1 else "")
+            raise ConfigError(f"Ulysses degree {self.ulysses} must divide the model's {heads} attention heads; {hint}")
+
+    def with_default_ulysses(self, heads: int) -> ParallelLayout:
+        """USP without --ulysses-degree: the largest degree dividing heads that stays inside a node."""
+        if self.strategy != "usp" or self.ulysses_degree is not None:
+            return self
+        per_node = self.cp_degree if self.nodes == 1 else self.gpus_per_node
+        best = max(d for d in _divisors(self.cp_degree) if heads % d == 0 and per_node % d == 0)
+        return ParallelLayout(self.nodes, self.gpus_per_node, self.cfg_degree, self.strategy, best, self.group_size)
+
+    def to_json(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "cfg_degree": self.cfg_degree,
+            "cp_degree": self.cp_degree,
+            "strategy": self.strategy,
+            "ulysses_degree": self.ulysses,
+            "ring_degree": self.ring,
+            "group_size": self.group,
+        }
+
+
+def rank_groups(layout: ParallelLayout) -> dict[str, list[tuple[int, ...]]]:
+    """Every group of every kind, as global rank tuples, in a fixed order (all ranks agree)."""
+    cp, u = layout.cp_degree, layout.ulysses
+    cp_groups = [tuple(range(c * cp, (c + 1) * cp)) for c in range(layout.cfg_degree)]
+    ulysses_groups, ring_groups, near_groups = [], [], []
+    for base in (g[0] for g in cp_groups):
+        for g in range(layout.groups):
+            near_groups.append(tuple(base + g * layout.group + j for j in range(layout.group)))
+        for r in range(layout.ring):
+            ulysses_groups.append(tuple(base + r * u + i for i in range(u)))
+        for i in range(u):
+            ring_groups.append(tuple(base + r * u + i for r in range(layout.ring)))
+    cfg_groups = [tuple(c + i * cp for i in range(layout.cfg_degree)) for c in range(cp)]
+    return {"cp": cp_groups, "ulysses": ulysses_groups, "ring": ring_groups, "near": near_groups, "cfg": cfg_groups}
+
+
+def virtual_node_map(layout: ParallelLayout) -> tuple[int, ...]:
+    """Local runs: rank r sits on virtual node r // gpus_per_node."""
+    return tuple(r // layout.gpus_per_node for r in range(layout.world_size))
+
+
+def chunk_sizes(total: int, parts: int) -> list[int]:
+    if total < parts:
+        raise ValueError(f"cannot split {total} tokens over {parts} ranks: every rank needs at least one token")
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def chunk_bounds(sizes: list[int], index: int) -> tuple[int, int]:
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
+
+
+def token_count(latent_fhw: tuple[int, int, int], patch: tuple[int, int, int]) -> int:
+    """Length of the transformer's token sequence: the latent video [F, H, W] cut into patches."""
+    return math.prod(n // p for n, p in zip(latent_fhw, patch, strict=True))
+
+
+def replica_shape(nodes: int, gpus_per_node: int, replicas: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of one replica: replicas split the nodes, or split each node."""
+    r, n, g = replicas, nodes, gpus_per_node
+    if n % r == 0:
+        return n // r, g
+    if r % n == 0 and g % (r // n) == 0:
+        return 1, g // (r // n)
+    raise ConfigError(
+        f"--replicas {r} must divide the {n} nodes, or split each node's {g} ranks evenly "
+        f"(e.g. --replicas {n} or {n * g})"
+    )
+
+
+def replica_layout(
+    nodes: int,
+    gpus_per_node: int,
+    replicas: int,
+    heads: int,
+    *,
+    strategy: str | None = None,
+    cfg_parallel: bool = False,
+    ulysses_degree: int | None = None,
+    group_size: str | int | None = None,
+) -> ParallelLayout:
+    """The layout of one replica of an allocation of `nodes` x `gpus_per_node` ranks (the whole
+    allocation without replicas), for a model of `heads` heads. `strategy` None: ring on
+    several cp ranks, none on one; `group_size` "node": the ranks of a node."""
+    nodes, gpus_per_node = replica_shape(nodes, gpus_per_node, replicas)
+    world = nodes * gpus_per_node
+    cfg_degree = 2 if cfg_parallel else 1
+    if cfg_degree == 2 and world % 2:
+        raise ConfigError(f"--cfg-parallel needs an even number of ranks, got {world}")
+    cp = world // cfg_degree
+    strategy = strategy or ("ring" if cp > 1 else "none")
+    if isinstance(group_size, str):
+        if group_size != "node" and not group_size.isdigit():
+            raise ConfigError(f"--group-size must be a number of ranks or 'node', got {group_size!r}")
+        group_size = gpus_per_node if group_size == "node" else int(group_size)
+    layout = ParallelLayout(nodes, gpus_per_node, cfg_degree, strategy, ulysses_degree, group_size)  # type: ignore[arg-type]
+    layout = layout.with_default_ulysses(heads)
+    layout.check_model(heads)
+    return layout

@@ -1,0 +1,184 @@
+"""Exact byte counts: what the runtime moves for a layout, transfer by transfer.
+
+The runtime counts on the receiver, by the link the bytes crossed (runtime/comm.py); these
+predictions equal its counters exactly for the same shapes and plan
+(tests/test_cost_model.py). Notation as in planner/cost_model.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from planner.layout import ParallelLayout, chunk_sizes, rank_groups, virtual_node_map
+from planner.models import ModelShape
+
+
+@dataclass
+class Traffic:
+    """Bytes received, summed over ranks: {purpose: {"intra_node_bytes"|"inter_node_bytes": n}}."""
+
+    bytes: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+
+    def add(self, purpose: str, link: str, n: int) -> None:
+        self.bytes[purpose][f"{link}_bytes"] += n
+
+    def totals(self) -> dict:
+        out = {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}}
+        for purpose, links in sorted(self.bytes.items()):
+            out["by_purpose"][purpose] = {k: v for k, v in sorted(links.items()) if v}
+            for k, v in links.items():
+                out[k] += v
+        out["by_purpose"] = {p: v for p, v in out["by_purpose"].items() if v}
+        return out
+
+
+class Topology:
+    def __init__(self, layout: ParallelLayout, node_of: tuple[int, ...] | None = None) -> None:
+        self.layout = layout
+        self.node_of = node_of or virtual_node_map(layout)
+        self.groups = rank_groups(layout)
+
+    def link(self, a: int, b: int) -> str:
+        return "intra_node" if self.node_of[a] == self.node_of[b] else "inter_node"
+
+
+def _ring_hops(t: Traffic, topo: Topology, ranks, block_bytes: list[int], purpose: str, times: int) -> None:
+    """Ring over `ranks` where member j holds a block of block_bytes[j]: P-1 hops, each rank
+    receiving from its predecessor the block that started (k+1) positions behind it."""
+    P = len(ranks)
+    for me in range(P):
+        link = topo.link(ranks[me], ranks[(me - 1) % P])
+        for k in range(P - 1):
+            t.add(purpose, link, times * block_bytes[(me - k - 1) % P])
+
+
+def attention_traffic(
+    t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int, plan_bits=None
+) -> None:
+    """Self-attention bytes of every rank for `forwards` forward passes of all layers.
+
+    `plan_bits` (DiTango only): list over forwards of [layers][units] compute booleans.
+    """
+    layout = topo.layout
+    H, D, L = shape.heads, shape.head_dim, shape.layers
+    sizes = chunk_sizes(tokens, layout.cp_degree)
+    for cp_ranks in topo.groups["cp"]:
+        if layout.strategy in ("ring", "ulysses", "usp"):
+            u = layout.ulysses
+            h = H // u
+            for uly in [g for g in topo.groups["ulysses"] if g[0] in cp_ranks]:
+                idx = [cp_ranks.index(r) for r in uly]
+                for a, ra in zip(idx, uly, strict=True):
+                    for b, rb in zip(idx, uly, strict=True):
+                        if ra != rb:  # q, k, v in; our chunk's output back
+                            t.add("attention", topo.link(ra, rb), forwards * L * (3 * sizes[b] + sizes[a]) * h * D * e)
+            if layout.ring > 1:
+                for ring in [g for g in topo.groups["ring"] if g[0] in cp_ranks]:
+                    spans = [sum(sizes[(cp_ranks.index(r) // u) * u : (cp_ranks.index(r) // u + 1) * u]) for r in ring]
+                    _ring_hops(t, topo, ring, [2 * s * h * D * e for s in spans], "attention", forwards * L)
+        elif layout.strategy == "ditango":
+            _ditango_traffic(t, topo, cp_ranks, sizes, shape, e, forwards, plan_bits)
+
+
+def _ditango_traffic(t, topo: Topology, cp_ranks, sizes, shape: ModelShape, e: int, forwards: int, plan_bits) -> None:
+    layout = topo.layout
+    size, G, P = layout.group, layout.groups, layout.cp_degree
+    H, D, L = shape.heads, shape.head_dim, shape.layers
+    kv = [2 * s * H * D * e for s in sizes]
+    groups = [cp_ranks[g * size : (g + 1) * size] for g in range(G)]
+    # Own group, every forward and layer: a ring inside the group.
+    for g in range(G):
+        _ring_hops(t, topo, groups[g], kv[g * size : (g + 1) * size], "attention", forwards * L)
+    units = 0 if plan_bits is None or not plan_bits else len(plan_bits[0][0])
+    k = math.ceil((G - 1) / units) if units else 1
+    for f in range(forwards):
+        for layer in range(L):
+            for d in range(1, G):
+                unit = (d - 1) // k
+                if plan_bits is not None and not plan_bits[f][layer][unit]:
+                    continue  # reused: nothing moves
+                for c in range(P):  # direct fetch from I*d ahead
+                    src = (c + size * d) % P
+                    t.add("attention", topo.link(cp_ranks[c], cp_ranks[src]), kv[src])
+                for g in range(G):  # then around the group ring: the remote group's other chunks
+                    remote = ((g + d) % G) * size
+                    _ring_hops(t, topo, groups[g], kv[remote : remote + size], "attention", 1)
+
+
+def gather_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int) -> None:
+    """proj_out all-gather: every rank receives each peer's (padded) chunk of the output."""
+    sizes = chunk_sizes(tokens, topo.layout.cp_degree)
+    block = max(sizes) * shape.out_channels * e
+    for cp_ranks in topo.groups["cp"]:
+        if len(cp_ranks) == 1:
+            continue
+        for a in cp_ranks:
+            for b in cp_ranks:
+                if a != b:
+                    t.add("gather", topo.link(a, b), forwards * block)
+
+
+def cfg_traffic(t: Traffic, topo: Topology, latent_numel: int, e: int, steps: int) -> None:
+    """CFG-parallel: each rank receives its partner's full prediction once per step."""
+    for pair in topo.groups["cfg"]:
+        if len(pair) == 2:
+            a, b = pair
+            t.add("cfg", topo.link(a, b), 2 * steps * latent_numel * e)
+
+
+def control_traffic(t: Traffic, topo: Topology, layers: int, units: int, kinds: list[str]) -> None:
+    """DiTango's control plane (runtime/comm.py's convention: an all-reduce counts the tensor
+    once per peer): the plan check every step (2 int64) and, on selective steps, the planner's
+    statistics (layers x units + 1 float32), over the plan group (the world with cfg 2)."""
+    layout = topo.layout
+    plan_groups = topo.groups["cp"] if layout.cfg_degree == 1 else [tuple(range(layout.world_size))]
+    per_step = [16 + ((layers * units + 1) * 4 if kind == "selective" else 0) for kind in kinds]
+    for group in plan_groups:
+        for a in group:
+            for b in group:
+                if a != b:
+                    t.add("control", topo.link(a, b), sum(per_step))
+
+
+def predict_traffic(
+    layout: ParallelLayout,
+    shape: ModelShape,
+    height: int,
+    width: int,
+    frames: int,
+    steps: int,
+    *,
+    guidance: bool = True,
+    element_bytes: int = 2,
+    plan_bits=None,
+    plan_kinds: list[str] | None = None,
+    node_of: tuple[int, ...] | None = None,
+) -> dict:
+    """Bytes of one item, summed over ranks, in the report's `comm` format. With DiTango's
+    `plan_kinds` (each step's kind, from its plan file) the control plane is counted too."""
+    topo = Topology(layout, node_of)
+    tokens = shape.tokens(height, width, frames)
+    branches = 2 if guidance else 1
+    forwards = steps * (1 if layout.cfg_degree == 2 else branches)
+    t = Traffic()
+    attention_traffic(t, topo, shape, tokens, element_bytes, forwards, plan_bits)
+    gather_traffic(t, topo, shape, tokens, element_bytes, forwards)
+    if layout.cfg_degree == 2:
+        cfg_traffic(t, topo, math.prod(shape.latent_shape(height, width, frames)) * shape.latent_channels,
+                    element_bytes, steps)  # fmt: skip
+    if layout.strategy == "ditango" and plan_kinds is not None and layout.groups > 1:
+        units = len(plan_bits[0][0]) if plan_bits else layout.groups - 1
+        control_traffic(t, topo, shape.layers, units, plan_kinds)
+    return t.totals()
+
+
+def plan_bits_from_log(plan_log: dict, layers: int, branches: int) -> list:
+    """Per forward (step-major, branch-minor) [layers][units] compute bits from a plan file."""
+    bits = []
+    for step in plan_log["steps"]:
+        rows = [[c == "1" for c in row] for row in step["compute"]]
+        bits.extend([rows] * branches)
+    assert all(len(r) == layers for r in bits)
+    return bits

@@ -1,0 +1,122 @@
+"""The one supervisor of every executor: launch, blame a failure, retry, relaunch.
+
+An executor (local processes, srun steps of an allocation, sbatch jobs) launches array
+tasks and says how each ended (`Outcome`). The supervisor owns the loop around it, the same
+for all three: after a failed launch it blames the items marked running since the launch
+began (the failed rank's replica's share when the rank is known), records the failure,
+gives an item up after `cfg.retries` retries, and relaunches the array tasks that still
+have work, skipping what is settled. A cancelled job is final; a failure outside any item
+(the model does not load) is not retried. The CLI only renders what it reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from runtime.config import RunConfig
+from runtime.outputs import fs_clock, item_status, record_failure, running_items, settled_since
+from slurm.sharding import shard
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one array task's launch ended."""
+
+    task: int
+    error: str | None = None  # None: it succeeded
+    rank: int | None = None  # the global rank that failed first, when known
+    name: str | None = None  # "job 123", "step 0": what the error is about (none locally)
+    cancelled: bool = False
+
+    @property
+    def message(self) -> str:
+        return f"{self.name}: {self.error}" if self.name else str(self.error)
+
+
+class Executor(Protocol):
+    def launch(self, tasks: list[int], decided: dict[str, dict]) -> list[Outcome] | None:
+        """Run these array tasks; `decided`: records of items settled by earlier launches of
+        this command (not run again). None: submitted, not waited for."""
+
+
+@dataclass
+class Supervised:
+    """What the supervisor reports: `errors` (one line each) when the run ended in a failure
+    that retrying cannot help; `submitted` when jobs were only submitted."""
+
+    errors: list[str] = field(default_factory=list)
+    submitted: bool = False
+
+
+def supervise(cfg: RunConfig, executor: Executor, tasks: int, say: Callable[[str], None]) -> Supervised:
+    attempts: dict[str, int] = {}
+    given_up: dict[str, dict] = {}
+    since = fs_clock(cfg.out_dir)
+    todo = list(range(tasks))
+    while todo:
+        decided = {**settled_since(cfg, since), **given_up}  # from earlier launches of this command
+        attempt = fs_clock(cfg.out_dir)
+        outcomes = executor.launch(todo, decided)
+        if outcomes is None:
+            return Supervised(submitted=True)
+        failed = [o for o in outcomes if o.error]
+        if not failed:
+            break
+        if any(o.cancelled for o in failed):
+            return Supervised([f"{o.name} {'was cancelled' if o.cancelled else 'failed'}: {o.error}" for o in failed])
+        lines = []
+        for o in failed:  # each task's own error, on that task's (replica's) items
+            lines += blame(cfg, o.message, attempts, given_up, attempt, share_of_rank(cfg, o.rank, o.task, tasks))
+        if not lines:  # a failure outside any item: retrying cannot help
+            return Supervised([o.message if o.name is None else f"{o.name} failed: {o.error}" for o in failed])
+        for line in lines:
+            say(line)
+        settled = {**settled_since(cfg, since), **given_up}
+        todo = [
+            t for t in range(tasks)
+            if any(i.id not in settled and item_status(cfg, i) != "done" for i in shard(cfg.items, t, tasks))
+        ]  # fmt: skip
+    return Supervised()
+
+
+def blame(
+    cfg: RunConfig, error: str, attempts: dict[str, int], given_up: dict[str, dict], since: float, items=None
+) -> list[str]:
+    """After a launch that started at `since` (fs_clock) failed: record each of `items`
+    (default all) marked running since then as failed, count the attempt and give the item up
+    after `cfg.retries` retries. A line per item; empty: nothing to blame."""
+    lines = []
+    for item in running_items(cfg, since, items):
+        n = attempts[item.id] = attempts.get(item.id, 0) + 1
+        record = record_failure(cfg, item, error, n)
+        if n > cfg.retries:
+            given_up[item.id] = record
+            lines.append(f"{item.id} failed ({error}); giving it up after {n} attempt(s)")
+        else:
+            lines.append(f"{item.id} failed ({error}); retry {n} of {cfg.retries}")
+    return lines
+
+
+def replica_share(cfg: RunConfig, replica: int, report_name: str) -> tuple[RunConfig | None, str]:
+    """The items (round-robin) and report file of one replica; (None, name) when it gets no item."""
+    if cfg.replicas == 1:
+        return cfg, report_name
+    items = tuple(shard(cfg.items, replica, cfg.replicas))
+    name = report_name.removesuffix(".json") + f".replica-{replica}.json"
+    return (replace(cfg, items=items) if items else None), name
+
+
+def share_of_rank(cfg: RunConfig, rank: int | None, task: int = 0, tasks: int = 1):
+    """The items a global rank of array task `task` works on (all of the task's when unknown)."""
+    items = tuple(shard(cfg.items, task, tasks))
+    if rank is None or cfg.replicas == 1 or not items:
+        return items
+    share, _ = replica_share(replace(cfg, items=items), rank // cfg.layout.world_size, "")
+    return share.items if share is not None else ()
+
+
+def task_report(task: int, tasks: int) -> str:
+    """The report file one array task writes (report.json for a single task)."""
+    return "report.json" if tasks == 1 else f"report.task-{task}.json"

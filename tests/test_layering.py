@@ -1,0 +1,66 @@
+"""The shape of the house: imports go down the layers ditango_cli -> slurm -> runtime -> planner,
+never back up, and no module imports itself through others (function-level imports count)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("ditango_cli", "slurm", "runtime", "planner")  # top to bottom
+
+
+def module_imports() -> dict[str, set[str]]:
+    """{module: project modules it imports anywhere in its body}."""
+    graph: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            deps = set()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                else:
+                    continue
+                deps |= {t for t in targets if t.split(".")[0] in PACKAGES}
+            graph[name] = deps
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+def test_imports_only_go_down_the_layers():
+    rank = {p: i for i, p in enumerate(PACKAGES)}
+    upward = [
+        f"{m} -> {d}"
+        for m, deps in module_imports().items()
+        for d in deps
+        if rank[d.split(".")[0]] < rank[m.split(".")[0]]
+    ]
+    assert upward == [], upward
+    planner = [d for m, deps in module_imports().items() if m.startswith("planner") for d in deps]
+    assert all(d.startswith("planner") for d in planner), planner
+
+
+def test_no_import_cycles():
+    graph = module_imports()
+    # A package imports its own __init__ when a submodule loads: only module-to-module edges count.
+    edges = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(node: str, path: list[str]) -> bool:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycle.extend(path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt])
+                return True
+            if nxt not in state and visit(nxt, [*path, nxt]):
+                return True
+        state[node] = 2
+        return False
+
+    for start in sorted(edges):
+        if start not in state and visit(start, [start]):
+            break
+    assert cycle == [], " -> ".join(cycle)

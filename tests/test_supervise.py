@@ -1,0 +1,85 @@
+"""The one supervisor (slurm/supervise.py) with a scripted executor: the retry, blame,
+give-up, cancel and relaunch rules that the local launcher, srun steps and sbatch jobs share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.config import Item, RunConfig
+from runtime.outputs import item_status, mark_running, output_paths, read_record
+from runtime.report import item_record
+from runtime.video import write_json
+from slurm.sharding import shard
+from slurm.supervise import Outcome, supervise
+
+
+def config(out: Path, n: int = 4, retries: int = 1) -> RunConfig:
+    items = tuple(Item(f"i{k}", f"a red ball {k}", "", 0, 64, 64, 17, 2, 2.5, index=k, vae_stride=4) for k in range(n))
+    return RunConfig("tiny-wan", None, items, out, retries=retries)
+
+
+class Scripted:
+    """Each launch plays the next script entry: {task: ("done" | "fail" | "cancel" | "crash", item ids)}."""
+
+    def __init__(self, cfg: RunConfig, tasks: int, script: list[dict]) -> None:
+        self.cfg, self.tasks, self.script, self.launches = cfg, tasks, list(script), []
+
+    def launch(self, tasks, decided):
+        self.launches.append((list(tasks), sorted(decided)))
+        plan = self.script.pop(0)
+        outcomes = []
+        for t in tasks:
+            kind, fail_ids = plan.get(t, ("done", ()))
+            for item in shard(self.cfg.items, t, self.tasks):
+                if item.id in decided:
+                    continue
+                if item.id in fail_ids:
+                    mark_running(self.cfg, item)  # the item in flight when its rank died
+                    break
+                record = item_record(item, model="tiny-wan", status="done", video=f"{item.id}.mp4", latents=None,
+                                     timing=None)  # fmt: skip
+                write_json(output_paths(self.cfg.out_dir, item.id)["sidecar"], record)
+            error = None if kind == "done" else f"rank 1 failed: {kind}"
+            outcomes.append(Outcome(t, error, 1 if error else None, f"job {t}", kind == "cancel"))
+        return outcomes
+
+
+def test_a_failed_item_is_retried_in_a_relaunch_of_its_task_only(tmp_path):
+    cfg = config(tmp_path)
+    ex = Scripted(cfg, 2, [{1: ("fail", {"i1"})}, {}])
+    said = []
+    assert supervise(cfg, ex, 2, said.append).errors == []
+    assert ex.launches == [([0, 1], []), ([1], ["i0", "i2"])]  # task 1 again; its settled items not redone
+    assert all(item_status(cfg, i) == "done" for i in cfg.items)
+    assert said == ["i1 failed (job 1: rank 1 failed: fail); retry 1 of 1"]
+
+
+def test_an_item_failing_every_attempt_is_given_up_and_the_batch_goes_on(tmp_path):
+    cfg = config(tmp_path, retries=1)
+    ex = Scripted(cfg, 1, [{0: ("fail", {"i2"})}, {0: ("fail", {"i2"})}, {}])
+    said = []
+    assert supervise(cfg, ex, 1, said.append).errors == []
+    assert said[-1].startswith("i2 failed") and said[-1].endswith("giving it up after 2 attempt(s)")
+    record = read_record(output_paths(cfg.out_dir, "i2")["sidecar"])
+    assert record["status"] == "failed" and record["attempts"] == 2
+    assert [item_status(cfg, i) for i in cfg.items] == ["done", "done", "failed", "done"]
+    assert len(ex.launches) == 3 and "i2" in ex.launches[2][1]  # decided: not run a third time
+
+
+def test_cancelled_is_final_and_a_failure_outside_any_item_is_not_retried(tmp_path):
+    cfg = config(tmp_path)
+    ex = Scripted(cfg, 1, [{0: ("cancel", {"i1"})}])
+    assert supervise(cfg, ex, 1, print).errors == ["job 0 was cancelled: rank 1 failed: cancel"]
+    assert len(ex.launches) == 1
+    cfg = config(tmp_path / "b")
+    ex = Scripted(cfg, 1, [{0: ("crash", ())}])  # no item was running: the model did not load, say
+    assert supervise(cfg, ex, 1, print).errors == ["job 0 failed: rank 1 failed: crash"]
+    assert len(ex.launches) == 1
+
+
+def test_an_executor_that_only_submits(tmp_path):
+    class Submitting:
+        def launch(self, tasks, decided):
+            return None
+
+    assert supervise(config(tmp_path), Submitting(), 1, print).submitted
