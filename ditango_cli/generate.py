@@ -7,6 +7,7 @@ import contextlib
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import typer
@@ -238,10 +239,12 @@ def check(m, i, o, p, d, g, s, r, options: dict) -> int:
     return 0
 
 
-@command(ModelArgs, RunArgs)
-def models(m: ModelArgs, r: RunArgs, options: dict) -> int:
+def models(
+    model_root_dir: Annotated[Path | None, typer.Option("--model-root", help="Folder of named checkpoints.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
+) -> int:
     """List registry names with size, heads, layers and where each resolves."""
-    root = model_root(m.model_root)
+    root = model_root(model_root_dir)
     rows = []
     for spec in REGISTRY.values():
         if spec.builtin:
@@ -253,7 +256,7 @@ def models(m: ModelArgs, r: RunArgs, options: dict) -> int:
             where = str(path) if path.is_dir() else f"missing: {path}"
         rows.append({"name": spec.name, "params": spec.params, "heads": spec.heads, "layers": spec.layers,
                      "head_dim": spec.head_dim, "resolves_to": where, "description": spec.description})  # fmt: skip
-    if r.json:
+    if as_json:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table("name", "params", "heads", "layers", "resolves to")
