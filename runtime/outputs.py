@@ -3,7 +3,7 @@
 Paths of an item's files, its sidecar's status ("running" while it is generated, then
 "done" or "failed"), which items a rerun skips (resume), which ones a failed launch is to be
 blamed for, and the records of failed attempts. The runtime writes through it and the
-supervisor (slurm/supervise.py) reads through it; every read is tolerant (`read_record`).
+supervisor (slurm/supervise.py) reads through it; its reads are tolerant (`read_record`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from runtime.video import write_json
 
 def read_record(path: Path) -> dict | None:
     """The schema-1 record (sidecar or report) at `path`, or None when it is missing, being
-    written, damaged or of another schema: every file read back from an output folder comes
-    through here."""
+    written, damaged (not JSON, not UTF-8) or of another schema. Sidecars and reports are read
+    back through here."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # ValueError: JSONDecodeError and UnicodeDecodeError
         return None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         return None

@@ -83,3 +83,13 @@ def test_an_executor_that_only_submits(tmp_path):
             return None
 
     assert supervise(config(tmp_path), Submitting(), 1, print).submitted
+
+
+def test_a_damaged_sidecar_reads_as_no_record(tmp_path):
+    """Not UTF-8 (a torn write on a shared file system) or not JSON: the item is simply not done."""
+    cfg = config(tmp_path)
+    tmp_path.mkdir(exist_ok=True)
+    output_paths(tmp_path, "i0")["sidecar"].write_bytes(b"\xff\xfe{not json")
+    output_paths(tmp_path, "i1")["sidecar"].write_text("{torn")
+    assert read_record(output_paths(tmp_path, "i0")["sidecar"]) is None
+    assert item_status(cfg, cfg.items[0]) is None and item_status(cfg, cfg.items[1]) is None
