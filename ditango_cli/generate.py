@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -77,10 +79,12 @@ def slurm_options(s: SlurmArgs) -> SlurmOptions:
 
 def build_run_config(
     m: ModelArgs, i: ItemArgs, o: OutputArgs, p: ParallelArgs, d: DiTangoArgs, g: GuidanceArgs, *,
-    where: str, create_out: bool, options: dict | None = None,
+    where: str, create_out: bool, options: dict | None = None, array: int = 1,
 ) -> tuple[RunConfig, ResolvedModel]:  # fmt: skip
     """Validate everything that can be checked before anything runs; `where`: the executor
-    (local, srun, sbatch), which decides what the device checks are made against."""
+    (local, srun, sbatch), which decides what the device checks are made against; `array`:
+    the array tasks the items are split over. `generate` and `check` both validate here, so
+    they refuse the same inputs with the same message."""
     from runtime.strategies.selective import check_cache_limit
     from slurm.placement import ranks_device
 
@@ -88,6 +92,8 @@ def build_run_config(
     spec = resolved.spec
     overrides = Overrides(**{k: getattr(i, k) for k in Overrides.__dataclass_fields__})
     items = build_items(i.prompt, i.prompts, overrides, spec.defaults)
+    if array > len(items):
+        raise ConfigError(f"--array {array} is more than the {len(items)} items")
     strategy = None if p.parallel is None else p.parallel.value
     layout = replica_layout(
         p.nodes, p.gpus_per_node, p.replicas, spec.heads, strategy=strategy, cfg_parallel=g.cfg_parallel,
@@ -99,8 +105,10 @@ def build_run_config(
         raise ConfigError(f"{', '.join(d.given())} only apply to --parallel ditango")
     if d.reference not in (None, "exact"):
         raise ConfigError(f"--reference must be 'exact', got {d.reference!r}")
-    if p.timeout <= 0:
-        raise ConfigError(f"--timeout must be > 0 seconds, got {p.timeout:g}")
+    for flag, seconds in (("--timeout", p.timeout), ("--setup-timeout", p.setup_timeout)):
+        # nan passes any comparison and inf overflows a timedelta: both only failed inside the ranks
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigError(f"{flag} must be > 0 seconds and finite, got {seconds:g}")
     device = ranks_device(where, m.device.value, layout.world_size * p.replicas, p.gpus_per_node)
     placement = placement_on(torch.device(device), None if m.dtype is None else m.dtype.value)
     ditango = ditango_options(d) if layout.strategy == "ditango" else None
@@ -131,7 +139,9 @@ def generate(m, i, o, p, d, g, s, r, run: GenerateArgs, options: dict) -> int:
     _quiet_libraries()
     opts = slurm_options(s)
     where = choose_executor(p.executor.value, p.nodes, opts, require_sbatch=not run.dry_run)
-    cfg, _ = build_run_config(m, i, o, p, d, g, where=where, create_out=not run.dry_run, options=options)
+    cfg, _ = build_run_config(
+        m, i, o, p, d, g, where=where, create_out=not run.dry_run, options=options, array=opts.array
+    )
     cfg = replace(cfg, retries=run.retries)
     err = Console(stderr=True, soft_wrap=True)
     say = (lambda text: None) if run.quiet else (lambda text: err.print(text, highlight=False, markup=False))
@@ -141,8 +151,6 @@ def generate(m, i, o, p, d, g, s, r, run: GenerateArgs, options: dict) -> int:
             say(f"note: --hybrid defaults are the paper's 50-step values scaled to {n} steps: k {h.k}, window "
                 f"{h.window}, slope {h.slope:g}, tau cap {h.tau_cap}"
                 + (" (k 1: the pipeline window is only its fill step)" if h.k == 1 else ""))  # fmt: skip
-    if opts.array > len(cfg.items):
-        raise ConfigError(f"--array {opts.array} is more than the {len(cfg.items)} items")
     if run.dry_run:
         from ditango_cli.dry_run import show_dry_run
 
@@ -150,7 +158,7 @@ def generate(m, i, o, p, d, g, s, r, run: GenerateArgs, options: dict) -> int:
     if p.executor == ExecutorChoice.auto and where == "local" and cfg.nodes > 1:
         say(f"executor: local ({cfg.nodes} virtual nodes; no sbatch on PATH)")
     progress = contextlib.nullcontext(SilentObserver()) if run.quiet or where != "local" else RichObserver(err)
-    with progress as observer:
+    with own_folder(cfg.out_dir, run.wait_for_lock, say), progress as observer:
         executor = _executor(cfg, opts, where, s.wait, observer, say)
         outcome = supervise(cfg, executor, opts.array, observer.message if where == "local" else say)
     if outcome.submitted:
@@ -163,6 +171,41 @@ def generate(m, i, o, p, d, g, s, r, run: GenerateArgs, options: dict) -> int:
             executor.report()  # what finished is in report.json all the same
         return EXIT_FAILED_ITEMS
     return report_summary(executor.report(), cfg.out_dir / "report.json", run.quiet, r.json, err)
+
+
+def own_folder(out_dir: Path, wait: bool, say, poll_s: float = 30.0):
+    """The lock on OUT for this command's whole run (runtime/lock.py), once no Slurm job
+    submitted from OUT is still live (such jobs own OUT until they end); then the partial
+    files of killed writers go."""
+    from runtime.lock import FolderLock, remove_partials
+    from slurm.jobs import live_jobs
+
+    lock = FolderLock(out_dir).acquire(wait, say)
+    waiting = False
+    while live := live_jobs(out_dir):
+        if not wait:
+            lock.release()
+            raise _jobs_own(out_dir, live)
+        if not waiting:
+            say(f"waiting for Slurm job(s) {_jobs(live)}, submitted from {out_dir}, to end")
+            waiting = True
+        time.sleep(poll_s)
+    for path in remove_partials(out_dir):
+        say(f"note: removed {path.name}, left by a writer that was killed")
+    return lock
+
+
+def _jobs(live: list[tuple[str, str]]) -> str:
+    return ", ".join(f"{job} ({state})" for job, state in live)
+
+
+def _jobs_own(out_dir: Path, live: list[tuple[str, str]]) -> ConfigError:
+    from runtime.lock import FolderBusy
+
+    return FolderBusy(
+        f"{out_dir} belongs to Slurm job(s) {_jobs(live)} submitted from it; wait for them to end, "
+        f"`ditango cancel {out_dir}`, or pass --wait-for-lock"
+    )
 
 
 def _executor(cfg: RunConfig, opts: SlurmOptions, where: str, wait: bool, observer, say):
@@ -199,9 +242,17 @@ def check(m, i, o, p, d, g, s, r, options: dict) -> int:
     """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
     from runtime.outputs import plan_resume
 
-    where = choose_executor(p.executor.value, p.nodes, slurm_options(s))
-    cfg, resolved = build_run_config(m, i, o, p, d, g, where=where, create_out=False)
+    opts = slurm_options(s)
+    where = choose_executor(p.executor.value, p.nodes, opts)
+    cfg, resolved = build_run_config(m, i, o, p, d, g, where=where, create_out=False, array=opts.array)
     placement = placement_on(torch.device(cfg.device), cfg.dtype)
+    if cfg.out_dir.is_dir():  # generate would refuse an OUT that another run or live jobs own
+        from runtime.lock import FolderLock
+        from slurm.jobs import live_jobs
+
+        FolderLock(cfg.out_dir).check_free()
+        if live := live_jobs(cfg.out_dir):
+            raise _jobs_own(cfg.out_dir, live)
     skipped = plan_resume(cfg) if cfg.out_dir.is_dir() else {}
     spec = resolved.spec
     backend = "diffusers" if cfg.layout.strategy == "none" else resolve_backend(

@@ -10,18 +10,21 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from planner.errors import ConfigError
-
 OutArg = Annotated[Path, typer.Argument(help="The --out folder of a batch.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 
 
 def status(out: OutArg) -> int:
-    """State of the Slurm jobs submitted for OUT and of its items."""
-    from runtime.outputs import item_records
-    from slurm.submit import failed_state, job_states
+    """State of the Slurm jobs submitted for OUT and of its items.
 
-    rows = job_states(out)
+    Exit status 1 when a job of the latest submission failed, 2 when OUT is not an output
+    folder of ditango, nothing was submitted from it, its job record is damaged, or a Slurm
+    command failed."""
+    from runtime.outputs import item_records, require_output_folder
+    from slurm.jobs import failed_state
+    from slurm.submit import job_states
+
+    rows = job_states(require_output_folder(out))
     table = Table("job", "state", "submitted", "error")
     for r in rows:
         table.add_row(r["job_id"], r["state"], r["submitted_at"], escape(r["error"] or ""))
@@ -37,21 +40,37 @@ def status(out: OutArg) -> int:
 
 
 def cancel(out: OutArg) -> int:
-    """Cancel every Slurm job submitted for OUT (finished items stay; a rerun resumes)."""
-    from slurm.submit import cancel as cancel_jobs
+    """Cancel the live Slurm jobs submitted for OUT (finished items stay; a rerun resumes).
 
-    ids = cancel_jobs(out)
-    typer.echo(f"cancelled {', '.join(ids) if ids else 'nothing'}")
-    return 0
+    Waits up to a minute for the cancelled jobs to end, so that a rerun can start at once. One
+    line per job: cancelled (and the state it was in), already ended (its final state), or
+    unknown to Slurm. Exit status 0 when a job was cancelled, 1 when none was live (nothing
+    to cancel), 2 when OUT is not an output folder of ditango, nothing was submitted from it,
+    its job record is damaged, or a Slurm command failed (then nothing is cancelled, unless
+    scancel itself failed)."""
+    from runtime.outputs import require_output_folder
+    from slurm.jobs import CANCEL_WAIT_S
+    from slurm.jobs import cancel as cancel_jobs
+
+    outcomes = cancel_jobs(require_output_folder(out))
+    if not outcomes:
+        typer.echo(f"no job is recorded for {out}: nothing to cancel")
+    for job_id, outcome, state in outcomes:
+        said = {
+            "cancelled": f"cancelled (was {state})",
+            "ending": f"cancelled, but still {state} after {CANCEL_WAIT_S:g} s",
+            "ended": f"already ended ({state})",
+        }
+        typer.echo(f"job {job_id}: {said.get(outcome, 'unknown to Slurm')}")
+    return 0 if any(outcome in ("cancelled", "ending") for _, outcome, _ in outcomes) else 1
 
 
 def report(out: OutArg, as_json: JsonOpt = False) -> int:
     """Aggregate a batch's task reports and sidecars into OUT/report.json and print a table."""
+    from runtime.outputs import require_output_folder
     from slurm.aggregate import aggregate
 
-    if not out.is_dir():
-        raise ConfigError(f"{out} is not a directory")
-    merged = aggregate(out)
+    merged = aggregate(require_output_folder(out))
     if as_json:
         print(out / "report.json")
         return 0

@@ -73,9 +73,19 @@ class ItemArgs:
     frames: Annotated[int | None, _o("--frames", help="Video frames, 4k+1.")] = None
 
 
+def _output_folder(value: str | Path) -> Path:
+    """--out as a Path; an empty value (a typo, an unset shell variable) would quietly be the
+    current folder, so it is refused."""
+    if isinstance(value, Path):  # the default, or a value already converted
+        return value
+    if not value:
+        raise typer.BadParameter("is empty; give a folder (--out . for the current one)")
+    return Path(value)
+
+
 @dataclass
 class OutputArgs:
-    out: Annotated[Path, _o("--out", "-o", help="Output folder.")] = Path("out")
+    out: Annotated[Path, _o("--out", "-o", parser=_output_folder, metavar="PATH", help="Output folder.")] = Path("out")
     save_latents: Annotated[bool, _o("--save-latents", help="Also write <id>.latents.safetensors.")] = False
     overwrite: Annotated[bool, _o("--overwrite", help="Regenerate items whose outputs exist.")] = False
 
@@ -171,6 +181,9 @@ class GenerateArgs:
     retries: Annotated[int, _o("--retries", min=0, help="Try a failed item again up to N times, then go on.")] = 1
     dry_run: Annotated[bool, _o("--dry-run", help="Print what would be launched and exit; runs nothing.")] = False
     quiet: Annotated[bool, _o("--quiet", "-q", help="No progress output.")] = False
+    wait_for_lock: Annotated[
+        bool, _o("--wait-for-lock", help="If another run owns --out, wait for it to end instead of refusing.")
+    ] = False
 
 
 SECTIONS = {
@@ -178,7 +191,7 @@ SECTIONS = {
     GuidanceArgs: "guidance", SlurmArgs: "slurm", RunArgs: "run", GenerateArgs: "run",
 }  # fmt: skip
 # Options a run file may not set, and the report does not record (they say how to show a run).
-NOT_RECORDED = ("config", "json", "dry_run", "quiet")
+NOT_RECORDED = ("config", "json", "dry_run", "quiet", "wait_for_lock")
 
 
 def command(*groups: type):

@@ -18,11 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import ConfigError
-from runtime.config import Item
+from runtime.config import TEMPORAL_STRIDE, Item
 from runtime.models.registry import Defaults
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-RESERVED_IDS = {"report"}  # report.json lives beside the items
+# An item's files are <id>.mp4, <id>.json (its sidecar), <id>.latents.safetensors,
+# <id>.plan.json, <id>.plan.png and <id>.rel_mae.png, beside report.json; the tool's
+# bookkeeping is under .ditango/, which no id can name (ids start with a letter or digit).
+# So the ids that would collide are `report` and those ending in an item file's kind (the
+# sidecar of "a.plan" is item a's plan file).
+RESERVED_IDS = {"report"}
+RESERVED_SUFFIXES = (".plan", ".latents", ".rel_mae")
 INT_KEYS = ("seed", "height", "width", "frames", "steps")
 JSONL_KEYS = {"id", "prompt", "negative_prompt", "guidance", *INT_KEYS}
 
@@ -46,10 +52,17 @@ def derived_id(index: int, prompt: str, seed: int) -> str:
 
 
 def _check_id(value: object, where: str) -> str:
-    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value) or value in RESERVED_IDS:
+    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
         raise ConfigError(
             f"{where}: id {value!r} is not a usable file name; use 1-100 characters of letters, digits, "
-            "'.', '_' or '-', starting with a letter or digit (and not 'report')"
+            "'.', '_' or '-', starting with a letter or digit"
+        )
+    if value in RESERVED_IDS or value.endswith(RESERVED_SUFFIXES):
+        base, _, kind = value.rpartition(".")
+        clash = "report.json" if value in RESERVED_IDS else f"the {kind} file of an item {base!r}"
+        raise ConfigError(
+            f"{where}: id {value!r} is reserved: its files would collide with {clash} (ids may not be "
+            f"'report' or end in {', '.join(RESERVED_SUFFIXES)})"
         )
     return value
 
@@ -64,7 +77,7 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
     prompt = fields["prompt"]
     seed = pick("seed", cli.seed, 0)
     item_id = _check_id(fields["id"], source) if "id" in fields else derived_id(index, prompt, seed)
-    return Item(
+    item = Item(
         id=item_id,
         prompt=prompt,
         negative_prompt=pick("negative_prompt", cli.negative_prompt, defaults.negative_prompt),
@@ -79,6 +92,50 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
         index=index,
         source=source,
     )
+    check_geometry(item, defaults)
+    return item
+
+
+def check_geometry(item: Item, defaults: Defaults) -> None:
+    """Refuse the sizes that pass `Item`'s own checks (4k+1 frames, height a multiple of VAE
+    stride x patch) but that the model still cannot take: they would fail inside the
+    transformer with a reshape error, on every retry.
+
+    - width: a multiple of VAE stride x the patch's width (Item checks the patch's height);
+    - latent frames ((frames - 1) / 4 + 1): a multiple of the patch's time extent;
+    - patches along each axis: at most the rotary table's length (`rope_max_seq_len`), which
+      WanRotaryPosEmbed slices and reshapes without a check.
+    """
+    where = f"{item.source}: "
+    stride, limit = defaults.vae_stride, defaults.rope_max_seq_len
+    p_t, p_h, p_w = defaults.patch
+    multiple = stride * p_w
+    if item.width % multiple:
+        lo = max(multiple, item.width // multiple * multiple)
+        raise ConfigError(
+            f"{where}width must be a positive multiple of {multiple} (VAE {stride}x times patch {p_w}x), "
+            f"got {item.width}; try {lo}" + (f" or {lo + multiple}" if lo < item.width else "")
+        )
+    latent_frames = (item.frames - 1) // TEMPORAL_STRIDE + 1
+    if latent_frames % p_t:
+        lo = max(p_t, latent_frames // p_t * p_t)
+        options = [TEMPORAL_STRIDE * (n - 1) + 1 for n in ((lo,) if lo > latent_frames else (lo, lo + p_t))]
+        raise ConfigError(
+            f"{where}frames must give a multiple of {p_t} latent frames (the transformer's time patch), "
+            f"got {item.frames} ({latent_frames} latent frames); try {' or '.join(map(str, options))}"
+        )
+    largest = {
+        "frames": TEMPORAL_STRIDE * (limit * p_t - 1) + 1,
+        "height": limit * p_h * stride,
+        "width": limit * p_w * stride,
+    }
+    for name, most in largest.items():
+        value = getattr(item, name)
+        if value > most:
+            raise ConfigError(
+                f"{where}{name} must be at most {most} for this model (its rotary positions cover {limit} "
+                f"patches per axis), got {value}; try {most}"
+            )
 
 
 def _jsonl_fields(line: str, where: str) -> dict:

@@ -9,7 +9,7 @@ supervisor (slurm/supervise.py) reads through it; its reads are tolerant (`read_
 from __future__ import annotations
 
 import json
-import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -18,18 +18,87 @@ from runtime.config import Item, RunConfig
 from runtime.report import SCHEMA, item_record
 from runtime.video import write_json
 
+STATE_DIR = ".ditango"  # the tool's bookkeeping in an output folder; no item id starts with "."
+
+
+def state_dir(out_dir: Path) -> Path:
+    """`OUT/.ditango/`: lock, jobs.json, task and replica reports, the file-system clock. Item
+    ids start with a letter or digit, so nothing in here can collide with an item's files; its
+    presence also marks OUT as an output folder of this tool."""
+    return out_dir / STATE_DIR
+
+
+def require_output_folder(out_dir: Path) -> Path:
+    """`out_dir` if it is an output folder of this tool, else a ConfigError (exit 2): commands
+    that read and write a batch's bookkeeping (report, status, cancel) touch nothing else."""
+    if not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} is not a directory")
+    if not state_dir(out_dir).is_dir():
+        raise ConfigError(f"{out_dir} is not an output folder of ditango (it has no {STATE_DIR}/); nothing was done")
+    return out_dir
+
+
+class Damaged(ConfigError):
+    """A file of an output folder that cannot be read back (one line: which file, and why)."""
+
+
+def read_json(path: Path, what: str = "file"):
+    """The JSON value at `path`, None when there is no such file; `Damaged` when it cannot be
+    read or is not JSON (not UTF-8, truncated, not a file). Every bookkeeping file of an
+    output folder is read back through here or `read_record`."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except UnicodeDecodeError:
+        raise Damaged(f"{path}: damaged {what} (not UTF-8 text)") from None
+    except OSError as exc:
+        raise Damaged(f"{path}: cannot read this {what} ({exc.strerror or exc})") from None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise Damaged(f"{path}: damaged {what} (not JSON: {exc})") from None
+
+
+def check_foreign_files(out_dir: Path) -> None:
+    """Refuse an OUT whose report.json this tool did not write (it would be replaced)."""
+    report = out_dir / "report.json"
+    if report.exists() and read_record(report) is None:
+        raise ConfigError(f"{report} is not a report of ditango (or is damaged); move it away or use another --out")
+
 
 def read_record(path: Path) -> dict | None:
     """The schema-1 record (sidecar or report) at `path`, or None when it is missing, being
-    written, damaged (not JSON, not UTF-8) or of another schema. Sidecars and reports are read
-    back through here."""
+    written, damaged (not JSON, not UTF-8, not a record's shape) or of another schema: an item
+    whose sidecar reads as None is simply not done. Sidecars and reports are read back here."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # ValueError: JSONDecodeError and UnicodeDecodeError
+        data = read_json(path)
+    except Damaged:
         return None
+    return data if _well_formed(data) else None
+
+
+_STATUSES = ("running", "done", "failed", "skipped")
+
+
+def _well_formed(data) -> bool:
+    """A record's shape, as far as the readers rely on it: an item record's id and status, a
+    report's list of item records."""
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        return None
-    return data
+        return False
+    if "items" in data:
+        return isinstance(data["items"], list) and all(_well_formed_item(i) for i in data["items"])
+    return "id" not in data or _well_formed_item(data)
+
+
+def _well_formed_item(item) -> bool:
+    return (
+        isinstance(item, dict)
+        and isinstance(item.get("id"), str)
+        and item.get("status") in _STATUSES
+        and all(isinstance(item.get(k), dict) or item.get(k) is None for k in ("timing", "comm", "attention"))
+        and isinstance(item.get("attempts", 0), int)
+    )
 
 
 def output_paths(out_dir: Path, item_id: str) -> dict[str, Path]:
@@ -46,8 +115,8 @@ RUNNING = "running"  # sidecar status of an item being generated (or whose run d
 def fs_clock(out_dir: Path) -> float:
     """Now, by the output folder's file system clock (the one sidecar mtimes use): compare
     sidecar times with this, not with this host's clock, which may differ on a shared file system."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = out_dir / ".ditango-clock"
+    state_dir(out_dir).mkdir(parents=True, exist_ok=True)
+    stamp = state_dir(out_dir) / "clock"
     stamp.touch()
     return stamp.stat().st_mtime
 
@@ -77,11 +146,12 @@ def running_items(cfg: RunConfig, since: float, items=None) -> list[Item]:
 
 def settled_since(cfg: RunConfig, since: float) -> dict[str, dict]:
     """Records of the items settled at or after `since` (by `fs_clock`): done, or failed with
-    no retry left (given up, possibly inside a process)."""
+    no retry left (given up, possibly inside a process) or for good (`final`)."""
     return {
         i.id: r
         for i, r in _sidecars_since(cfg.items, cfg.out_dir, since)
-        if r.get("status") == "done" or (r.get("status") == "failed" and r.get("attempts", 0) > cfg.retries)
+        if r.get("status") == "done"
+        or (r.get("status") == "failed" and (r.get("final") or r.get("attempts", 0) > cfg.retries))
     }
 
 
@@ -92,10 +162,13 @@ def mark_running(cfg: RunConfig, item: Item) -> None:
     write_json(output_paths(cfg.out_dir, item.id)["sidecar"], record)
 
 
-def record_failure(cfg: RunConfig, item: Item, error: str, attempts: int) -> dict:
-    """Write (and return) the sidecar of an item whose attempt failed."""
+def record_failure(cfg: RunConfig, item: Item, error: str, attempts: int, final: bool = False) -> dict:
+    """Write (and return) the sidecar of an item whose attempt failed; `final`: a failure that
+    would happen again (it is given up at once, whatever retries are left)."""
     record = item_record(item, model=cfg.model, status="failed", video=None, latents=None, timing=None, error=error)
     record["attempts"] = attempts
+    if final:
+        record["final"] = True
     write_json(output_paths(cfg.out_dir, item.id)["sidecar"], record)
     return record
 
@@ -140,6 +213,23 @@ def plan_resume(cfg: RunConfig) -> dict[str, dict]:
     return done
 
 
+def damaged_sidecars(cfg: RunConfig) -> list[str]:
+    """A line per item whose sidecar is there but cannot be read back (not UTF-8, not JSON,
+    not a record's shape): such an item is not done, so the run generates it again."""
+    lines = []
+    for item in cfg.items:
+        path = output_paths(cfg.out_dir, item.id)["sidecar"]
+        if not path.exists() or read_record(path) is not None:
+            continue
+        try:
+            read_json(path, "sidecar")
+            why = f"{path}: not a sidecar of ditango (of another shape or schema)"
+        except Damaged as exc:
+            why = str(exc)
+        lines.append(f"note: {why}; {item.id} is generated again")
+    return lines
+
+
 def item_status(cfg: RunConfig, item: Item) -> str | None:
     """The status its sidecar gives an item (None: no readable sidecar)."""
     return (read_record(output_paths(cfg.out_dir, item.id)["sidecar"]) or {}).get("status")
@@ -148,24 +238,57 @@ def item_status(cfg: RunConfig, item: Item) -> str | None:
 def item_records(out_dir: Path):
     """(path, record) of every readable item sidecar in `out_dir` (not reports, not partial files)."""
     for path in sorted(out_dir.glob("*.json")):
-        record = None if ".partial-" in path.name else read_record(path)
+        record = None if path.name.startswith(".") else read_record(path)
         if record is not None and "id" in record and "items" not in record:
             yield path, record
 
 
+# Kernel interfaces mounted as file systems: they hold no regular files, whatever the
+# permission bits say (root may "write" under /proc by os.access).
+PSEUDO_FILESYSTEMS = frozenset(
+    {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "bpf",
+     "pstore", "efivarfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "nsfs"}
+)  # fmt: skip
+
+
 def check_writable(out: Path, create: bool) -> None:
-    """Fail early (before loading anything) when outputs could not be written."""
+    """Fail early (before loading anything) when outputs could not be written: by creating (and
+    removing) a file, in OUT (`create`, made first) or, without creating OUT (`ditango check`),
+    in the nearest folder on the way to it that exists. Both ways give the same message."""
     out = out.expanduser()
-    if create:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=out):
-                pass
-        except OSError as exc:
-            raise ConfigError(f"output dir {out} is not writable: {exc.strerror or exc}") from None
-        return
     probe = out
-    while not probe.exists():
+    while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK):
-        raise ConfigError(f"output dir {out} is not writable: {probe} is not a writable directory")
+    if not probe.is_dir():
+        raise ConfigError(f"output dir {out} is not writable: {probe} is not a directory")
+    kind = _filesystem_type(probe)
+    if kind in PSEUDO_FILESYSTEMS:
+        raise ConfigError(f"output dir {out} is not writable: {probe} is on {kind}, a file system that holds no files")
+    try:
+        if create:
+            out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out if create else probe, prefix=".ditango-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"output dir {out} is not writable: {exc.strerror or exc}") from None
+
+
+def _filesystem_type(path: Path) -> str | None:
+    """The type of the file system `path` is on, from /proc/self/mountinfo (the mount point that
+    is the longest prefix of the resolved path; the last of stacked mounts); None off Linux."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    target = str(path.resolve())
+    best, kind = "", None
+    for line in lines:
+        left, sep, right = line.partition(" - ")  # "<id> <parent> <dev> <root> <mount point> ... - <type> ..."
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right.split():
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])  # spaces come as \040
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, right.split()[0]
+    return kind

@@ -46,9 +46,16 @@ class TextEmbeds:
 class DenoiseResult:
     latents_BCFHW: torch.Tensor  # float32, exactly what WanPipeline(output_type="latent") returns
     step_s: list[float] = field(default_factory=list)
+    # The first step (1-based) after which the latents held a NaN or inf; None: they never did.
+    first_nonfinite_step: int | None = None
 
     def __repr__(self) -> str:
         return f"DenoiseResult(latents_BCFHW={tuple(self.latents_BCFHW.shape)}, steps={len(self.step_s)})"
+
+
+class NonFiniteLatents(RuntimeError):
+    """The denoised latents hold NaN/inf values (a NaN weight, an fp16 overflow). The same model,
+    item and layout give the same numbers again, so such an item is failed, not retried."""
 
 
 def synchronize(device: torch.device) -> None:
@@ -149,12 +156,14 @@ class WanDenoiser:
         if listener is not None:
             listener.begin_run(latents, steps, self.guidance.local_branches(text))
         self.guidance.begin_run(steps)
+        finite: list[torch.Tensor] = []  # per step, on the device: no host sync inside the loop
         for i, t in enumerate(scheduler.timesteps):
             start = time.perf_counter()
             if listener is not None:
                 listener.begin_step(i)
             noise = self.guidance.noise(self, i, t, latents, text, guidance)
             latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+            finite.append(torch.isfinite(latents).all())
             if listener is not None:
                 listener.end_step(i)
             synchronize(self.device)
@@ -164,6 +173,8 @@ class WanDenoiser:
         if listener is not None:
             listener.end_run()
         result.latents_BCFHW = latents
+        flags = torch.stack(finite).tolist() if finite else []
+        result.first_nonfinite_step = next((i + 1 for i, ok in enumerate(flags) if not ok), None)
         return result
 
     @torch.no_grad()

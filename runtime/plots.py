@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import imageio.v2 as imageio
 import numpy as np
+
+from runtime.video import write_png
 
 # A perceptually ordered ramp (dark blue -> teal -> yellow), like viridis; 0 = reused, 1 = computed.
 _RAMP = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=np.float64)
@@ -27,9 +28,7 @@ def write_heatmap(path: Path, values_SL: np.ndarray, cell: int = 12) -> None:
     img = np.repeat(np.repeat(rgb, cell, axis=0), cell, axis=1)
     img[::cell, :, :] = 255
     img[:, ::cell, :] = 255
-    tmp = path.with_name(path.name + ".partial.png")
-    imageio.imwrite(tmp, img)
-    tmp.replace(path)
+    write_png(path, img)
 
 
 def write_rel_mae_plot(
@@ -61,9 +60,7 @@ def write_rel_mae_plot(
             img[max(0, y - 0) : y + 1, x : x + 1] = (200, 200, 200)
     for x, y in (p for p in points if p is not None):
         img[max(0, y - 2) : y + 3, max(0, x - 2) : x + 3] = (255, 255, 255)
-    tmp = path.with_name(path.name + ".partial.png")
-    imageio.imwrite(tmp, img)
-    tmp.replace(path)
+    write_png(path, img)
 
 
 def write_bars(path: Path, groups: list[list[float]], bar: int = 14, gap: int = 10, height: int = 160) -> None:
@@ -80,6 +77,4 @@ def write_bars(path: Path, groups: list[list[float]], bar: int = 14, gap: int = 
             h = int(round((height - 8) * max(0.0, v) / top))
             if h:
                 img[height - 4 - h : height - 4, x0 + j * bar : x0 + (j + 1) * bar - 2] = colours[j]
-    tmp = path.with_name(path.name + ".partial.png")
-    imageio.imwrite(tmp, img)
-    tmp.replace(path)
+    write_png(path, img)

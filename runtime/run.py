@@ -25,7 +25,7 @@ from runtime.mesh import Mesh, build_mesh
 from runtime.models.loading import load_components, placement_on, resolve_placement
 from runtime.models.registry import resolve_model
 from runtime.outputs import mark_running, output_paths, plan_resume, record_failure
-from runtime.pipeline import WanDenoiser, synchronize
+from runtime.pipeline import DenoiseResult, NonFiniteLatents, WanDenoiser, synchronize
 from runtime.plots import write_heatmap, write_rel_mae_plot
 from runtime.quality import quality_record
 from runtime.report import SCHEMA, ItemTiming, item_record, peak_memory, run_report
@@ -132,6 +132,25 @@ def release_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def check_finite(result: DenoiseResult, item: Item, ctx: RankContext) -> None:
+    """Raise NonFiniteLatents on every rank alike when the final latents hold NaN/inf: a video
+    decoded from them would be recorded done and be garbage. Every rank holds the same final
+    latents; the counts are gathered all the same, so that no rank can go on into the next
+    collective while another raises."""
+    bad = int((~torch.isfinite(result.latents_BCFHW)).sum())
+    agreed = ctx.gather((bad, result.first_nonfinite_step))
+    bad = max(n for n, _ in agreed)
+    if not bad:
+        return
+    steps = len(result.step_s)
+    firsts = [s for _, s in agreed if s is not None]
+    first = f"; first non-finite after step {min(firsts)}" if firsts else ""
+    raise NonFiniteLatents(
+        f"latents have {bad} NaN/inf values after step {steps} of {item.steps}{first} "
+        "(a NaN/inf weight in the model, or a float16 overflow); not retried: it would happen again"
+    )
+
+
 def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer) -> dict:
     paths = output_paths(cfg.out_dir, item.id)
     timing = ItemTiming()
@@ -154,6 +173,7 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
     result = denoiser.denoise(latents, text, item.steps, item.guidance, on_step=observer.step_done)
     timing.denoise_s = time.perf_counter() - start
     timing.step_s = result.step_s
+    check_finite(result, item, ctx)
     comm = sum_comm(ctx.gather(ctx.comm.totals()))
     attention = attention_record(denoiser, ctx)
     hybrid = denoiser.guidance.record()
@@ -209,6 +229,19 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
     return record
 
 
+def settled_report(cfg: RunConfig, records: dict[str, dict], report_name: str = "report.json") -> dict:
+    """The report of a run with nothing left to do (every item skipped or settled), written
+    by the launcher without starting a rank or loading the model."""
+    peak, source = peak_memory(torch.device("cpu"))
+    report = run_report(
+        cfg, [records[i.id] for i in cfg.items if i.id in records], cfg.device, cfg.dtype or "default",
+        datetime.now(timezone.utc).isoformat(timespec="seconds"), 0.0, attention_backend=cfg.attention_backend,
+        rank_peaks=[peak], peak_source=source,
+    )  # fmt: skip
+    write_json(cfg.out_dir / report_name, report)
+    return report
+
+
 def execute(
     cfg: RunConfig,
     observer: Observer | None = None,
@@ -228,6 +261,8 @@ def execute(
     failed and goes on with the others. With several ranks a failure raises instead: the
     peers are inside collectives of the same item, so the launcher ends them all and
     relaunches (slurm/supervise.py), blaming the item whose sidecar says it was running.
+    Non-finite latents are the exception: every rank sees them at the same point, so the item
+    is recorded failed for good (no retry: it would happen again) and all ranks go on.
     """
     observer = observer or SilentObserver()
     ctx = ctx or RankContext.single(cfg)
@@ -273,6 +308,15 @@ def execute(
                 observer.item_started(item)
                 try:
                     record = generate_item(denoiser, item, cfg, ctx, observer)
+                    break
+                except NonFiniteLatents as exc:
+                    # Deterministic, so final at once. Every rank raised it at the same point
+                    # (check_finite agrees first), so the ranks go on to the next item together.
+                    # Recorded `final`: the supervisor and later launches of this command
+                    # (`settled_since`) count it as given up and never run it again.
+                    record = {}
+                    if ctx.is_writer:
+                        record = record_failure(cfg, item, f"{type(exc).__name__}: {exc}", attempt, final=True)
                     break
                 except Exception as exc:
                     if ctx.distributed:

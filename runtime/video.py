@@ -1,7 +1,9 @@
 """Atomic output writing: MP4 (H.264 through imageio-ffmpeg), latents, JSON.
 
 Every file is written under a temporary name in the destination folder and renamed
-into place, so an interrupted run never leaves a truncated file under a final name.
+into place, so an interrupted run never leaves a truncated file under a final name. The
+temporary names (`.<name>.partial-<pid><suffix>`) start with a dot, which no item id does:
+the next run that owns the folder removes any a killed writer left (runtime/lock.py).
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+PARTIAL_GLOB = ".*.partial-*"
+
 
 def _partial(path: Path) -> Path:
     # Keep the real suffix last: ffmpeg picks the container from it.
-    return path.with_name(f"{path.stem}.partial-{os.getpid()}{path.suffix}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.with_name(f".{path.stem}.partial-{os.getpid()}{path.suffix}")
 
 
 def _commit(tmp: Path, path: Path) -> None:
@@ -56,6 +61,15 @@ def write_json(path: Path, data: dict) -> None:
     try:
         # allow_nan=False: NaN/Infinity are not JSON; fail here rather than write a file parsers reject.
         tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n", encoding="utf-8")
+        _commit(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_png(path: Path, rgb_HWC: np.ndarray) -> None:
+    tmp = _partial(path)
+    try:
+        imageio.imwrite(tmp, rgb_HWC)
         _commit(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

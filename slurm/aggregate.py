@@ -1,19 +1,23 @@
 """`ditango report OUT_DIR`: one report.json for a batch that ran as several array tasks,
-requeues or reruns. Items come from their sidecars (the record of a finished item) and,
-for items without one, from the latest task report that mentions them (failures)."""
+replicas, requeues or reruns. Items come from their sidecars (the record of a finished item)
+and, for items without one, from the latest task report that mentions them (failures). Task
+and replica reports live in OUT/.ditango/reports/; report.json is the only file written."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.outputs import item_records, read_record
+from runtime.outputs import check_foreign_files, item_records, read_record
 from runtime.report import SCHEMA
 from runtime.video import write_json
+from slurm.supervise import REPORTS
 
 
 def aggregate(out_dir: Path) -> dict:
-    paths = [p for p in sorted(out_dir.glob("report*.json")) if ".partial-" not in p.name]
-    loaded = [(read_record(p), p) for p in paths]
+    target = out_dir / "report.json"
+    check_foreign_files(out_dir)
+    paths = [target, *sorted(p for p in (out_dir / REPORTS).glob("*.json") if not p.name.startswith("."))]
+    loaded = [(read_record(p), p) for p in paths if p.is_file()]
     # A previous aggregate is an output, not an input (its items are older than the tasks').
     reports = sorted(
         ((r, p) for r, p in loaded if r is not None and "items" in r and "aggregated_from" not in r),
@@ -42,9 +46,9 @@ def aggregate(out_dir: Path) -> dict:
     merged = {
         **{k: v for k, v in base.items() if k not in ("items", "counts")},
         "schema": SCHEMA,
-        "aggregated_from": sorted(p.name for p in out_dir.glob("report.task-*.json")),
+        "aggregated_from": [p.relative_to(out_dir).as_posix() for r, p in reports if p != target],
         "counts": counts,
         "items": ordered,
     }
-    write_json(out_dir / "report.json", merged)
+    write_json(target, merged)
     return merged

@@ -20,11 +20,12 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+from planner.errors import ConfigError
 from runtime.config import RunConfig
 from slurm.aggregate import aggregate
 from slurm.options import SlurmOptions
 from slurm.rank import exit_soon, is_peer_failure
-from slurm.supervise import Outcome
+from slurm.supervise import Outcome, tasks_with_work
 
 
 def run_steps(
@@ -36,13 +37,20 @@ def run_steps(
     tasks: list[int] | None = None,
 ) -> list[tuple[str | None, int | None]]:
     """Run array tasks (default all) as srun steps of the current allocation, one after the
-    other; each step's (error, failing rank), error None when it succeeded."""
+    other; each step's (error, failing rank), error None when it succeeded. A step srun does not
+    start at all (more nodes than the allocation has, say) is a ConfigError with srun's own
+    message; its folder goes when no step ran before it."""
+    from slurm.jobs import discard_folder, slurm_message
     from slurm.submit import absolute_paths, snapshot_code
 
     cfg = absolute_paths(cfg)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
     folder = (cfg.out_dir / "slurm" / f"srun-{stamp}").resolve()
-    code = snapshot_code(folder / "code")
+    try:
+        code = snapshot_code(folder / "code")
+    except OSError as exc:
+        discard_folder(folder)
+        raise ConfigError(f"cannot prepare the srun steps in {folder}: {exc.strerror or exc}") from None
     env = {
         **os.environ,
         "PYTHONPATH": f"{code}:{os.environ.get('PYTHONPATH', '')}",
@@ -54,11 +62,24 @@ def run_steps(
         with open(call, "wb") as f:
             pickle.dump((cfg, task, opts.array, decided), f)
         cmd = srun_command(cfg, folder, task, call)
-        proc = subprocess.Popen(cmd, env=env, cwd=code, stdin=subprocess.DEVNULL)
+        # srun's own messages, apart from the ranks' output: the reason it refused a step.
+        srun_log = folder / f"task-{task}-srun.log"
+        try:
+            with open(srun_log, "wb") as log:
+                proc = subprocess.Popen(cmd, env=env, cwd=code, stdin=subprocess.DEVNULL, stderr=log)
+        except FileNotFoundError:
+            if not errors:
+                discard_folder(folder)
+            raise ConfigError("srun is not on PATH, inside an allocation (SLURM_JOB_ID is set)") from None
         while proc.poll() is None:
             if on_state is not None:
                 on_state([f"srun step {task + 1}/{opts.array} RUNNING"])
             time.sleep(poll_s)
+        if proc.returncode != 0 and not list(folder.glob(f"task-{task}-rank-*.log")):  # no rank started
+            said = slurm_message(srun_log.read_text(encoding="utf-8", errors="replace"))
+            if not errors:
+                discard_folder(folder)
+            raise ConfigError(f"srun refused the step: {said or f'exit status {proc.returncode}'}")
         errors.append((None, None) if proc.returncode == 0 else _step_error(folder, task, proc.returncode))
     return errors
 
@@ -70,9 +91,15 @@ class SrunExecutor:
         self.cfg, self.opts, self.on_state, self.say = cfg, opts, on_state, say
 
     def launch(self, tasks: list[int], decided: dict[str, dict]) -> list[Outcome]:
+        left = tasks_with_work(self.cfg, tasks, self.opts.array, decided)
+        if not left:
+            self.say("nothing to run: every item's outputs exist (use --overwrite to redo them)")
+            return [Outcome(t) for t in tasks]
         self.say(f"executor: srun in allocation {os.environ.get('SLURM_JOB_ID')}")
-        failures = run_steps(self.cfg, self.opts, decided, self.on_state, tasks=tasks)
-        return [Outcome(t, error, rank, f"step {t}") for t, (error, rank) in zip(tasks, failures, strict=True)]
+        failures = run_steps(self.cfg, self.opts, decided, self.on_state, tasks=left)
+        return [Outcome(t) for t in tasks if t not in left] + [
+            Outcome(t, error, rank, f"step {t}") for t, (error, rank) in zip(left, failures, strict=True)
+        ]
 
     def report(self) -> dict:
         return aggregate(self.cfg.out_dir)
@@ -110,12 +137,34 @@ def allocation_gpus_per_node() -> int | None:
 
 
 def _step_error(folder: Path, task: int, returncode: int) -> tuple[str, int | None]:
-    """(error, rank) of the rank of this step that raised first (not a peer it took down)."""
+    """(error, rank) of the rank of this step that failed first (not a peer it took down): one
+    that raised (each writes its .error file as it goes), or one that died by a signal without
+    a word (kill -9, the OOM killer) if srun reported its end first (task-<task>-srun.log keeps
+    srun's messages; later signal deaths are srun ending the step). Among those, the first srun
+    reported, then the first written; without one, the first peer's reaction."""
+    from slurm.submit import srun_task_ends
+
     found = sorted(folder.glob(f"task-{task}-rank-*.error"), key=lambda p: p.stat().st_mtime)
     errors = [(p.read_text(encoding="utf-8").strip(), int(p.name.split("-rank-")[1].split(".")[0])) for p in found]
-    own = [e for e in errors if not is_peer_failure(e[0])]
+    try:
+        ends = srun_task_ends((folder / f"task-{task}-srun.log").read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        ends = []
+    reported = {r: i for i, (ranks, _) in enumerate(ends) for r in ranks}  # a rank's last report wins
+    causes = [(reported.get(r, len(ends)), n, r, e) for n, (e, r) in enumerate(errors) if not is_peer_failure(e)]
+    if ends and not ends[0][1].startswith("Exited with exit code"):
+        wrote = {r for _, r in errors}
+        for r in ends[0][0]:
+            if r in wrote:
+                continue
+            log = folder / f"task-{task}-rank-{r}.log"
+            line = f"rank {r}: killed by a signal, without an error (srun: task {r}: {ends[0][1]}; log: {log})"
+            causes.append((reported[r], len(errors), r, line))
+    if causes:
+        _, _, rank, error = min(causes)
+        return error, rank
     if errors:
-        return (own or errors)[0]
+        return errors[0]
     return f"srun exited with code {returncode} (logs: {folder}/task-{task}-rank-*.log)", None
 
 

@@ -4,20 +4,28 @@ DITANGO_FAULT_INJECT=RANK:STEP[:ITEM_ID]   that rank fails after that denoising 
                                            (of that item only, when given)
 DITANGO_FAULT_ONCE=FILE                    fire once: FILE is created when it fires, and
                                            an existing FILE disarms it (a transient failure)
-DITANGO_FAULT_KIND=raise|hang|exit         how: raise (default); hang (the rank stops
-                                           answering, as a wedged GPU or node would: its
-                                           peers must time out); exit (it dies at once)
+DITANGO_FAULT_KIND=raise|hang|exit|kill|stop
+                                           how: raise (default); hang (the rank's main thread
+                                           stops answering, as a wedged GPU would: its peers
+                                           must time out); exit (it dies at once, exit code 3);
+                                           kill (it sends itself SIGKILL: what `kill -9` or
+                                           the kernel's OOM killer does); stop (it sends itself
+                                           SIGSTOP: every thread freezes, as under `kill -STOP`
+                                           or a frozen node; its peers must time out)
+
+In a one-rank run the rank is the CLI process itself: kill and stop end or freeze the CLI.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 FAULT_ENV = "DITANGO_FAULT_INJECT"
 FAULT_ONCE_ENV = "DITANGO_FAULT_ONCE"
 FAULT_KIND_ENV = "DITANGO_FAULT_KIND"
-FAULT_KINDS = ("raise", "hang", "exit")
+FAULT_KINDS = ("raise", "hang", "exit", "kill", "stop")
 
 
 class FaultInjecting:
@@ -58,4 +66,9 @@ class FaultInjecting:
                 time.sleep(60)
         if kind == "exit":
             os._exit(3)
+        if kind == "kill":  # does not return
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "stop":  # frozen until SIGCONT (then it goes on) or SIGKILL
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         raise RuntimeError(f"injected fault on rank {self.rank} after step {step} ({FAULT_ENV})")

@@ -15,7 +15,7 @@ from runtime.comm import Comm
 from runtime.config import RunConfig
 from runtime.mesh import build_mesh
 from runtime.outputs import plan_resume
-from runtime.run import Observer, RankContext, SilentObserver, execute
+from runtime.run import Observer, RankContext, SilentObserver, execute, settled_report
 from slurm.aggregate import aggregate
 from slurm.faults import FaultInjecting
 from slurm.local import EventSink, RankFailed, run_ranks
@@ -74,6 +74,14 @@ class LocalExecutor:
             cfg = replace(self.cfg, items=tuple(shard(self.cfg.items, task, self.tasks)))
             name = task_report(task, self.tasks)
             skipped = plan_resume(cfg)  # decided here, before any rank starts
+            if all(i.id in skipped or i.id in decided for i in cfg.items):  # nothing to do: no rank starts
+                for item_id in sorted(set(skipped) - set(decided)):
+                    self.observer.message(
+                        f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)"
+                    )
+                self._report = settled_report(cfg, {**skipped, **decided}, name)
+                outcomes.append(Outcome(task))
+                continue
             if cfg.world_size == 1:  # this process; it retries a failing item itself
                 ctx = RankContext.single(cfg, select_device(cfg.device, 0))
                 observer = FaultInjecting(self.observer, 0)

@@ -3,23 +3,33 @@
 Each rank is a spawned process that joins a process group (file rendezvous in a private
 temp dir; gloo on CPU, NCCL on CUDA with rank g on GPU g; see slurm/rank.py), with the
 group timeout applied to every collective. Rank 0 may send progress events to the
-supervisor; other ranks' stdout and stderr go to per-rank log files. The first rank to fail
-ends the run: it reports its error and exits at once, the others are terminated, and
-`RankFailed` carries that rank's error, so nothing waits on a dead peer.
+supervisor; other ranks' stdout and stderr go to per-rank log files.
+
+The first rank to fail ends the run, and it is the one blamed, not a peer that only saw it
+go. A failure is a rank's own error (sent before the rank exits at once) or a process that
+exits without one (killed by a signal, out of memory, a crash in native code). After the
+first, the supervisor collects the others for up to WINDOW_S, terminates every rank, and
+raises `RankFailed` for the first real cause (`blame_order`), the peers' reactions listed
+after it. A rank that is stopped (SIGSTOP, a frozen machine) says nothing and does not exit:
+its peers time out. Each rank's heartbeat thread, which stops only with the whole process,
+names it then (a heartbeat alone ends nothing: a debugger stops a process too).
 """
 
 from __future__ import annotations
 
 import os
 import queue as queue_mod
+import re
 import signal
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -30,13 +40,52 @@ from slurm.rank import apply_environment, is_peer_failure, join, select_device
 POLL_S = 0.1
 GRACE_S = 5.0
 EXIT_WAIT_S = 30.0  # after every result is in, how long ranks may take to exit
+HEARTBEAT_S = 0.5  # how often each rank writes its heartbeat
+# A heartbeat older than this: the rank is stopped, not busy (its heartbeat thread runs
+# whatever the main thread does). Peers time out no earlier than --timeout after a rank
+# stops, so a stopped rank is found whenever --timeout is longer than this.
+STALE_S = 3.0
+WINDOW_S = 1.0  # after the first sign of failure, how long to wait for the others
+BRIEF_CHARS = 100  # of each later error in the message
 
 
 class RankFailed(RuntimeError):
-    def __init__(self, rank: int, message: str, log: Path | None = None) -> None:
-        self.rank, self.message, self.log = rank, message, log
+    """Global rank `rank` failed first, with `message` (one line); `then`: (rank, brief message)
+    of the failures seen after it, peers' reactions among them."""
+
+    def __init__(self, rank: int, message: str, log: Path | None = None, then: Iterable[tuple[int, str]] = ()) -> None:
+        self.rank, self.message, self.log, self.then = rank, message, log, tuple(then)
         where = f" (log: {log})" if log else ""
-        super().__init__(f"rank {rank} failed: {message}{where}")
+        after = "; then " + ", ".join(f"rank {r}: {m}" for r, m in self.then) if self.then else ""
+        super().__init__(f"rank {rank} failed: {message}{where}{after}")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's sign of failure, as the supervisor saw it."""
+
+    rank: int  # global
+    how: Literal["error", "peer", "exit", "stopped"]  # own exception, reaction to a peer, death, no heartbeat
+    message: str  # one line
+    at: float  # time.monotonic() when it happened, as near as known
+
+    @property
+    def cause(self) -> bool:
+        """Whether this can be the root cause: anything but a reaction to another rank's failure."""
+        return self.how != "peer"
+
+
+def blame_order(failures: Iterable[Failure]) -> list[Failure]:
+    """The failures, the one to blame first: every real cause (a rank's own error, a process
+    that died, a stopped heartbeat) before any peer's reaction ('connection reset', 'timed
+    out'), each kind in order of time, ties by rank."""
+    return sorted(failures, key=lambda f: (not f.cause, f.at, f.rank))
+
+
+def rank_failed(failures: Iterable[Failure], log_dir: Path | None) -> RankFailed:
+    """The error of a launch that failed so: the first of `blame_order`, the others briefly."""
+    first, *rest = blame_order(failures)
+    return RankFailed(first.rank, first.message, _log(log_dir, first.rank), [(f.rank, _brief(f.message)) for f in rest])
 
 
 class EventSink:
@@ -70,8 +119,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def _bootstrap(rank, world, replicas, rdzv, device, timeout_s, threads, log_dir, q, target, args):
+def _heartbeat(beats, rank: int) -> None:
+    """Write this rank's time into `beats` every HEARTBEAT_S, from a thread of its own: it goes
+    on while the main thread computes or waits in a collective, and stops only when the whole
+    process does."""
+    while True:
+        beats[rank] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+        time.sleep(HEARTBEAT_S)
+
+
+def _bootstrap(rank, world, replicas, rdzv, device, timeout_s, threads, log_dir, q, beats, target, args):
     _die_with_parent()
+    threading.Thread(target=_heartbeat, args=(beats, rank), name="heartbeat", daemon=True).start()
     try:
         if log_dir is not None:
             _redirect_output(Path(log_dir) / f"rank-{rank}.log")
@@ -89,8 +148,9 @@ def _bootstrap(rank, world, replicas, rdzv, device, timeout_s, threads, log_dir,
         result = target(local, size, EventSink(rank, q, replica, leader=local == 0), *args)
         q.put(("result", rank, result))
     except BaseException as exc:  # report everything, including KeyboardInterrupt, then exit non-zero
+        failed_at = time.monotonic()
         traceback.print_exc()
-        q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
+        q.put(("error", rank, f"{type(exc).__name__}: {exc}", failed_at))
         # Exit now, without destroy_process_group (it can block with a dead peer): the
         # supervisor stops the other ranks. The queue is flushed first so the error arrives.
         q.close()
@@ -122,14 +182,16 @@ def run_ranks(
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    results: dict[int, object] = {}
     if replicas < 1 or world_size % replicas:
         raise ValueError(f"{replicas} replicas do not divide {world_size} ranks")
+    # Each rank's last heartbeat (time.monotonic()), in shared memory the ranks write; 0 until
+    # a rank's first beat (a rank still starting is not taken for a stopped one).
+    beats = ctx.Array("d", world_size, lock=False)
     with tempfile.TemporaryDirectory(prefix="ditango-rdzv-") as rdzv:
         procs = [
             ctx.Process(
                 target=_bootstrap,
-                args=(rank, world_size, replicas, rdzv, device, timeout_s, threads, log_dir, q, target, args),
+                args=(rank, world_size, replicas, rdzv, device, timeout_s, threads, log_dir, q, beats, target, args),
                 daemon=False,
             )
             for rank in range(world_size)
@@ -142,21 +204,11 @@ def run_ranks(
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
-            while len(results) < world_size:
-                try:
-                    kind, rank, *rest = q.get(timeout=POLL_S)
-                except queue_mod.Empty:
-                    for rank, p in enumerate(procs):
-                        if p.exitcode not in (None, 0) and rank not in results:
-                            _drain_error(q, rank, p.exitcode, log_dir)
-                    continue
-                if kind == "event":
-                    if on_event is not None:
-                        on_event(rest[0], rest[1])
-                elif kind == "result":
-                    results[rank] = rest[0]
-                else:
-                    raise _root_cause(q, procs, rank, rest[0], log_dir)
+            watch = _Watch(procs, q, beats, on_event)
+            while len(watch.results) < world_size and not watch.failures:
+                watch.poll()
+            if watch.failures:
+                raise rank_failed(watch.settle(), log_dir)
             deadline = time.monotonic() + EXIT_WAIT_S
             for p in procs:  # ranks only tear down now; one stuck there is stopped by `_stop`
                 p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -164,7 +216,99 @@ def run_ranks(
             _stop(procs)
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, previous)
-    return [results[r] for r in range(world_size)]
+    return [watch.results[r] for r in range(world_size)]
+
+
+class _Watch:
+    """What the supervisor knows of the ranks: their results, and the first sign of failure of
+    each rank that failed."""
+
+    def __init__(self, procs, q, beats, on_event: Callable[[str, tuple], None] | None) -> None:
+        self.procs, self.q, self.beats, self.on_event = procs, q, beats, on_event
+        self.results: dict[int, object] = {}
+        self.failures: dict[int, Failure] = {}
+
+    def poll(self) -> None:
+        """One round: which ranks have exited, then what the queue holds (waiting up to POLL_S)."""
+        # Exit codes before the queue: a rank's error is in the queue before the rank exits,
+        # so an exit seen here that the queue does not explain was a death without a word.
+        now = time.monotonic()
+        exited = {r: p.exitcode for r, p in enumerate(self.procs) if p.exitcode is not None}
+        for kind, rank, *rest in _receive(self.q, POLL_S):
+            if kind == "event":
+                if self.on_event is not None:
+                    self.on_event(rest[0], rest[1])
+            elif kind == "result":
+                self.results[rank] = rest[0]
+            elif rank not in self.failures:
+                message, at = _first_line(rest[0]), rest[1]
+                self.failures[rank] = Failure(rank, "peer" if is_peer_failure(message) else "error", message, at)
+        for rank, code in exited.items():
+            if rank not in self.results and rank not in self.failures:
+                self.failures[rank] = Failure(rank, "exit", _exit_message(code), now)
+
+    def settle(self) -> list[Failure]:
+        """After the first sign of failure: the failures seen within WINDOW_S (or until every
+        rank is accounted for), and the ranks whose heartbeat stopped, dated by their last beat.
+        Those never say a word: their peers only time out, or, under NCCL, their watchdog ends
+        them (SIGABRT), which without the heartbeat would read as a death of their own."""
+        deadline = time.monotonic() + WINDOW_S
+        while time.monotonic() < deadline and len(self.failures) + len(self.results) < len(self.procs):
+            self.poll()
+        return [*self.failures.values(), *self.stopped()]
+
+    def stopped(self) -> list[Failure]:
+        """Ranks still running whose heartbeat is older than STALE_S (started ones only)."""
+        now, out = time.monotonic(), []
+        for rank, p in enumerate(self.procs):
+            beat = self.beats[rank]
+            done = rank in self.failures or rank in self.results or p.exitcode is not None
+            if done or beat == 0.0 or now - beat <= STALE_S:
+                continue
+            message = f"stopped answering (no heartbeat for {now - beat:.0f} s: a stopped process, e.g. SIGSTOP)"
+            out.append(Failure(rank, "stopped", message, beat))
+        return out
+
+
+def _receive(q, timeout: float) -> list[tuple]:
+    """What the queue holds: waits up to `timeout` for a first message, then takes the rest."""
+    out = []
+    try:
+        out.append(q.get(timeout=timeout))
+        while True:
+            out.append(q.get_nowait())
+    except queue_mod.Empty:
+        pass
+    return out
+
+
+def _exit_message(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"process killed by signal {-code} ({name}) without an error"
+    if code == 0:
+        return "process exited with code 0 without a result"
+    return f"process exited with code {code} without an error"
+
+
+def _first_line(message: str) -> str:
+    """An error's first line: torch appends C++ stack traces to some (the rank's log has all)."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    return lines[0] if lines else message.strip()
+
+
+# "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] ": where in C++ an error was raised.
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]+:\d+\] ?")
+
+
+def _brief(message: str) -> str:
+    """A later error as it is listed after the first: its first sentence, without C++ source
+    locations, cut short (gloo's go on with advice: "This is typically caused by ...")."""
+    text = _SOURCE_LOCATION.sub("", message).split(". ")[0]
+    return text if len(text) <= BRIEF_CHARS else text[: BRIEF_CHARS - 3] + "..."
 
 
 def _raise_interrupt(signum, frame) -> None:
@@ -175,48 +319,17 @@ def _log(log_dir: Path | None, rank: int) -> Path | None:
     return None if log_dir is None else Path(log_dir) / f"rank-{rank}.log"
 
 
-def _drain_error(q, rank: int, exitcode: int, log_dir: Path | None) -> None:
-    """A rank died: prefer its own error message (it may still be in the queue)."""
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        try:
-            kind, who, *rest = q.get(timeout=POLL_S)
-        except queue_mod.Empty:
-            continue
-        if kind == "error":
-            raise RankFailed(who, rest[0], _log(log_dir, who))
-    raise RankFailed(rank, f"process exited with code {exitcode}", _log(log_dir, rank))
-
-
-def _root_cause(q, procs, rank: int, message: str, log_dir: Path | None) -> RankFailed:
-    """The failure to report when `rank` sent `message`. A peer's reaction ('connection closed',
-    'timed out') usually means another rank died without a word (killed, out of memory, a
-    crash in native code): within a second, such a rank is the one to blame."""
-    if not is_peer_failure(message):
-        return RankFailed(rank, message, _log(log_dir, rank))
-    spoke = {rank}
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        try:
-            kind, who, *rest = q.get(timeout=POLL_S)
-            if kind == "error":
-                spoke.add(who)
-                if not is_peer_failure(rest[0]):  # a rank with its own error: the cause
-                    return RankFailed(who, rest[0], _log(log_dir, who))
-        except queue_mod.Empty:
-            pass
-        silent = [(r, p.exitcode) for r, p in enumerate(procs) if r not in spoke and p.exitcode not in (None, 0)]
-        if silent:
-            r, code = silent[0]
-            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            return RankFailed(r, f"process {how} without an error (its peer {rank}: {message})", _log(log_dir, r))
-    return RankFailed(rank, message, _log(log_dir, rank))
-
-
 def _stop(procs) -> None:
+    """Terminate the ranks still running; kill those left after GRACE_S. A stopped process
+    (SIGSTOP) acts on SIGTERM only once continued: SIGCONT makes it, and SIGKILL, the fallback,
+    ends it either way."""
     for p in procs:
         if p.is_alive():
             p.terminate()
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
     deadline = time.monotonic() + GRACE_S
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))

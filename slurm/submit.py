@@ -7,17 +7,18 @@ rank, in a signal handler: no collectives) and requeues the same call, which res
 batch because finished items are skipped.
 
 Bookkeeping lives in the output folder: `slurm/` (submitit logs and pickles, one folder
-per submission), `jobs.json` (what `ditango status` and `ditango cancel` read), one
-`report.task-<i>.json` per array task, and `report.json` aggregated by `ditango report`.
+per submission), `.ditango/jobs.json` (the job record, slurm/jobs.py: what `ditango status`
+and `ditango cancel` read), one `.ditango/reports/task-<i>.json` per array task, and
+`report.json` aggregated by `ditango report`.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import io
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import submitit
 import torch.distributed as dist
+from submitit.core.utils import FailedJobError, FailedSubmissionError
 
 from planner.errors import ConfigError
 from runtime.comm import Comm
@@ -35,10 +37,23 @@ from runtime.outputs import plan_resume
 from runtime.run import RankContext, SilentObserver, execute
 from slurm.aggregate import aggregate
 from slurm.faults import FaultInjecting
+from slurm.jobs import (
+    check_job_id,
+    discard_folder,
+    failed_state,
+    job_ids,
+    jobs_file,
+    read_jobs,
+    recorded_jobs,
+    run_slurm,
+    slurm_message,
+    slurm_states,
+    write_jobs,
+)
 from slurm.options import SlurmOptions, submitit_parameters
 from slurm.rank import apply_environment, exit_soon, is_peer_failure, join, select_device
 from slurm.sharding import shard
-from slurm.supervise import Outcome, replica_share
+from slurm.supervise import Outcome, replica_share, task_report, tasks_with_work
 
 CODE_PACKAGES = ("ditango_cli", "runtime", "planner", "slurm")
 
@@ -88,7 +103,7 @@ class SlurmRun(submitit.helpers.Checkpointable):
         items = tuple(shard(cfg.items, task, tasks))
         if not items:
             return None
-        cfg, report_name = replica_share(replace(cfg, items=items), replica, f"report.task-{task}.json")
+        cfg, report_name = replica_share(replace(cfg, items=items), replica, task_report(task))
         if cfg is None:
             return None
         mesh = build_mesh(
@@ -101,17 +116,6 @@ class SlurmRun(submitit.helpers.Checkpointable):
         decided = {k: v for k, v in (decided or {}).items() if k in mine}
         observer = FaultInjecting(SilentObserver(), global_rank)
         return execute(cfg, observer, ctx, skipped, report_name=report_name, decided=decided)
-
-
-def jobs_file(out_dir: Path) -> Path:
-    return out_dir / "jobs.json"
-
-
-def read_jobs(out_dir: Path) -> list[dict]:
-    path = jobs_file(out_dir)
-    if not path.is_file():
-        raise ConfigError(f"{out_dir} has no jobs.json: nothing was submitted from it")
-    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def absolute_paths(cfg: RunConfig) -> RunConfig:
@@ -160,24 +164,58 @@ def submit(
     """Submit the batch as `opts.array` tasks (one multi-node job each); record the job ids.
 
     `decided`: records of items settled by earlier submissions of this command (not run again);
-    `tasks`: the array tasks to submit (default all), e.g. only those with work left."""
+    `tasks`: the array tasks to submit (default all), e.g. only those with work left. A job
+    Slurm refuses (bad partition, say) is a ConfigError with sbatch's own message, and the
+    submission folder goes; so does a damaged jobs.json, before anything is submitted."""
     if opts.array > len(cfg.items):
         raise ConfigError(f"--array {opts.array} is more than the {len(cfg.items)} items")
     cfg = submission_config(cfg)
+    record = recorded_jobs(cfg.out_dir) or []  # appended to, so refuse a damaged one now, not overwrite it
+    jobs_file(cfg.out_dir).parent.mkdir(parents=True, exist_ok=True)
     folder = submission_folder(cfg)
-    code = snapshot_code(folder / "code")
-    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=20)
-    executor.update_parameters(**job_parameters(cfg, opts, code))
-    tasks = list(range(opts.array)) if tasks is None else tasks
-    n, total = len(tasks), opts.array
-    jobs = executor.map_array(SlurmRun(), [cfg] * n, tasks, [total] * n, [decided or {}] * n)
-    record = read_jobs(cfg.out_dir) if jobs_file(cfg.out_dir).is_file() else []
-    record.append({
-        "submitted_at": folder.name, "folder": str(folder), "job_ids": [j.job_id for j in jobs],
-        "tasks": cfg.world_size,
-    })  # fmt: skip
-    jobs_file(cfg.out_dir).write_text(json.dumps(record, indent=2) + "\n")
+    try:
+        code = snapshot_code(folder / "code")
+        executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=20)
+        executor.update_parameters(**job_parameters(cfg, opts, code))
+        tasks = list(range(opts.array)) if tasks is None else tasks
+        n, total = len(tasks), opts.array
+        jobs = _sbatch(lambda: executor.map_array(SlurmRun(), [cfg] * n, tasks, [total] * n, [decided or {}] * n))
+    except BaseException as exc:
+        discard_folder(folder)
+        if isinstance(exc, OSError):
+            raise ConfigError(f"cannot prepare the submission in {folder}: {exc.strerror or exc}") from None
+        raise
+    ids = [check_job_id(j.job_id) for j in jobs]
+    record.append({"submitted_at": folder.name, "folder": str(folder), "job_ids": ids, "tasks": cfg.world_size})
+    try:
+        write_jobs(jobs_file(cfg.out_dir), record)
+    except OSError as exc:  # unrecorded jobs could be neither followed nor cancelled: end them
+        with contextlib.suppress(ConfigError):
+            run_slurm(["scancel", *ids])
+        raise ConfigError(
+            f"cannot write {jobs_file(cfg.out_dir)} ({exc.strerror or exc}); cancelled job(s) {', '.join(ids)}"
+        ) from None
     return jobs
+
+
+def _sbatch(submission):
+    """`submission()` (submitit's sbatch call), its failure as one line with sbatch's message.
+    submitit prints sbatch's stderr when sbatch fails: held back, and shown unless it is that."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            return submission()
+    except FailedJobError as exc:
+        held = io.StringIO()  # sbatch's message: said once, in the error
+        raise ConfigError(f"sbatch refused the job: {slurm_message(str(exc)) or 'no message'}") from None
+    except FailedSubmissionError:
+        raise ConfigError("sbatch gave no job id in its answer: was the job submitted?") from None
+    except FileNotFoundError as exc:
+        if exc.filename != "sbatch":
+            raise
+        raise ConfigError("sbatch is not on PATH (is this a Slurm login node?)") from None
+    finally:
+        sys.stderr.write(held.getvalue())
 
 
 def job_error(job: submitit.Job) -> str | None:
@@ -186,32 +224,69 @@ def job_error(job: submitit.Job) -> str | None:
 
 
 def job_failure(job: submitit.Job) -> tuple[str | None, int | None]:
-    """(error, rank) of a finished job. In order of preference: a task's own exception line
-    (the rank that raised); a peer's reaction to it ('timed out', 'connection closed'); the
-    last line of a task that left no exception (one killed by srun, say). The rank is given
-    only in the first case."""
-    own, secondary, other = [], [], []
+    """(error, rank) of a finished job: the rank that failed first, where that can be told.
+
+    A cause is a task's own exception line (the rank that raised), or a task that died by a
+    signal without one ("task 2: Killed": kill -9, the OOM killer) if srun reported its end
+    first. srun's messages (in task 0's stderr) list the tasks' ends in the order they came;
+    signal deaths after the first are srun ending the step (--kill-on-bad-exit), not causes.
+    Among causes, the one srun reported first, else the lowest task. Without a cause: a peer's
+    reaction ('timed out', 'connection closed'), then the last line of a task that left no
+    exception, with the rank unknown (None)."""
+    try:
+        ends = srun_task_ends(job.paths.stderr.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        ends = []
+    reported = {t: i for i, (tasks, _) in enumerate(ends) for t in tasks}  # a task's last report wins
+    first_tasks, first_how = ends[0] if ends else ((), "")
+    killed_first = first_tasks if first_how and not first_how.startswith("Exited with exit code") else ()
+    causes, secondary, other = [], [], []
     for t in range(max(1, job.num_tasks)):
-        exc = job.task(t).exception() if job.num_tasks > 1 else job.exception()
+        task = job.task(t) if job.num_tasks > 1 else job
+        exc = task.exception()
         if exc is None:
             continue
         text = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         raised = [ln for ln in text if ln.split(":")[0].endswith(("Error", "Exception", "Interrupt"))]
-        if not raised:
-            other.append(text[-1] if text else type(exc).__name__)
-            continue
-        line = _DOTTED.sub(r"\1", raised[-1])
-        if is_peer_failure(line):
-            secondary.append(line)
+        if raised:
+            line = _DOTTED.sub(r"\1", raised[-1])
+            if is_peer_failure(line):
+                secondary.append(line)
+            else:
+                causes.append((reported.get(t, len(ends)), t, line))
+        elif t in killed_first:
+            log = task.paths.stderr
+            line = f"rank {t} was killed by a signal, without an exception (srun: task {t}: {first_how}; log: {log})"
+            causes.append((reported[t], t, line))
         else:
-            own.append((line, t))
-    if own:
-        return own[0]
+            other.append(text[-1] if text else type(exc).__name__)
+    if causes:
+        _, rank, line = min(causes)
+        return line, rank
     return ((secondary or other)[0], None) if secondary or other else (None, None)
 
 
 # "runtime.errors.ConfigError: ..." -> "ConfigError: ...": the class says enough.
 _DOTTED = re.compile(r"^(?:[A-Za-z_]\w*\.)+(\w+(?:Error|Exception|Interrupt):)")
+
+
+# srun's report of tasks that ended badly: "srun: error: node2: task 2: Killed",
+# "srun: error: node1: tasks 0-1,3: Exited with exit code 1".
+_SRUN_END = re.compile(r"^srun: error: \S+: tasks? ([0-9][0-9,\-]*): (.+)$", re.MULTILINE)
+
+
+def srun_task_ends(text: str) -> list[tuple[tuple[int, ...], str]]:
+    """The task ends srun reported in `text` (its stderr), in order: (tasks, how), how being
+    "Killed", "Terminated", "Exited with exit code 1", ... ("tasks 0-1,3" -> (0, 1, 3))."""
+    ends = []
+    for match in _SRUN_END.finditer(text):
+        tasks: list[int] = []
+        for part in match.group(1).split(","):
+            first, _, last = part.partition("-")
+            if first.isdigit() and (not last or last.isdigit()):
+                tasks += range(int(first), int(last or first) + 1)
+        ends.append((tuple(tasks), match.group(2).strip()))
+    return ends
 
 
 def wait(
@@ -241,13 +316,19 @@ class SbatchExecutor:
         self.job_ids: list[str] = []
 
     def launch(self, tasks: list[int], decided: dict[str, dict]) -> list[Outcome] | None:
+        left = tasks_with_work(self.cfg, tasks, self.opts.array, decided)
+        if not left:
+            self.say("nothing to submit: every item's outputs exist (use --overwrite to redo them)")
+            return [Outcome(t) for t in tasks]
+        settled = [Outcome(t) for t in tasks if t not in left]
+        tasks = left
         jobs = submit(self.cfg, self.opts, decided, tasks)
         self.job_ids = [j.job_id for j in jobs]
         if not self.wait:
             return None
         self.say(f"submitted job(s) {', '.join(self.job_ids)}; waiting (Ctrl-C stops waiting, not the job)")
         failures = wait(jobs, self.on_state)
-        return [
+        return settled + [
             Outcome(t, error, rank, f"job {j.job_id}", j.state.startswith("CANCELLED"))
             for t, j, (error, rank) in zip(tasks, jobs, failures, strict=True)
         ]
@@ -257,25 +338,31 @@ class SbatchExecutor:
 
 
 def job_states(out_dir: Path) -> list[dict]:
-    """Current state of every job submitted from `out_dir` (sacct)."""
+    """Current state of every job submitted from `out_dir` (`slurm_states`; "UNKNOWN" for a
+    job Slurm has no record of), with the error of each failed one."""
+    record = read_jobs(out_dir)
+    states = slurm_states(job_ids(record))
     rows = []
-    for submission in read_jobs(out_dir):
+    for submission in record:
         for job_id in submission["job_ids"]:
-            tasks = tuple(range(submission.get("tasks", 1)))
-            job = submitit.SlurmJob(folder=Path(submission["folder"]) / "%j", job_id=job_id, tasks=tasks)
-            state = job.get_info(mode="force").get("State", "UNKNOWN") if job_id else "UNKNOWN"
-            error = job_error(job) if failed_state(state) else None
+            state = states.get(job_id, "UNKNOWN")
+            error = None
+            if failed_state(state):
+                error = _logged_error(out_dir, submission, job_id)
             rows.append({"job_id": job_id, "state": state, "error": error, "submitted_at": submission["submitted_at"]})
     return rows
 
 
-def failed_state(state: str) -> bool:
-    """Slurm states that end a job without its work done (e.g. "CANCELLED by 0")."""
-    return state.split()[0] in ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
-
-
-def cancel(out_dir: Path) -> list[str]:
-    ids = [j for s in read_jobs(out_dir) for j in s["job_ids"]]
-    if ids:
-        subprocess.run(["scancel", *ids], check=False)
-    return ids
+def _logged_error(out_dir: Path, submission: dict, job_id: str) -> str | None:
+    """The error a failed job left in its submission folder, OUT/slurm/<name> (read there
+    whatever path jobs.json gives, so a record, moved or crafted, never points the unpickling
+    of results elsewhere), else none is left to read."""
+    name = Path(submission["folder"]).name
+    folder = out_dir / "slurm" / name
+    if name in ("", ".", "..") or not folder.is_dir():
+        return f"(its logs are gone: no {submission['folder']})"
+    job = submitit.SlurmJob(folder=folder / "%j", job_id=job_id, tasks=tuple(range(submission["tasks"])))
+    try:
+        return job_error(job)
+    except OSError as exc:
+        return f"(its logs in {folder} cannot be read: {exc.strerror or exc})"

@@ -13,10 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Protocol
 
 from runtime.config import RunConfig
-from runtime.outputs import fs_clock, item_status, record_failure, running_items, settled_since
+from runtime.outputs import (
+    STATE_DIR,
+    damaged_sidecars,
+    fs_clock,
+    item_status,
+    plan_resume,
+    record_failure,
+    running_items,
+    settled_since,
+)
 from slurm.sharding import shard
 
 
@@ -54,6 +64,9 @@ def supervise(cfg: RunConfig, executor: Executor, tasks: int, say: Callable[[str
     attempts: dict[str, int] = {}
     given_up: dict[str, dict] = {}
     since = fs_clock(cfg.out_dir)
+    if not cfg.overwrite:
+        for line in damaged_sidecars(cfg):
+            say(line)
     todo = list(range(tasks))
     while todo:
         decided = {**settled_since(cfg, since), **given_up}  # from earlier launches of this command
@@ -81,6 +94,14 @@ def supervise(cfg: RunConfig, executor: Executor, tasks: int, say: Callable[[str
     return Supervised()
 
 
+def tasks_with_work(cfg: RunConfig, tasks: list[int], total: int, decided: dict[str, dict]) -> list[int]:
+    """Of `tasks` (of `total` array tasks), those with an item neither complete on disk (see
+    `plan_resume`) nor settled by an earlier launch: decided before anything is launched, so
+    a task with nothing left starts no rank and submits no job."""
+    done = {**plan_resume(cfg), **decided}
+    return [t for t in tasks if any(i.id not in done for i in shard(cfg.items, t, total))]
+
+
 def blame(
     cfg: RunConfig, error: str, attempts: dict[str, int], given_up: dict[str, dict], since: float, items=None
 ) -> list[str]:
@@ -104,8 +125,8 @@ def replica_share(cfg: RunConfig, replica: int, report_name: str) -> tuple[RunCo
     if cfg.replicas == 1:
         return cfg, report_name
     items = tuple(shard(cfg.items, replica, cfg.replicas))
-    name = report_name.removesuffix(".json") + f".replica-{replica}.json"
-    return (replace(cfg, items=items) if items else None), name
+    task = "" if report_name == "report.json" else Path(report_name).stem + "."
+    return (replace(cfg, items=items) if items else None), f"{REPORTS}/{task}replica-{replica}.json"
 
 
 def share_of_rank(cfg: RunConfig, rank: int | None, task: int = 0, tasks: int = 1):
@@ -117,6 +138,11 @@ def share_of_rank(cfg: RunConfig, rank: int | None, task: int = 0, tasks: int = 
     return share.items if share is not None else ()
 
 
-def task_report(task: int, tasks: int) -> str:
-    """The report file one array task writes (report.json for a single task)."""
-    return "report.json" if tasks == 1 else f"report.task-{task}.json"
+def task_report(task: int, tasks: int | None = None) -> str:
+    """The report file (relative to the output folder) array task `task` of `tasks` writes:
+    report.json itself for a single local task, else one in the bookkeeping folder, which
+    `ditango report` (slurm/aggregate.py) merges into report.json."""
+    return "report.json" if tasks == 1 else f"{REPORTS}/task-{task}.json"
+
+
+REPORTS = f"{STATE_DIR}/reports"  # task and replica reports

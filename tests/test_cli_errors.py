@@ -161,7 +161,7 @@ def test_unknown_jsonl_key(runner, out, tmp_path):
         ('{"prompt": "   "}', "prompt is empty"),
         ('{"prompt": "x", "frames": 10}', "frames must be 4k+1"),
         ('{"prompt": "x", "id": "../escape"}', "not a usable file name"),
-        ('{"prompt": "x", "id": "report"}', "not a usable file name"),
+        ('{"prompt": "x", "id": "report"}', "reserved: its files would collide with report.json"),
     ],
 )
 def test_invalid_jsonl_item(runner, out, tmp_path, line, needle):

@@ -180,7 +180,7 @@ def test_replicas_split_the_items_and_match_one_process(runner, tmp_path):
     assert runner.invoke(app, [*base, "--out", str(tmp_path / "one")]).exit_code == 0
     result = runner.invoke(app, [*base, "--out", str(tmp_path / "two"), "--gpus", "2", "--replicas", "2"])
     assert result.exit_code == 0, result.stderr
-    shares = [json.loads((tmp_path / "two" / f"report.replica-{r}.json").read_text()) for r in (0, 1)]
+    shares = [json.loads((tmp_path / "two" / ".ditango" / "reports" / f"replica-{r}.json").read_text()) for r in (0, 1)]
     ids = [[i["id"] for i in share["items"]] for share in shares]
     everything = sorted(p.stem for p in (tmp_path / "one").glob("*.mp4"))
     assert ids == [everything[0::2], everything[1::2]]

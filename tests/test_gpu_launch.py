@@ -211,7 +211,8 @@ def test_local_rank_bootstrap_binds_the_global_rank_gpu(monkeypatch, tmp_path):
         return "ok"
 
     q = _Queue()
-    local._bootstrap(3, 4, 2, str(tmp_path), "cuda", 1800.0, 1, tmp_path / "out" / "logs", q, target, ())
+    beats = [0.0] * 4  # the heartbeat slots (a shared array in real runs)
+    local._bootstrap(3, 4, 2, str(tmp_path), "cuda", 1800.0, 1, tmp_path / "out" / "logs", q, beats, target, ())
     assert q.items == [("result", 3, "ok")]
     assert cuda.current == 3 and seen == {"rank": 1, "size": 2, "device": torch.device("cuda", 3), "replica": 1}
     assert calls["args"] == ("nccl",) and calls["kwargs"]["device_id"] == torch.device("cuda", 3)

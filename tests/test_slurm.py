@@ -53,7 +53,7 @@ def test_two_nodes_two_tasks_match_the_local_run(runner, tmp_path):
         [*alloc, *cli, *auto, "--out", str(tmp_path / "srun")], capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr
-    assert not (tmp_path / "srun" / "jobs.json").exists()  # nothing was submitted
+    assert not (tmp_path / "srun" / ".ditango" / "jobs.json").exists()  # nothing was submitted
     b = load_file(next((tmp_path / "local").glob("*.latents.safetensors")))["latents"]
     for name in ("slurm", "srun"):
         a = load_file(next((tmp_path / name).glob("*.latents.safetensors")))["latents"]
@@ -70,8 +70,11 @@ def test_array_of_two_makes_four_videos_and_one_report(runner, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert len(list(out.glob("*.mp4"))) == 4
     report = json.loads((out / "report.json").read_text())
-    assert report["counts"]["done"] == 4 and report["aggregated_from"] == ["report.task-0.json", "report.task-1.json"]
-    jobs = json.loads((out / "jobs.json").read_text())
+    assert report["counts"]["done"] == 4 and report["aggregated_from"] == [
+        ".ditango/reports/task-0.json",
+        ".ditango/reports/task-1.json",
+    ]
+    jobs = json.loads((out / ".ditango" / "jobs.json").read_text())
     assert len(jobs[0]["job_ids"]) == 2  # one array, two tasks
     shown = runner.invoke(app, ["report", str(out)])
     assert shown.exit_code == 0 and "4 done" in shown.stdout
@@ -86,10 +89,10 @@ def test_replicas_over_two_nodes_share_the_items(runner, tmp_path):
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     assert len(list(out.glob("*.mp4"))) == 3
-    shares = [json.loads((out / f"report.task-0.replica-{r}.json").read_text()) for r in (0, 1)]
+    shares = [json.loads((out / ".ditango" / "reports" / f"task-0.replica-{r}.json").read_text()) for r in (0, 1)]
     assert [len(s["items"]) for s in shares] == [2, 1]
     assert json.loads((out / "report.json").read_text())["counts"]["done"] == 3
-    assert json.loads((out / "jobs.json").read_text())[0]["tasks"] == 2
+    assert json.loads((out / ".ditango" / "jobs.json").read_text())[0]["tasks"] == 2
 
 
 def test_cancel_and_resubmit_skips_finished_items(runner, tmp_path):
@@ -118,7 +121,7 @@ def test_cancel_and_resubmit_skips_finished_items(runner, tmp_path):
     assert len(list(out.glob("*.mp4"))) == 10
     for stem, mtime in finished.items():  # not redone
         assert (out / f"{stem}.mp4").stat().st_mtime_ns == mtime
-    task = json.loads((out / "report.task-0.json").read_text())
+    task = json.loads((out / ".ditango" / "reports" / "task-0.json").read_text())
     assert sum(i["status"] == "skipped" for i in task["items"]) >= len(finished)
 
 
@@ -148,7 +151,7 @@ def test_a_failed_item_is_retried_in_a_new_submission(runner, tmp_path, monkeypa
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     assert (tmp_path / "fired").exists()
-    assert len(json.loads((out / "jobs.json").read_text())) == 2  # the failed submission and the retry
+    assert len(json.loads((out / ".ditango" / "jobs.json").read_text())) == 2  # the failed submission and the retry
     (sidecar,) = [p for p in out.glob("*.json") if p.name not in ("jobs.json", "report.json") and "task" not in p.name]
     assert json.loads(sidecar.read_text())["status"] == "done"
     deadline = time.monotonic() + 60  # accounting may lag the job's end by a few seconds
@@ -177,7 +180,7 @@ def test_time_limit_requeues_and_finishes_the_batch(runner, tmp_path):
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     assert len(list(out.glob("*.mp4"))) == 30
-    task = json.loads((out / "report.task-0.json").read_text())
+    task = json.loads((out / ".ditango" / "reports" / "task-0.json").read_text())
     skipped = sum(i["status"] == "skipped" for i in task["items"])
     assert 0 < skipped < 30  # the last (requeued) run resumed: it found finished items
 
@@ -226,7 +229,7 @@ def test_gpu_request_of_device_auto_is_recorded_by_slurm(runner, tmp_path, monke
     planned = json.loads(dry.stdout)
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
-    (submission,) = json.loads((out / "jobs.json").read_text())
+    (submission,) = json.loads((out / ".ditango" / "jobs.json").read_text())
     (job_id,) = submission["job_ids"]
     shown = _scontrol_job(job_id)
     assert "TresPerNode=gres:gpu:2" in shown or "TresPerNode=gres/gpu:2" in shown, shown
@@ -281,7 +284,7 @@ def test_a_failing_rank_ends_the_job_within_the_step_timeout(runner, tmp_path, m
     result = runner.invoke(app, args)
     returned = time.time() - fired.stat().st_mtime
     assert result.exit_code == 1, result.stderr
-    (job_id,) = json.loads((out / "jobs.json").read_text())[0]["job_ids"]
+    (job_id,) = json.loads((out / ".ditango" / "jobs.json").read_text())[0]["job_ids"]
     end = _sacct_end(job_id)
     ended = datetime.fromisoformat(end).timestamp() - fired.stat().st_mtime  # sacct: local time, 1 s resolution
     assert ended <= SLURM_STEP_TIMEOUT_S + SLURM_JOB_END_MARGIN_S, ended

@@ -124,11 +124,14 @@ def test_aggregate_task_reports_and_sidecars(tmp_path):
     def record(item_id, status, **extra):
         return {"schema": 1, "id": item_id, "status": status, **extra}
 
-    (tmp_path / "report.task-0.json").write_text(json.dumps({
+    reports = tmp_path / ".ditango" / "reports"
+    reports.mkdir(parents=True)
+
+    (reports / "task-0.json").write_text(json.dumps({
         "schema": 1, "started_at": "2026-01-01T00:00:00", "layout": {"nodes": 2},
         "items": [record("a", "done"), record("b", "failed", error="boom")],
     }))  # fmt: skip
-    (tmp_path / "report.task-1.json").write_text(json.dumps({
+    (reports / "task-1.json").write_text(json.dumps({
         "schema": 1, "started_at": "2026-01-01T00:00:05", "items": [record("c", "skipped")],
     }))  # fmt: skip
     for item_id in ("a", "c"):  # sidecars of finished items
@@ -136,15 +139,15 @@ def test_aggregate_task_reports_and_sidecars(tmp_path):
     # d: done long ago, skipped by the latest run (its report is newer than its sidecar)
     (tmp_path / "d.json").write_text(json.dumps(record("d", "done")))
     os.utime(tmp_path / "d.json", (1_000_000_000, 1_000_000_000))
-    (tmp_path / "report.task-2.json").write_text(json.dumps({
+    (reports / "task-2.json").write_text(json.dumps({
         "schema": 1, "started_at": "2026-01-01T00:00:09", "items": [record("d", "skipped")],
     }))  # fmt: skip
-    (tmp_path / "jobs.json").write_text("[]")
+    (tmp_path / ".ditango" / "jobs.json").write_text("[]")
     merged = aggregate(tmp_path)
     statuses = [(i["id"], i["status"]) for i in merged["items"]]
     assert statuses == [("a", "done"), ("b", "failed"), ("c", "done"), ("d", "skipped")]
     assert merged["counts"] == {"done": 2, "skipped": 1, "failed": 1}
-    assert merged["aggregated_from"] == ["report.task-0.json", "report.task-1.json", "report.task-2.json"]
+    assert merged["aggregated_from"] == [f".ditango/reports/task-{t}.json" for t in range(3)]
     again = aggregate(tmp_path)  # the aggregate itself is not an input
     assert again["items"] == merged["items"]
     assert json.loads((tmp_path / "report.json").read_text())["counts"] == merged["counts"]

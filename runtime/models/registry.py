@@ -34,6 +34,9 @@ class Defaults:
     negative_prompt: str = ""
     vae_stride: int = 8  # geometry: VAE spatial compression and transformer patch
     patch: tuple[int, int, int] = (1, 2, 2)
+    # Patches per axis (frames, height, width) the transformer's rotary table covers
+    # (diffusers' `rope_max_seq_len`): a larger video fails inside the model with a reshape error.
+    rope_max_seq_len: int = 1024
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,14 @@ class ModelSpec:
         return self.shape.head_dim
 
 
+# The transformers' `rope_max_seq_len` where it is not diffusers' default of 1024 (Wan2.1: 1024).
+ROPE_MAX_SEQ_LEN = {"tiny-wan": 256}
+
+
 def _defaults(shape: ModelShape, **kwargs) -> Defaults:
-    """Generation defaults with the geometry (VAE stride, patch) of `shape`."""
-    return Defaults(vae_stride=shape.vae_stride[1], patch=shape.patch, **kwargs)
+    """Generation defaults with the geometry (VAE stride, patch, rotary table) of `shape`."""
+    rope = ROPE_MAX_SEQ_LEN.get(shape.name, Defaults.rope_max_seq_len)
+    return Defaults(vae_stride=shape.vae_stride[1], patch=shape.patch, rope_max_seq_len=rope, **kwargs)
 
 
 # Wan2.1 settings: diffusers' WanPipeline defaults (50 steps, guidance 5.0, 832x480, 81 frames,
@@ -143,6 +151,7 @@ def spec_from_dir(path: Path, transformer_config: dict, params: int) -> ModelSpe
     """A spec for a user-supplied directory: Wan defaults, shapes from its transformer config."""
     patch = tuple(int(p) for p in transformer_config.get("patch_size", WAN_DEFAULTS.patch))
     stride = vae_stride(path)
+    rope = int(transformer_config.get("rope_max_seq_len", WAN_DEFAULTS.rope_max_seq_len))
     shape = ModelShape(
         name=str(path),
         layers=int(transformer_config.get("num_layers", 0)),
@@ -160,7 +169,7 @@ def spec_from_dir(path: Path, transformer_config: dict, params: int) -> ModelSpe
         name=str(path),
         description="local diffusers-format directory",
         shape=shape,
-        defaults=replace(WAN_DEFAULTS, vae_stride=stride, patch=patch),
+        defaults=replace(WAN_DEFAULTS, vae_stride=stride, patch=patch, rope_max_seq_len=rope),
     )
 
 

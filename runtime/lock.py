@@ -1,0 +1,212 @@
+"""One owner per output folder: the lock `OUT/.ditango/lock`.
+
+A command that writes into OUT (`generate`, for its whole run: every launch, retry and
+relaunch) holds the lock; a second one into the same OUT refuses, or waits with
+`--wait-for-lock`. The lock is a file naming its owner (host, pid, start, command), created
+atomically with its content, and kept fresh by a heartbeat (its mtime, every `BEAT_S`). A
+run that dies without releasing it does not hold it forever: the next one takes it over when
+the owner's process is gone (same host) or its heartbeat is older than `LEASE_S` (any host,
+by the folder's file-system clock, so it works on a shared file system across nodes).
+
+Jobs submitted without `--wait` outlive the command that submitted them; while they are
+live, OUT belongs to them (the CLI asks Slurm about the jobs in `jobs.json`, see slurm/jobs.py).
+
+Once OUT is owned (and no submitted job is live), `remove_partials` deletes the partial
+files a killed writer left behind (`.<name>.partial-<pid>.<ext>`, see runtime/video.py): no
+writer of this tool is left to finish them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from planner.errors import ConfigError
+from runtime.outputs import check_foreign_files, fs_clock, state_dir
+from runtime.video import PARTIAL_GLOB
+
+BEAT_S = 15.0  # how often the owner refreshes the lock's mtime
+LEASE_S = 120.0  # a lock not refreshed for this long is stale (its owner is gone or frozen)
+WRITING_S = 10.0  # an unreadable lock younger than this may be one still being written
+
+
+class FolderBusy(ConfigError):
+    """OUT has another owner (a run, or live Slurm jobs)."""
+
+
+def owner_line(owner: dict) -> str:
+    return f"pid {owner.get('pid')} on {owner.get('host')} (since {owner.get('started_at')}: {owner.get('command')})"
+
+
+class FolderLock:
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.path = state_dir(out_dir) / "lock"
+        self.token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    # -- what is there now ---------------------------------------------------------------
+    def holder(self) -> tuple[dict | None, str | None]:
+        """(owner, None) when a live owner holds OUT; (owner or None, why) when the lock is
+        stale (why it may be taken over); (None, None) when there is no lock."""
+        try:
+            raw = self.path.read_text(encoding="utf-8")
+            age = fs_clock(self.out_dir) - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return None, None
+        except (OSError, UnicodeDecodeError):
+            raw, age = "", LEASE_S + 1
+        try:
+            owner = json.loads(raw)
+            owner = owner if isinstance(owner, dict) else None
+        except ValueError:
+            owner = None
+        if owner is None:
+            return None, (None if age < WRITING_S else "the lock file is damaged")
+        if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
+            if not _alive(owner["pid"]):
+                return owner, f"its owner, {owner_line(owner)}, is gone"
+        if age > LEASE_S:
+            return owner, f"its owner, {owner_line(owner)}, has not refreshed it for {age:.0f} s"
+        return owner, None
+
+    def busy(self, owner: dict) -> FolderBusy:
+        return FolderBusy(
+            f"{self.out_dir} is in use by {owner_line(owner)}; wait for it to end, or pass --wait-for-lock"
+        )
+
+    def check_free(self) -> None:
+        """Raise FolderBusy when a live owner holds OUT (what `acquire` would refuse)."""
+        owner, stale = self.holder()
+        if owner is not None and stale is None:
+            raise self.busy(owner)
+
+    # -- taking and giving back ----------------------------------------------------------
+    def acquire(self, wait: bool = False, say: Callable[[str], None] = print, poll_s: float = 2.0) -> FolderLock:
+        """Own OUT, or raise FolderBusy (wait: until the owner is done)."""
+        check_foreign_files(self.out_dir)
+        state_dir(self.out_dir).mkdir(parents=True, exist_ok=True)
+        me = {
+            "host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["ditango", *sys.argv[1:]])[:300],
+        }  # fmt: skip
+        waiting = False
+        while not self._create(me):
+            owner, stale = self.holder()
+            if stale is not None:
+                say(f"note: taking over {self.out_dir}: {stale}")
+                self._break(owner)
+                continue
+            if owner is None:  # released (or being written) just now: try again
+                time.sleep(0.1)
+                continue
+            if not wait:
+                raise self.busy(owner)
+            if not waiting:
+                say(f"waiting for {self.out_dir}: in use by {owner_line(owner)}")
+                waiting = True
+            time.sleep(poll_s)
+        self._beat = threading.Thread(target=self._heartbeat, name="ditango-lock", daemon=True)
+        self._beat.start()
+        return self
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+            self._beat = None
+        if self._ours():
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _create(self, me: dict) -> bool:
+        """Create the lock with its content in one step (a hard link of a complete file fails
+        if the lock exists): nobody ever reads a half-written lock of ours."""
+        tmp = self.path.with_name(f".lock.{self.token}")
+        tmp.write_text(json.dumps(me) + "\n", encoding="utf-8")
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links on this file system: exclusive create instead
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(me) + "\n")
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _break(self, stale: dict | None) -> None:
+        """Remove a stale lock, unless another run took it over between our look and now
+        (then put theirs back)."""
+        aside = self.path.with_name(f".lock.stale-{self.token}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            moved = json.loads(aside.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            moved = None
+        if stale is not None and isinstance(moved, dict) and moved.get("token") != stale.get("token"):
+            try:  # a fresh lock: give it back (fails only if yet another run holds OUT now)
+                os.link(aside, self.path)
+            except OSError:
+                pass
+        aside.unlink(missing_ok=True)
+
+    def _ours(self) -> bool:
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8")).get("token") == self.token
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            if self._ours():
+                try:
+                    os.utime(self.path)
+                except OSError:
+                    pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_partials(out_dir: Path) -> list[Path]:
+    """Remove the partial files killed writers left in OUT (and its bookkeeping folder)."""
+    removed = []
+    for folder in (out_dir, state_dir(out_dir), state_dir(out_dir) / "reports"):
+        for path in folder.glob(PARTIAL_GLOB):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
