@@ -46,7 +46,7 @@ def aggregate(out_dir: Path) -> dict:
     merged = {
         **{k: v for k, v in base.items() if k not in ("items", "counts")},
         "schema": SCHEMA,
-        "aggregated_from": [p.relative_to(out_dir).as_posix() for r, p in reports if p != target],
+        "aggregated_from": sorted(p.relative_to(out_dir).as_posix() for _, p in reports if p != target),
         "counts": counts,
         "items": ordered,
     }

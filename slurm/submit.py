@@ -238,11 +238,24 @@ def job_failure(job: submitit.Job) -> tuple[str | None, int | None]:
     except OSError:
         ends = []
     reported = {t: i for i, (tasks, _) in enumerate(ends) for t in tasks}  # a task's last report wins
+    how_ended = {t: how for tasks, how in ends for t in tasks}
     first_tasks, first_how = ends[0] if ends else ((), "")
     killed_first = first_tasks if first_how and not first_how.startswith("Exited with exit code") else ()
     causes, secondary, other = [], [], []
     for t in range(max(1, job.num_tasks)):
         task = job.task(t) if job.num_tasks > 1 else job
+        how = how_ended.get(t, "")
+        if how and not how.startswith("Exited with exit code"):
+            # Died by a signal, so it left no result: asking submitit for one would wait 15 s
+            # for a file that never appears. The first reported death is a cause; a later one
+            # is srun ending the step after another task failed.
+            if t in killed_first:
+                log = task.paths.stderr
+                line = f"rank {t} was killed by a signal, without an exception (srun: task {t}: {how}; log: {log})"
+                causes.append((reported[t], t, line))
+            else:
+                other.append(f"rank {t}: {how} (srun ended it after another task failed)")
+            continue
         exc = task.exception()
         if exc is None:
             continue
@@ -254,10 +267,6 @@ def job_failure(job: submitit.Job) -> tuple[str | None, int | None]:
                 secondary.append(line)
             else:
                 causes.append((reported.get(t, len(ends)), t, line))
-        elif t in killed_first:
-            log = task.paths.stderr
-            line = f"rank {t} was killed by a signal, without an exception (srun: task {t}: {first_how}; log: {log})"
-            causes.append((reported[t], t, line))
         else:
             other.append(text[-1] if text else type(exc).__name__)
     if causes:
