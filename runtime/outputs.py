@@ -92,12 +92,20 @@ def _well_formed(data) -> bool:
 
 
 def _well_formed_item(item) -> bool:
-    return (
+    def number(d, key) -> bool:
+        return d is None or isinstance(d.get(key, 0), (int, float)) and not isinstance(d.get(key, 0), bool)
+
+    if not (
         isinstance(item, dict)
         and isinstance(item.get("id"), str)
         and item.get("status") in _STATUSES
         and all(isinstance(item.get(k), dict) or item.get(k) is None for k in ("timing", "comm", "attention"))
         and isinstance(item.get("attempts", 0), int)
+        and isinstance(item.get("error"), str | None)
+    ):
+        return False
+    return number(item.get("timing"), "total_s") and all(
+        number(item.get("comm"), k) for k in ("inter_node_bytes", "intra_node_bytes")
     )
 
 

@@ -228,9 +228,9 @@ def test_a_report_json_this_tool_did_not_write_is_never_replaced(runner, tmp_pat
 
 @pytest.mark.parametrize(
     "damage",
-    [b"\xff\xfe\x00 not utf-8", b'{"schema": 1, "id": "a", "status": "done"', b'{"schema": 1, "id": "a", "status": "done", "timing": "fast"}',
+    [b"\xff\xfe\x00 not utf-8", b'{"schema": 1, "id": "a", "status": "done"', b'{"schema": 1, "id": "a", "status": "done", "timing": "fast"}', b'{"schema": 1, "id": "a", "status": "done", "timing": {"total_s": "slow"}, "error": 7}',
      b'["a list"]'],
-    ids=["not-utf8", "truncated", "wrong-shape", "not-a-record"],
+    ids=["not-utf8", "truncated", "wrong-shape", "wrong-field-types", "not-a-record"],
 )  # fmt: skip
 def test_a_damaged_sidecar_is_redone_with_a_note_and_reports_still_work(runner, tmp_path, damage):
     from ditango_cli.app import app
