@@ -88,6 +88,35 @@ def test_unsupported_pipeline_class(runner, out, tmp_path, saved_model_dir):
     run_error(runner, gen(out, "--model", str(other)), "StableDiffusionPipeline", "WanPipeline")
 
 
+@pytest.mark.parametrize(
+    "change,needles",
+    [
+        ({"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}, ["transformer_2"]),
+        ({"boundary_ratio": 0.9}, ["boundary_ratio = 0.9", "two-expert"]),
+        ({"expand_timesteps": True}, ["expand_timesteps = True", "per-token timesteps"]),
+        ({"image_encoder": ["transformers", "CLIPVisionModel"]}, ["image_encoder", "image-to-video"]),
+        ({"transformer": ["diffusers", "SkyReelsV2Transformer3DModel"]}, ["SkyReelsV2Transformer3DModel"]),
+    ],
+    ids=["second-expert", "boundary-ratio", "expand-timesteps", "image-encoder", "other-transformer"],
+)
+def test_a_wan_directory_asking_for_what_is_not_run_is_refused_by_name(
+    runner, out, tmp_path, saved_model_dir, change, needles
+):
+    """A Wan2.2 two-expert, TI2V or image-to-video directory is a WanPipeline too: run as Wan2.1
+    text-to-video it would give a wrong video without a word, so `check` and `generate` refuse it."""
+    other = tmp_path / "wan22"
+    shutil.copytree(saved_model_dir, other)
+    for name, value in change.items():
+        if isinstance(value, list) and not (other / name).exists():  # a component folder for it
+            shutil.copytree(other / "transformer", other / name)
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, **change}))
+    for command in ("check", "generate"):
+        args = gen(out, "--model", str(other))
+        run_error(runner, [command, *args[1:]], *needles)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.mp4"))
+
+
 @pytest.mark.parametrize("frames,hint", [("20", "try 21"), ("0", "try 1")])
 def test_frames_not_4k_plus_1(runner, out, frames, hint):
     run_error(runner, gen(out, "--frames", frames), "frames must be 4k+1", hint)

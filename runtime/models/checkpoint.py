@@ -16,6 +16,16 @@ from safetensors import safe_open
 from runtime.errors import ModelDirError
 
 SUPPORTED_PIPELINES = ("WanPipeline",)
+# What of a WanPipeline directory this tool honours: these components, with these classes.
+# Anything else changes what the pipeline computes (Wan2.2's second expert `transformer_2`
+# with `boundary_ratio`, TI2V's per-token timesteps `expand_timesteps`, an image encoder), so
+# it is refused by name rather than loaded and silently ignored.
+HONOURED_CLASSES = {"transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan"}
+OPTIONAL = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
+UNHONOURED_KEYS = {
+    "boundary_ratio": "Wan2.2's two-expert switch",
+    "expand_timesteps": "Wan2.2 TI2V's per-token timesteps",
+}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Components that carry weights, and the config file diffusers/transformers expect in each.
 WEIGHTED = {"transformer": "config.json", "text_encoder": "config.json", "vae": "config.json"}
@@ -88,6 +98,25 @@ def count_params(files: list[Path]) -> int:
     return total
 
 
+def _refuse_unhonoured(path: Path, index: dict, components: dict[str, tuple[str, str]]) -> None:
+    """A directory asking for what the runtime does not do is refused, naming it: never run as
+    the Wan2.1 text-to-video model it is not (the video would be wrong without a word)."""
+    extra = [name for name in components if name not in OPTIONAL]
+    if extra:
+        raise ModelDirError(
+            f"{path}/model_index.json has component(s) {', '.join(extra)} that ditango does not run "
+            "(a second expert or an image encoder: Wan2.2 and image-to-video are not supported yet)"
+        )
+    for key, what in UNHONOURED_KEYS.items():
+        if index.get(key) not in (None, False):
+            raise ModelDirError(
+                f"{path}/model_index.json sets {key} = {index[key]!r} ({what}), which ditango does not support yet"
+            )
+    for name, cls in HONOURED_CLASSES.items():
+        if components[name][1] != cls:
+            raise ModelDirError(f"{path}: component {name} is a {components[name][1]}; ditango runs a {cls} there")
+
+
 def inspect_model_dir(path: Path) -> ModelDirInfo:
     """Check that `path` is a complete diffusers-format Wan directory with safetensors weights."""
     path = Path(path)
@@ -105,6 +134,7 @@ def inspect_model_dir(path: Path) -> ModelDirInfo:
     missing = [name for name in REQUIRED if name not in components]
     if missing:
         raise ModelDirError(f"{path}/model_index.json lists no {', '.join(missing)} component")
+    _refuse_unhonoured(path, index, components)
     for name in components:
         folder = path / name
         if not folder.is_dir():
