@@ -98,8 +98,17 @@ class FolderLock:
         me = {
             "host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["ditango", *sys.argv[1:]])[:300],
+            "command": " ".join(" ".join(["ditango", *sys.argv[1:]]).split())[:300],  # one line
         }  # fmt: skip
+        try:
+            self._take(me, wait, say, poll_s)
+        except OSError as exc:
+            raise ConfigError(f"cannot take {self.path}: {exc.strerror or exc}") from None
+        self._beat = threading.Thread(target=self._heartbeat, name="ditango-lock", daemon=True)
+        self._beat.start()
+        return self
+
+    def _take(self, me: dict, wait: bool, say: Callable[[str], None], poll_s: float) -> None:
         waiting = False
         while not self._create(me):
             owner, stale = self.holder()
@@ -116,9 +125,6 @@ class FolderLock:
                 say(f"waiting for {self.out_dir}: in use by {owner_line(owner)}")
                 waiting = True
             time.sleep(poll_s)
-        self._beat = threading.Thread(target=self._heartbeat, name="ditango-lock", daemon=True)
-        self._beat.start()
-        return self
 
     def release(self) -> None:
         self._stop.set()
