@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -23,14 +22,7 @@ from runtime.outputs import state_dir
 from slurm.jobs import ended_state, jobs_file, live_jobs
 from slurm.options import SlurmOptions
 from slurm.submit import submit
-
-
-def cluster_up() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
-    return out.returncode == 0 and "idle" in out.stdout
-
+from tests.test_slurm import cluster_up
 
 real_slurm = pytest.mark.skipif(
     not os.environ.get("CI") and not cluster_up(), reason="no local Slurm (bash scripts/local-slurm.sh start)"
