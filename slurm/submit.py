@@ -138,9 +138,14 @@ def job_parameters(cfg: RunConfig, opts: SlurmOptions, code: Path) -> dict:
     params = submitit_parameters(cfg, opts, use_gpus=cfg.device == "cuda")
     # Run from the snapshot: the job's working directory is the first entry of its sys.path
     # (python -m), ahead of PYTHONPATH and of an editable install of the checkout.
-    params["setup"] = [f"export PYTHONPATH={code}:${{PYTHONPATH:-}}"]
+    # Each start of the job (a requeue appends to the same log) leaves a marker in task 0's
+    # stderr, where srun reports its tasks' ends: only the last attempt's reports are read.
+    params["setup"] = [f"export PYTHONPATH={code}:${{PYTHONPATH:-}}", f"echo {ATTEMPT_MARK} >&2"]
     params.setdefault("additional_parameters", {})["chdir"] = str(code)
     return params
+
+
+ATTEMPT_MARK = "ditango: job attempt starts"
 
 
 def submission_folder(cfg: RunConfig) -> Path:
@@ -234,7 +239,8 @@ def job_failure(job: submitit.Job) -> tuple[str | None, int | None]:
     reaction ('timed out', 'connection closed'), then the last line of a task that left no
     exception, with the rank unknown (None)."""
     try:
-        ends = srun_task_ends(job.paths.stderr.read_text(encoding="utf-8", errors="replace"))
+        log = job.paths.stderr.read_text(encoding="utf-8", errors="replace")
+        ends = srun_task_ends(log.rpartition(ATTEMPT_MARK)[2])  # this attempt's, not a requeued one's
     except OSError:
         ends = []
     reported = {t: i for i, (tasks, _) in enumerate(ends) for t in tasks}  # a task's last report wins
@@ -245,7 +251,7 @@ def job_failure(job: submitit.Job) -> tuple[str | None, int | None]:
     for t in range(max(1, job.num_tasks)):
         task = job.task(t) if job.num_tasks > 1 else job
         how = how_ended.get(t, "")
-        if how and not how.startswith("Exited with exit code"):
+        if how and not how.startswith("Exited with exit code") and not task.paths.result_pickle.exists():
             # Died by a signal, so it left no result: asking submitit for one would wait 15 s
             # for a file that never appears. The first reported death is a cause; a later one
             # is srun ending the step after another task failed.

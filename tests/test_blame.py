@@ -218,7 +218,12 @@ def _fake_job(tmp_path: Path, srun_text: str, exceptions: list) -> SimpleNamespa
     for t, exc in enumerate(exceptions):
         stderr = tmp_path / f"9_{t}_log.err"
         stderr.write_text(srun_text if t == 0 else "")
-        tasks.append(SimpleNamespace(exception=lambda exc=exc: exc, paths=SimpleNamespace(stderr=stderr)))
+        result = tmp_path / f"9_{t}_result.pkl"
+        result.unlink(missing_ok=True)
+        if exc is None:  # a task that returned left its result
+            result.write_bytes(b"")
+        paths = SimpleNamespace(stderr=stderr, result_pickle=result)
+        tasks.append(SimpleNamespace(exception=lambda exc=exc: exc, paths=paths))
     return SimpleNamespace(num_tasks=len(tasks), task=lambda t: tasks[t], paths=tasks[0].paths)
 
 
@@ -251,6 +256,21 @@ def test_a_job_blames_the_task_killed_first_not_a_peer_reaction(tmp_path):
     srun = "srun: error: node2: task 3: Exited with exit code 1\nsrun: error: node1: task 1: Exited with exit code 1\n"
     both = _fake_job(tmp_path, srun, [None, _failed_trace("ValueError: later"), None, raised])
     assert job_failure(both) == ("RuntimeError: injected fault on rank 3 after step 2", 3)
+
+
+def test_a_requeued_job_is_judged_by_its_last_attempt(tmp_path):
+    """Bug: a job requeued at its time limit (submitit's checkpoint on SIGUSR2) keeps one log
+    across attempts; srun's report of the first attempt's signalled tasks made a job whose
+    last attempt finished read as failed ("rank 0: User defined signal 2")."""
+    from slurm.submit import ATTEMPT_MARK, job_failure
+
+    first = "srun: error: node1: task 0: User defined signal 2\nsrun: error: node2: task 1: User defined signal 2\n"
+    finished = _fake_job(tmp_path, f"{ATTEMPT_MARK}\n{first}{ATTEMPT_MARK}\nlast attempt's output\n", [None, None])
+    assert job_failure(finished) == (None, None)
+    # The last attempt's own failure is still found, and blamed on its rank.
+    again = f"{ATTEMPT_MARK}\n{first}{ATTEMPT_MARK}\nsrun: error: node2: task 1: Killed\n"
+    killed = _fake_job(tmp_path, again, [_failed_trace(RESET), _no_output(1)])
+    assert job_failure(killed)[1] == 1
 
 
 def test_an_srun_step_blames_the_rank_killed_first_not_a_peer_reaction(tmp_path):
