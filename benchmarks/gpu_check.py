@@ -257,7 +257,7 @@ def processor_rows(
     from runtime.comm import Comm
     from runtime.kernels import resolve_backend
     from runtime.mesh import build_mesh
-    from runtime.strategies import parallelize_wan
+    from runtime.strategies import parallelize
 
     config = config or WAN_1_3B
     torch.manual_seed(0)
@@ -293,10 +293,10 @@ def processor_rows(
     ref, ref_s, ref_peak = measure()
     backend = resolve_backend("auto", torch.device(device), dtype)
     mesh = build_mesh(ParallelLayout(strategy="ring"), 0, (0,), device=torch.device(device))
-    handles = parallelize_wan(model, mesh, Comm(mesh), backend)
-    installed = all(type(b.attn1.processor).__name__ == "ContextParallelProcessor" for b in model.blocks)
+    handles = parallelize(model, mesh, Comm(mesh), backend)
+    installed = all(type(b.attn1.processor).__name__ == "WanSelfAttention" for b in model.blocks)
     ours, ours_s, ours_peak = measure()
-    handles.remove(model)
+    handles.remove()
     rel = ((ours - ref).norm() / ref.norm()).item()
     tokens = F * (Hl // 2) * (Wl // 2)
     rows = [

@@ -259,12 +259,14 @@ def check(m, i, o, p, d, g, s, r, options: dict) -> int:
         cfg.attention_backend, placement.device, placement.dtype, where == "local")  # fmt: skip
     summary = {
         "model": cfg.model, "model_path": None if resolved.path is None else str(resolved.path),
-        "transformer": {"params": spec.params, "heads": spec.heads, "layers": spec.layers, "head_dim": spec.head_dim},
+        "transformer": {"params": spec.params, "heads": spec.heads, "layers": spec.layers, "head_dim": spec.head_dim,
+                        "task": spec.task, "experts": spec.variant.experts},
         "device": str(placement.device), "dtype": placement.dtype_name, "out_dir": str(cfg.out_dir),
         "layout": cfg.layout.to_json(), "replicas": cfg.replicas, "executor": where, "attention_backend": backend,
         "skipped": sorted(skipped),
         "items": [{k: getattr(it, k) for k in ("id", "prompt", "negative_prompt", "seed", "height", "width",
-                                                "frames", "steps", "guidance")} | {"tokens": it.tokens()}
+                                                "frames", "steps", "guidance", "guidance_2", "image")}
+                  | {"tokens": it.tokens()}
                   for it in cfg.items],
     }  # fmt: skip
     if r.json:
@@ -305,14 +307,21 @@ def models(
         else:
             path = root / spec.dir_name
             where = str(path) if path.is_dir() else f"missing: {path}"
-        rows.append({"name": spec.name, "params": spec.params, "heads": spec.heads, "layers": spec.layers,
-                     "head_dim": spec.head_dim, "resolves_to": where, "description": spec.description})  # fmt: skip
+        d = spec.defaults
+        rows.append({"name": spec.name, "family": spec.family, "task": spec.task, "experts": spec.variant.experts,
+                     "params": spec.params, "heads": spec.heads, "layers": spec.layers, "head_dim": spec.head_dim,
+                     "defaults": {"steps": d.steps, "guidance": d.guidance, "guidance_2": d.guidance_2,
+                                  "height": d.height, "width": d.width, "frames": d.frames, "fps": d.fps},
+                     "resolves_to": where, "description": spec.description})  # fmt: skip
     if as_json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = Table("name", "params", "heads", "layers", "resolves to")
+    table = Table("name", "task", "params", "heads", "layers", "defaults", "resolves to")
     for row in rows:
-        table.add_row(row["name"], _human(row["params"]), str(row["heads"]), str(row["layers"]), row["resolves_to"])
+        d = row["defaults"]
+        g = f"{d['guidance']:g}" + ("" if d["guidance_2"] is None else f"/{d['guidance_2']:g}")
+        table.add_row(row["name"], row["task"], _human(row["params"]), str(row["heads"]), str(row["layers"]),
+                      f"{d['width']}x{d['height']}x{d['frames']}, {d['steps']} steps, cfg {g}", row["resolves_to"])  # fmt: skip
     Console().print(table)
     return 0
 

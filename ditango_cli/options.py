@@ -68,6 +68,12 @@ class ItemArgs:
     seed: Annotated[int, _o("--seed", help="Seed of the initial noise (per-item seeds override).")] = 0
     steps: Annotated[int | None, _o("--steps", help="Denoising steps [the model's].")] = None
     guidance: Annotated[float | None, _o("--guidance", help="CFG scale; <= 1 runs one branch.")] = None
+    guidance_2: Annotated[
+        float | None, _o("--guidance-2", help="Two-expert models: the low-noise expert's CFG scale [the model's].")
+    ] = None
+    image: Annotated[
+        Path | None, _o("--image", help="Image-to-video: the first frame (JSONL lines may give their own).")
+    ] = None
     height: Annotated[int | None, _o("--height", help="Pixels, a multiple of the model's geometry.")] = None
     width: Annotated[int | None, _o("--width", help="Pixels, a multiple of the model's geometry.")] = None
     frames: Annotated[int | None, _o("--frames", help="Video frames, 4k+1.")] = None

@@ -18,9 +18,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output o
 
 
 def simulate(
-    model: Annotated[str, typer.Option("--model", "-m", help="wan2.1-1.3b, wan2.1-14b, hunyuanvideo, tiny-wan.")] = (
-        "wan2.1-14b"
-    ),
+    model: Annotated[str, typer.Option("--model", "-m", help="A registry name (ditango models).")] = "wan2.1-14b",
     nodes: NodesOpt = 4,
     gpus_per_node: GpusOpt = 8,
     hardware: Annotated[str, typer.Option("--hardware", help="h20, h100, h200, a100, l40s.")] = "h20",
@@ -49,11 +47,11 @@ def simulate(
         report_dict,
         synthetic_plan_fraction,
     )  # fmt: skip
-    from planner.models import MODELS
+    from runtime.models.registry import REGISTRY
 
-    if model not in MODELS:
-        raise ConfigError(f"unknown model {model!r} for simulate: use one of {', '.join(MODELS)}")
-    shape = MODELS[model]
+    if model not in REGISTRY:
+        raise ConfigError(f"unknown model {model!r} for simulate: use one of {', '.join(REGISTRY)}")
+    shape = REGISTRY[model].shape  # one expert runs at a time: per-step costs are one transformer's
     hw = load_hardware(str(hardware_file) if hardware_file else hardware)
     strategies = [s.strip() for s in parallel.split(",") if s.strip()]
     for s in strategies:

@@ -146,9 +146,13 @@ class DiTangoPlanner:
             planner.observe(step, ase_LU, gate)   # all-reduced inputs, after the step
 
     A missing observe() is a runtime bug and raises AssertionError at the next plan().
+
+    `switches`: steps where another model takes over (Wan2.2's second expert). The cached
+    states and anchor statistics belong to the model that made them, so such a step is an
+    anchor (all computed, everything refreshed) unless it is exact anyway.
     """
 
-    def __init__(self, cfg: PlannerConfig, steps: int, layers: int, units: int):
+    def __init__(self, cfg: PlannerConfig, steps: int, layers: int, units: int, switches: tuple[int, ...] = ()):
         if steps < 1 or layers < 1 or units < 0:
             raise ConfigError(
                 f"planner sizes steps={steps}, layers={layers}, units={units}; legal: steps >= 1, layers >= 1, units >= 0"
@@ -157,6 +161,7 @@ class DiTangoPlanner:
         self.steps = steps
         self.layers = layers
         self.units = units
+        self.switches = tuple(sorted(int(s) for s in switches if 0 < int(s) < steps))
         self.reset()
 
     def reset(self) -> None:
@@ -206,7 +211,7 @@ class DiTangoPlanner:
             raise AssertionError(f"plan({step}) beyond the run's {self.steps} steps")
         if self._is_exact(step):
             p = StepPlan(step, "exact", self._all(True), None)
-        elif self._last_anchor is None:
+        elif self._last_anchor is None or step in self.switches:
             p = StepPlan(step, "anchor", self._all(True), None)
         elif self._log[-1].kind == "anchor":
             # the step right after an anchor reuses every remote unit (2.3)
@@ -253,6 +258,6 @@ class DiTangoPlanner:
         kinds = [p.kind for p in self._log]
         return (
             f"DiTangoPlanner(steps={self.steps}, layers={self.layers}, units={self.units}, "
-            f"next_step={self._next_step}, exact={kinds.count('exact')}, anchors={kinds.count('anchor')}, "
+            f"switches={self.switches}, next_step={self._next_step}, exact={kinds.count('exact')}, anchors={kinds.count('anchor')}, "
             f"selective={kinds.count('selective')}, last_anchor={self._last_anchor}, epsilon={self._epsilon})"
         )

@@ -1,5 +1,8 @@
-"""One table of model shapes: what the registry (runtime/models/registry.py), the cost model
-and the checks at the command line know of a transformer. A new model family adds its row here.
+"""The shape of a transformer as the planner sees it (cost model, layout checks).
+
+Shapes are made by each model family's adapter from the transformer's config
+(runtime/models/wan.py `shape_of`) and kept with the registry entries
+(runtime/models/registry.py): the one source for the registry, `check` and the cost model.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ class ModelShape:
     head_dim: int
     ffn: int
     text_len: int
-    params: int = 0  # transformer parameters (0: not known)
+    params: int = 0  # transformer parameters, all experts together (0: not known)
     text_dim: int = 4096
     latent_channels: int = 16
     patch: tuple[int, int, int] = (1, 2, 2)
@@ -38,29 +41,3 @@ class ModelShape:
 
     def tokens(self, height: int, width: int, frames: int) -> int:
         return token_count(self.latent_shape(height, width, frames), self.patch)
-
-
-# Transformer configs of the public checkpoints. HunyuanVideo (13B) is approximated as 60
-# uniform blocks of its width (it has 20 dual-stream + 40 single-stream blocks).
-MODELS: dict[str, ModelShape] = {
-    "wan2.1-1.3b": ModelShape(
-        "wan2.1-1.3b", layers=30, heads=12, head_dim=128, ffn=8960, text_len=512, params=1_418_996_800
-    ),
-    "wan2.1-14b": ModelShape(
-        "wan2.1-14b", layers=40, heads=40, head_dim=128, ffn=13824, text_len=512, params=14_288_491_584
-    ),
-    "hunyuanvideo": ModelShape("hunyuanvideo", layers=60, heads=24, head_dim=128, ffn=12288, text_len=256),
-    "tiny-wan": ModelShape(
-        "tiny-wan",
-        layers=4,
-        heads=4,
-        head_dim=48,
-        ffn=768,
-        text_len=32,
-        params=2_712_816,
-        text_dim=32,
-        latent_channels=12,
-        patch=(1, 2, 2),
-        vae_stride=(4, 4, 4),
-    ),
-}

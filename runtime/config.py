@@ -45,6 +45,8 @@ class Item:
     guidance: float
     index: int = 0
     source: str = "--prompt"
+    guidance_2: float | None = None  # the low-noise expert's CFG scale (two-expert models)
+    image: str | None = None  # image-to-video: absolute path of the conditioning image
     # The model's geometry (from its registry spec): VAE spatial stride and transformer patch.
     vae_stride: int = 8
     patch: tuple[int, int, int] = (1, 2, 2)
@@ -70,6 +72,8 @@ class Item:
             raise ConfigError(f"{where}steps must be >= 1, got {self.steps}")
         if not (math.isfinite(self.guidance) and self.guidance >= 0):
             raise ConfigError(f"{where}guidance must be a finite number >= 0, got {self.guidance}")
+        if self.guidance_2 is not None and not (math.isfinite(self.guidance_2) and self.guidance_2 >= 0):
+            raise ConfigError(f"{where}guidance_2 must be a finite number >= 0, got {self.guidance_2}")
         if self.seed < 0 or self.seed >= 2**63:
             raise ConfigError(f"{where}seed must be in [0, 2**63), got {self.seed}")
 

@@ -33,12 +33,12 @@ from runtime.mesh import Mesh
 
 
 class BlockCounter:
-    """Counts transformer block evaluations (forward pre-hooks), per step."""
+    """Counts transformer block evaluations (forward pre-hooks), per step, over all experts."""
 
-    def __init__(self, transformer) -> None:
+    def __init__(self, transformers) -> None:
         self.count = 0
         self.per_step: list[int] = []
-        self.handles = [b.register_forward_pre_hook(self._hook) for b in transformer.blocks]
+        self.handles = [b.register_forward_pre_hook(self._hook) for tr in transformers for b in tr.blocks]
 
     def _hook(self, module, args) -> None:
         self.count += 1
@@ -117,21 +117,28 @@ class _Boundary(Exception):
 
 
 class Hybrid(CfgParallel):
-    """Hybridiff: CFG-parallel, a k-step two-segment pipeline after tau1, CFG-parallel again."""
+    """Hybridiff: CFG-parallel, a k-step two-segment pipeline after tau1, CFG-parallel again.
 
-    def __init__(self, mesh: Mesh, comm: Comm, cfg: HybridConfig, transformer) -> None:
+    With two experts (Wan2.2 A14B) the monitor runs unchanged over the whole run (M of
+    whichever expert ran the step), but a boundary never crosses the switch: segment A's
+    activations of one expert are no input of the other's segment B, so a pipeline step that
+    is the first of a new expert runs as a fill (both segments of the new expert on the cfg-1
+    group), recorded as "pipeline-fill" in the stages."""
+
+    def __init__(self, mesh: Mesh, comm: Comm, cfg: HybridConfig, transformers) -> None:
         super().__init__(mesh, comm)
         self.cfg = cfg
-        self.transformer = transformer
-        self.split = cfg.split_for(len(transformer.blocks))
-        self.counter = BlockCounter(transformer)
+        transformers = list(transformers) if isinstance(transformers, (list, tuple)) else [transformers]
+        self.split = cfg.split_for(len(transformers[0].blocks))
+        self.counter = BlockCounter(transformers)
         self.schedule: HybridSchedule | None = None
         self.boundary: torch.Tensor | None = None  # cfg-1 side: segment A's output of the previous step
+        self.boundary_expert: int | None = None  # the expert whose segment A made `boundary`
         self.stage_bytes: dict[str, int] = defaultdict(int)
 
     def begin_run(self, steps: int) -> None:
         self.schedule = HybridSchedule(self.cfg, steps)
-        self.boundary = None
+        self.boundary = self.boundary_expert = None
         self.counter.per_step.clear()
         self.counter.count = 0
         self.stage_bytes = defaultdict(int)
@@ -143,6 +150,9 @@ class Hybrid(CfgParallel):
     def noise(self, den, step: int, t, latents, text, guidance: float) -> torch.Tensor:
         assert self.schedule is not None, "begin_run first"
         stage = self.schedule.begin(step)
+        if stage == "pipeline" and den.expert != self.boundary_expert:
+            # the first pipeline step of another expert: no stale boundary crosses the switch
+            stage = self.schedule.stages[-1] = "pipeline-fill"
         before = self._bytes()
         if stage == "cfg-parallel":
             eps_u, eps_c = self.predictions(den, t, latents, text)
@@ -172,7 +182,7 @@ class Hybrid(CfgParallel):
         def stop(module, args, output):
             raise _Boundary(output)
 
-        handle = self.transformer.blocks[self.split - 1].register_forward_hook(stop)
+        handle = den.transformer.blocks[self.split - 1].register_forward_hook(stop)
         try:
             den.predict(latents, t, self._first_text(text))
         except _Boundary as b:
@@ -183,7 +193,7 @@ class Hybrid(CfgParallel):
 
     def _segment_b(self, den, t, latents, text, boundary: torch.Tensor) -> torch.Tensor:
         """Blocks [split, L) and the head on `boundary`, conditional text, timestep t."""
-        tr = self.transformer
+        tr = den.transformer
         blocks = tr.blocks
 
         def inject(module, args):  # replaces the (unused) patch-embedded input of the first B block
@@ -199,7 +209,8 @@ class Hybrid(CfgParallel):
 
     def _pipeline_step(self, den, stage: str, t, latents, text) -> torch.Tensor:
         den.begin_branch(0)
-        eps_dtype = self.transformer.dtype  # the model's output dtype (bf16 on GPU)
+        eps_dtype = den.transformer.dtype  # the model's output dtype (bf16 on GPU)
+        self.boundary_expert = den.expert  # both partners: the boundary kept or sent now is this expert's
         if self.uncond_side:
             if stage == "pipeline-fill":  # the partner runs both segments; we receive its prediction
                 return self.comm.one_way(

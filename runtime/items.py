@@ -3,9 +3,10 @@
 `--prompt TEXT` gives one item; `--prompts FILE` gives a batch:
 - `.txt`: one prompt per line; blank lines and lines starting with `#` are skipped;
 - `.jsonl`: one JSON object per line with `prompt` and optionally `id`,
-  `negative_prompt`, `seed`, `height`, `width`, `frames`, `steps`, `guidance`;
-  a line's values override the command line.
-Item ids are the given `id`, or `<index>-<hash of prompt and seed>`: short,
+  `negative_prompt`, `seed`, `height`, `width`, `frames`, `steps`, `guidance`, `guidance_2`
+  (a two-expert model's low-noise scale) and `image` (image-to-video: a path, relative to
+  the prompt file); a line's values override the command line.
+Item ids are the given `id`, or `<index>-<hash of prompt, seed and image>`: short,
 filesystem-safe, and never the raw prompt text.
 """
 
@@ -30,7 +31,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 RESERVED_IDS = {"report"}
 RESERVED_SUFFIXES = (".plan", ".latents", ".rel_mae")
 INT_KEYS = ("seed", "height", "width", "frames", "steps")
-JSONL_KEYS = {"id", "prompt", "negative_prompt", "guidance", *INT_KEYS}
+JSONL_KEYS = {"id", "prompt", "negative_prompt", "guidance", "guidance_2", "image", *INT_KEYS}
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,54 @@ class Overrides:
     frames: int | None = None
     steps: int | None = None
     guidance: float | None = None
+    guidance_2: float | None = None
+    image: Path | None = None
 
 
-def derived_id(index: int, prompt: str, seed: int) -> str:
-    digest = hashlib.sha1(f"{prompt}\0{seed}".encode()).hexdigest()[:8]
+def derived_id(index: int, prompt: str, seed: int, image: str | None = None) -> str:
+    key = f"{prompt}\0{seed}" + ("" if image is None else f"\0{image}")
+    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
     return f"{index:04d}-{digest}"
+
+
+def check_image(path: str, where: str) -> str:
+    """The absolute path of a readable image, else a one-line ConfigError."""
+    from PIL import Image, UnidentifiedImageError
+
+    resolved = Path(path).expanduser().resolve()
+    try:
+        with Image.open(resolved) as image:
+            image.verify()
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: image {path} not found") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{where}: image {path} cannot be read as an image ({reason})") from None
+    return str(resolved)
+
+
+def load_image(path: str):
+    """The RGB image an item conditions on, read as diffusers' own `load_image` reads a file."""
+    from diffusers.utils import load_image as diffusers_load_image
+
+    return diffusers_load_image(path)
+
+
+def _image_of(fields: dict, cli: Overrides, defaults: Defaults, where: str) -> str | None:
+    image = fields.get("image")
+    image = str(cli.image) if image is None and cli.image is not None else image
+    if image is None:
+        if defaults.image == "required":
+            raise ConfigError(
+                f'{where}: this model is image-to-video: give --image PATH, or an "image" key on each JSONL line'
+            )
+        return None
+    if defaults.image == "none":
+        raise ConfigError(
+            f'{where}: this model is text-to-video and takes no image (--image / "image"); '
+            "use an image-to-video model (ditango models)"
+        )
+    return check_image(image, where)
 
 
 def _check_id(value: object, where: str) -> str:
@@ -76,7 +120,11 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
 
     prompt = fields["prompt"]
     seed = pick("seed", cli.seed, 0)
-    item_id = _check_id(fields["id"], source) if "id" in fields else derived_id(index, prompt, seed)
+    image = _image_of(fields, cli, defaults, source)
+    item_id = _check_id(fields["id"], source) if "id" in fields else derived_id(index, prompt, seed, image)
+    guidance_2 = pick("guidance_2", cli.guidance_2, defaults.guidance_2)
+    if guidance_2 is not None and defaults.experts == 1:
+        raise ConfigError(f'{source}: --guidance-2 / "guidance_2" apply to two-expert models (Wan2.2 A14B) only')
     item = Item(
         id=item_id,
         prompt=prompt,
@@ -87,6 +135,8 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
         frames=pick("frames", cli.frames, defaults.frames),
         steps=pick("steps", cli.steps, defaults.steps),
         guidance=float(pick("guidance", cli.guidance, defaults.guidance)),
+        guidance_2=None if guidance_2 is None else float(guidance_2),
+        image=image,
         vae_stride=defaults.vae_stride,
         patch=defaults.patch,
         index=index,
@@ -156,8 +206,11 @@ def _jsonl_fields(line: str, where: str) -> dict:
     for key in INT_KEYS:
         if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int)):
             raise ConfigError(f'{where}: "{key}" must be an integer, got {data[key]!r}')
-    if "guidance" in data and (isinstance(data["guidance"], bool) or not isinstance(data["guidance"], (int, float))):
-        raise ConfigError(f'{where}: "guidance" must be a number, got {data["guidance"]!r}')
+    for key in ("guidance", "guidance_2"):
+        if key in data and (isinstance(data[key], bool) or not isinstance(data[key], (int, float))):
+            raise ConfigError(f'{where}: "{key}" must be a number, got {data[key]!r}')
+    if "image" in data and not (isinstance(data["image"], str) and data["image"].strip()):
+        raise ConfigError(f'{where}: "image" must be a path (a non-empty string), got {data["image"]!r}')
     return data
 
 
@@ -182,7 +235,10 @@ def read_prompt_file(path: Path) -> list[tuple[dict, str]]:
             if line and not line.startswith("#"):
                 entries.append(({"prompt": line}, where))
         elif line:
-            entries.append((_jsonl_fields(line, where), where))
+            fields = _jsonl_fields(line, where)
+            if "image" in fields:  # relative to the prompt file, wherever the command runs
+                fields["image"] = str(path.parent / Path(fields["image"]).expanduser())
+            entries.append((fields, where))
     if not entries:
         raise ConfigError(f"--prompts {path}: no prompts in the file")
     return entries

@@ -22,10 +22,11 @@ from diffusers import WanPipeline
 
 from runtime.guidance import CfgParallel, SequentialCfg
 from runtime.models.loading import Placement
+from runtime.models.wan import WanVariant
 
 
 class DenoiseListener(Protocol):
-    def begin_run(self, latents_BCFHW: torch.Tensor, steps: int, branches: int) -> None: ...
+    def begin_run(self, latents_BCFHW: torch.Tensor, steps: int, branches: int, switches: tuple[int, ...]) -> None: ...
     def begin_step(self, step: int) -> None: ...
     def begin_branch(self, branch: int) -> None: ...
     def end_step(self, step: int) -> None: ...
@@ -64,32 +65,64 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class WanDenoiser:
-    """Text encoding, initial latents, the denoising loop and VAE decoding for one model.
+@dataclass
+class ImageCondition:
+    """Image-to-video inputs of one item, fixed over its run (diffusers' WanImageToVideoPipeline).
 
-    A `WanPipeline` object is built over the same components only to reuse its text
-    cleaning/encoding, latent initialisation and video post-processing helpers, so those
-    stay byte-identical to diffusers; its `__call__` is never used.
+    `latents_BCFHW`: the VAE-encoded conditioning video: [mask (4 ch) | image latents] joined to
+    the noisy latents on the channels, or (per-token timesteps, TI2V) the first frame's latents
+    that replace the noisy latents where `first_frame_mask` is 0. `image_BLE`: CLIP image
+    embeddings for the cross-attention (Wan2.1 I2V), else None."""
+
+    latents_BCFHW: torch.Tensor
+    first_frame_mask: torch.Tensor | None = None
+    image_BLE: torch.Tensor | None = None
+
+
+class WanDenoiser:
+    """Text (and image) encoding, initial latents, the denoising loop and VAE decoding.
+
+    Diffusers pipeline objects are built over the same components only to reuse their text
+    cleaning/encoding, latent and image-condition preparation and video post-processing, so
+    those stay byte-identical to diffusers; their `__call__` is never used. `variant` says what
+    the checkpoint asks beyond Wan2.1 text-to-video (runtime/models/wan.py): two experts
+    switched at `boundary_ratio`, per-token timesteps, image-to-video.
     """
 
-    def __init__(self, components: dict, placement: Placement, max_text_len: int) -> None:
+    def __init__(self, components: dict, placement: Placement, max_text_len: int, variant: WanVariant | None = None):
         self.placement = placement
         self.max_text_len = max_text_len
-        self.transformer = components["transformer"]
+        self.variant = variant = variant or WanVariant()
+        self.transformers = [components["transformer"]]
+        if variant.experts == 2:
+            if components.get("transformer_2") is None:
+                raise ValueError("a two-expert variant (boundary_ratio) needs components['transformer_2']")
+            self.transformers.append(components["transformer_2"])
+        self.expert = 0  # the expert of the step being run
         self.vae = components["vae"]
         self._scheduler_template = components["scheduler"]
-        self.pipe = WanPipeline(
-            tokenizer=components["tokenizer"],
-            text_encoder=components["text_encoder"],
-            vae=components["vae"],
-            scheduler=components["scheduler"],
-            transformer=components["transformer"],
-        )
+        common = {k: components[k] for k in ("tokenizer", "text_encoder", "vae", "scheduler")}
+        experts = {"transformer": self.transformers[0], "transformer_2": components.get("transformer_2")}
+        config = {"boundary_ratio": variant.boundary_ratio, "expand_timesteps": variant.expand_timesteps}
+        self.pipe = WanPipeline(**common, **experts, **config)
+        self.image_pipe = None
+        if variant.image_pipeline():
+            from diffusers import WanImageToVideoPipeline
+
+            image = {k: components.get(k) for k in ("image_encoder", "image_processor")}
+            self.image_pipe = WanImageToVideoPipeline(**common, **experts, **image, **config)
+            self.image_pipe.set_progress_bar_config(disable=True)
         self.pipe.set_progress_bar_config(disable=True)
         # Told where the loop is (run, step, CFG branch): strategies that plan per step use it.
         self.listener: DenoiseListener | None = None
         # How the CFG branches run (runtime/guidance.py); default: both here, cond then uncond.
         self.guidance: SequentialCfg | CfgParallel = SequentialCfg()
+        self._condition: ImageCondition | None = None  # the image condition of the run in progress
+
+    @property
+    def transformer(self):
+        """The expert of the current step (the only one outside a two-expert run)."""
+        return self.transformers[self.expert]
 
     def begin_branch(self, branch: int) -> None:
         if self.listener is not None:
@@ -101,7 +134,7 @@ class WanDenoiser:
 
     @torch.no_grad()
     def encode_text(self, prompt: str, negative_prompt: str, guidance: float) -> TextEmbeds:
-        cond, uncond = self.pipe.encode_prompt(
+        cond, uncond = (self.image_pipe or self.pipe).encode_prompt(
             prompt=prompt,
             negative_prompt=negative_prompt,
             do_classifier_free_guidance=guidance > 1.0,
@@ -111,11 +144,16 @@ class WanDenoiser:
         dtype = self.transformer.dtype
         return TextEmbeds(cond.to(dtype), None if uncond is None else uncond.to(dtype))
 
+    def latent_channels(self) -> int:
+        """Channels of the noise: the transformer's input for text-to-video (as WanPipeline),
+        the VAE's latent channels for image-to-video (as WanImageToVideoPipeline)."""
+        return self.vae.config.z_dim if self.variant.image == "required" else self.transformer.config.in_channels
+
     def initial_latents(self, seed: int, height: int, width: int, frames: int) -> torch.Tensor:
-        """[1, C, F, H, W] float32 noise, identical to WanPipeline with a CPU generator seeded `seed`."""
+        """[1, C, F, H, W] float32 noise, identical to diffusers' pipelines with a CPU generator seeded `seed`."""
         return self.pipe.prepare_latents(
             batch_size=1,
-            num_channels_latents=self.transformer.config.in_channels,
+            num_channels_latents=self.latent_channels(),
             height=height,
             width=width,
             num_frames=frames,
@@ -124,6 +162,25 @@ class WanDenoiser:
             generator=torch.Generator("cpu").manual_seed(seed),
         )
 
+    @torch.no_grad()
+    def encode_image(self, image, latents_BCFHW: torch.Tensor, height: int, width: int, frames: int) -> ImageCondition:
+        """The image condition of an item, as WanImageToVideoPipeline prepares it: `image` (a
+        PIL image) resized to height x width, VAE-encoded (argmax), and for Wan2.1 I2V its CLIP
+        embeddings. `latents_BCFHW` is the item's noise (`initial_latents`)."""
+        pipe = self.image_pipe
+        if pipe is None:
+            raise ValueError("this model takes no image (text-to-video only)")
+        image_BLE = None
+        if self.transformers[0].config.image_dim is not None:
+            image_BLE = pipe.encode_image(image, self.device).to(self.transformer.dtype)
+        pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(self.device, torch.float32)
+        out = pipe.prepare_latents(
+            pixels, 1, latents_BCFHW.shape[1], height, width, frames, torch.float32, self.device, None, latents_BCFHW
+        )
+        if self.variant.expand_timesteps:
+            return ImageCondition(out[1], first_frame_mask=out[2], image_BLE=image_BLE)
+        return ImageCondition(out[1], image_BLE=image_BLE)
+
     def new_scheduler(self, steps: int):
         """A fresh scheduler (multistep solvers keep per-run state) with its timesteps set."""
         scheduler = type(self._scheduler_template).from_config(self._scheduler_template.config)
@@ -131,14 +188,52 @@ class WanDenoiser:
         scheduler.set_begin_index(0)
         return scheduler
 
+    def expert_at(self, t: torch.Tensor, scheduler) -> int:
+        """0 for `transformer`, 1 for `transformer_2` (below boundary_ratio x the training
+        timesteps), as diffusers' Wan pipelines choose."""
+        ratio = self.variant.boundary_ratio
+        if ratio is None:
+            return 0
+        return 0 if t >= ratio * scheduler.config.num_train_timesteps else 1
+
+    def model_input(self, latents_BCFHW: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states, timestep) for the transformer, as diffusers' pipelines form them."""
+        cond = self._condition
+        mask = None
+        if cond is not None and cond.first_frame_mask is not None:  # TI2V image-to-video
+            mask = cond.first_frame_mask
+            x = (1 - mask) * cond.latents_BCFHW + mask * latents_BCFHW
+        elif cond is not None:  # I2V: the condition joins the noisy latents on the channels
+            x = torch.cat([latents_BCFHW, cond.latents_BCFHW], dim=1)
+        else:
+            x = latents_BCFHW
+        batch = latents_BCFHW.shape[0]
+        if not self.variant.expand_timesteps:
+            return x, t.expand(batch)
+        # Per-token timesteps: t everywhere but on the conditioning first frame (0 there).
+        if mask is None:
+            mask = torch.ones(latents_BCFHW.shape, dtype=torch.float32, device=latents_BCFHW.device)
+        _, ph, pw = self.transformer.config.patch_size
+        per_token = (mask[0][0][:, ::ph, ::pw] * t).flatten()
+        return x, per_token.unsqueeze(0).expand(batch, -1)
+
     def predict(self, latents_BCFHW: torch.Tensor, t: torch.Tensor, text_BLE: torch.Tensor) -> torch.Tensor:
-        """One transformer evaluation (one CFG branch); the seam parallel strategies hook into."""
+        """One transformer evaluation (one CFG branch) by the current expert; the seam parallel
+        strategies hook into."""
+        x, timestep = self.model_input(latents_BCFHW, t)
+        cond = self._condition
         return self.transformer(
-            hidden_states=latents_BCFHW.to(self.transformer.dtype),
-            timestep=t.expand(latents_BCFHW.shape[0]),
+            hidden_states=x.to(self.transformer.dtype),
+            timestep=timestep,
             encoder_hidden_states=text_BLE,
+            encoder_hidden_states_image=None if cond is None else cond.image_BLE,
             return_dict=False,
         )[0]
+
+    def switches(self, scheduler) -> tuple[int, ...]:
+        """Steps where the expert changes (none for one expert)."""
+        experts = [self.expert_at(t, scheduler) for t in scheduler.timesteps]
+        return tuple(i for i in range(1, len(experts)) if experts[i] != experts[i - 1])
 
     @torch.no_grad()
     def denoise(
@@ -148,30 +243,42 @@ class WanDenoiser:
         steps: int,
         guidance: float,
         on_step: Callable[[int, int], None] | None = None,
+        condition: ImageCondition | None = None,
+        guidance_2: float | None = None,
     ) -> DenoiseResult:
+        """`guidance_2`: the low-noise expert's CFG scale (default `guidance`, as diffusers)."""
         scheduler = self.new_scheduler(steps)
         result = DenoiseResult(latents_BCFHW)
         latents = latents_BCFHW
         listener = self.listener
+        self._condition = condition
         if listener is not None:
-            listener.begin_run(latents, steps, self.guidance.local_branches(text))
+            listener.begin_run(latents, steps, self.guidance.local_branches(text), self.switches(scheduler))
         self.guidance.begin_run(steps)
         finite: list[torch.Tensor] = []  # per step, on the device: no host sync inside the loop
-        for i, t in enumerate(scheduler.timesteps):
-            start = time.perf_counter()
-            if listener is not None:
-                listener.begin_step(i)
-            noise = self.guidance.noise(self, i, t, latents, text, guidance)
-            latents = scheduler.step(noise, t, latents, return_dict=False)[0]
-            finite.append(torch.isfinite(latents).all())
-            if listener is not None:
-                listener.end_step(i)
-            synchronize(self.device)
-            result.step_s.append(time.perf_counter() - start)
-            if on_step is not None:
-                on_step(i + 1, steps)
+        try:
+            for i, t in enumerate(scheduler.timesteps):
+                start = time.perf_counter()
+                self.expert = self.expert_at(t, scheduler)
+                scale = guidance if self.expert == 0 or guidance_2 is None else guidance_2
+                if listener is not None:
+                    listener.begin_step(i)
+                noise = self.guidance.noise(self, i, t, latents, text, scale)
+                latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+                finite.append(torch.isfinite(latents).all())
+                if listener is not None:
+                    listener.end_step(i)
+                synchronize(self.device)
+                result.step_s.append(time.perf_counter() - start)
+                if on_step is not None:
+                    on_step(i + 1, steps)
+        finally:
+            self.expert, self._condition = 0, None
         if listener is not None:
             listener.end_run()
+        if condition is not None and condition.first_frame_mask is not None:
+            mask = condition.first_frame_mask  # TI2V: the first frame is the image's, as diffusers returns it
+            latents = (1 - mask) * condition.latents_BCFHW + mask * latents
         result.latents_BCFHW = latents
         flags = torch.stack(finite).tolist() if finite else []
         result.first_nonfinite_step = next((i + 1 for i, ok in enumerate(flags) if not ok), None)

@@ -89,6 +89,8 @@ def item_record(
         "width": item.width,
         "steps": item.steps,
         "guidance": item.guidance,
+        "guidance_2": item.guidance_2,  # two-expert models: the low-noise expert's scale (None: guidance)
+        "image": item.image,  # image-to-video: the conditioning image
         "tokens": item.tokens(),
         "timing": None if timing is None else timing.to_json(),
         # Bytes summed over ranks, by the link class they crossed (see runtime/comm.py).

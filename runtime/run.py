@@ -20,6 +20,7 @@ import torch
 from runtime.comm import Comm
 from runtime.config import Item, RunConfig
 from runtime.guidance import CfgParallel, Hybrid
+from runtime.items import load_image
 from runtime.kernels import resolve_backend
 from runtime.mesh import Mesh, build_mesh
 from runtime.models.loading import load_components, placement_on, resolve_placement
@@ -29,7 +30,7 @@ from runtime.pipeline import DenoiseResult, NonFiniteLatents, WanDenoiser, synch
 from runtime.plots import write_heatmap, write_rel_mae_plot
 from runtime.quality import quality_record
 from runtime.report import SCHEMA, ItemTiming, item_record, peak_memory, run_report
-from runtime.strategies import parallelize_wan
+from runtime.strategies import parallelize
 from runtime.video import write_json, write_latents, write_mp4
 
 
@@ -115,13 +116,15 @@ def attention_record(denoiser: WanDenoiser, ctx: RankContext) -> dict | None:
     return record
 
 
-def exact_reference(denoiser: WanDenoiser, latents, text, item: Item) -> torch.Tensor:
+def exact_reference(denoiser: WanDenoiser, latents, text, item: Item, condition=None) -> torch.Tensor:
     """The same item through the exact ring path (DiTango's runtime switched off for one run)."""
     listener = denoiser.listener
     saved = listener.ctx.selective
     listener.ctx.selective = None  # ShardContext falls back to ring over the cp group
     try:
-        return denoiser.denoise(latents, text, item.steps, item.guidance).latents_BCFHW
+        return denoiser.denoise(
+            latents, text, item.steps, item.guidance, condition=condition, guidance_2=item.guidance_2
+        ).latents_BCFHW
     finally:
         listener.ctx.selective = saved
 
@@ -170,7 +173,14 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
 
     start = time.perf_counter()
     latents = denoiser.initial_latents(item.seed, item.height, item.width, item.frames)
-    result = denoiser.denoise(latents, text, item.steps, item.guidance, on_step=observer.step_done)
+    condition = None
+    if item.image is not None:
+        image = load_image(item.image)
+        condition = denoiser.encode_image(image, latents, item.height, item.width, item.frames)
+    result = denoiser.denoise(
+        latents, text, item.steps, item.guidance, on_step=observer.step_done, condition=condition,
+        guidance_2=item.guidance_2,
+    )  # fmt: skip
     timing.denoise_s = time.perf_counter() - start
     timing.step_s = result.step_s
     check_finite(result, item, ctx)
@@ -186,7 +196,7 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
     reference = None
     if cfg.reference == "exact":
         start = time.perf_counter()
-        reference = exact_reference(denoiser, latents, text, item)
+        reference = exact_reference(denoiser, latents, text, item, condition)
         timing.reference_s = time.perf_counter() - start
     release_device_memory(device)  # what the denoising held (DiTango's cache) goes back before the decode
     if not ctx.is_writer:
@@ -296,11 +306,12 @@ def execute(
     observer.run_started(len(todo))
     if todo:
         resolved = resolve_model(cfg.model if cfg.model_path is None else str(cfg.model_path))
-        denoiser = WanDenoiser(load_components(resolved, placement), placement, cfg.max_text_len)
+        components = load_components(resolved, placement)
+        denoiser = WanDenoiser(components, placement, cfg.max_text_len, resolved.spec.variant)
         if cfg.layout.strategy != "none":
-            denoiser.listener = parallelize_wan(denoiser.transformer, ctx.mesh, ctx.comm, backend, cfg.ditango)
+            denoiser.listener = parallelize(denoiser.transformers, ctx.mesh, ctx.comm, backend, cfg.ditango)
         if cfg.hybrid is not None:
-            denoiser.guidance = Hybrid(ctx.mesh, ctx.comm, cfg.hybrid, denoiser.transformer)
+            denoiser.guidance = Hybrid(ctx.mesh, ctx.comm, cfg.hybrid, denoiser.transformers)
         elif cfg.layout.cfg_degree == 2:
             denoiser.guidance = CfgParallel(ctx.mesh, ctx.comm)
         for item in todo:

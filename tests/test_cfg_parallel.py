@@ -15,7 +15,7 @@ from runtime.guidance import CfgParallel, Hybrid
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
 from runtime.pipeline import WanDenoiser
-from runtime.strategies import parallelize_wan
+from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
 from tiny_wan import build_tiny_wan
@@ -39,7 +39,7 @@ def _target(rank, world, events, runs):
         layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, cfg_degree=2, strategy=strategy, group_size=group)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
         comm = Comm(mesh)
-        handle = parallelize_wan(denoiser.transformer, mesh, comm, "torch", ditango) if strategy != "none" else None
+        handle = parallelize(denoiser.transformers, mesh, comm, "torch", ditango) if strategy != "none" else None
         denoiser.listener = handle
         runner = Hybrid(mesh, comm, hybrid, denoiser.transformer) if hybrid else CfgParallel(mesh, comm)
         denoiser.guidance = runner
@@ -54,7 +54,7 @@ def _target(rank, world, events, runs):
             report = handle.ctx.selective.item_report()
             plan = (report["plan_hash"], report["computed_fraction"])
         if handle:
-            handle.remove(denoiser.transformer)
+            handle.remove()
         out[name] = (latents, comm.totals(), record, plan)
     return out
 

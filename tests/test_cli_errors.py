@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from PIL import Image
 
 from ditango_cli.app import app
 
@@ -88,22 +89,29 @@ def test_unsupported_pipeline_class(runner, out, tmp_path, saved_model_dir):
     run_error(runner, gen(out, "--model", str(other)), "StableDiffusionPipeline", "WanPipeline")
 
 
+EXPERT = ["diffusers", "WanTransformer3DModel"]
+
+
 @pytest.mark.parametrize(
     "change,needles",
     [
-        ({"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}, ["transformer_2"]),
-        ({"boundary_ratio": 0.9}, ["boundary_ratio = 0.9", "two-expert"]),
-        ({"expand_timesteps": True}, ["expand_timesteps = True", "per-token timesteps"]),
-        ({"image_encoder": ["transformers", "CLIPVisionModel"]}, ["image_encoder", "image-to-video"]),
+        ({"transformer_2": EXPERT}, ["second expert (transformer_2) but no boundary_ratio"]),
+        ({"boundary_ratio": 0.9}, ["boundary_ratio 0.9 but no second expert"]),
+        ({"transformer_2": EXPERT, "boundary_ratio": 1.5}, ["boundary_ratio must be a number in (0, 1)"]),
+        ({"expand_timesteps": "yes"}, ["expand_timesteps must be true or false"]),
+        ({"image_encoder": ["transformers", "CLIPVisionModel"]}, ["WanPipeline with an image encoder"]),
         ({"transformer": ["diffusers", "SkyReelsV2Transformer3DModel"]}, ["SkyReelsV2Transformer3DModel"]),
+        ({"controlnet": ["diffusers", "WanTransformer3DModel"]}, ["controlnet", "does not run"]),
     ],
-    ids=["second-expert", "boundary-ratio", "expand-timesteps", "image-encoder", "other-transformer"],
-)
+    ids=["expert-without-ratio", "ratio-without-expert", "bad-ratio", "bad-expand", "image-encoder-t2v",
+         "other-transformer", "unknown-component"],
+)  # fmt: skip
 def test_a_wan_directory_asking_for_what_is_not_run_is_refused_by_name(
     runner, out, tmp_path, saved_model_dir, change, needles
 ):
-    """A Wan2.2 two-expert, TI2V or image-to-video directory is a WanPipeline too: run as Wan2.1
-    text-to-video it would give a wrong video without a word, so `check` and `generate` refuse it."""
+    """What the runtime cannot honour (a second expert diffusers would not run, an image encoder
+    a WanPipeline ignores, other classes) would give a wrong video without a word, so `check`
+    and `generate` refuse it by name."""
     other = tmp_path / "wan22"
     shutil.copytree(saved_model_dir, other)
     for name, value in change.items():
@@ -115,6 +123,32 @@ def test_a_wan_directory_asking_for_what_is_not_run_is_refused_by_name(
         args = gen(out, "--model", str(other))
         run_error(runner, [command, *args[1:]], *needles)
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.mp4"))
+
+
+def test_experts_of_different_shapes_are_refused(runner, out, tmp_path, saved_model_dir):
+    other = tmp_path / "experts"
+    shutil.copytree(saved_model_dir, other)
+    shutil.copytree(other / "transformer", other / "transformer_2")
+    config = json.loads((other / "transformer_2" / "config.json").read_text())
+    (other / "transformer_2" / "config.json").write_text(json.dumps({**config, "num_layers": config["num_layers"] + 1}))
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, "transformer_2": EXPERT, "boundary_ratio": 0.875}))
+    run_error(runner, gen(out, "--model", str(other)), "transformer and transformer_2 differ in num_layers")
+
+
+def test_a_named_model_must_be_that_checkpoint(runner, out, tmp_path, saved_model_dir):
+    """wan2.2-t2v-a14b pointing at a one-expert directory is refused, not run as one expert."""
+    root = tmp_path / "root"
+    shutil.copytree(saved_model_dir, root / "Wan2.2-T2V-A14B-Diffusers")
+    run_error(runner, gen(out, "--model", "wan2.2-t2v-a14b", "--model-root", str(root)), "is not that checkpoint",
+              "experts 1 where wan2.2-t2v-a14b has 2")  # fmt: skip
+
+
+def test_image_and_second_scale_for_a_text_to_video_model_are_refused(runner, out, tmp_path):
+    image = tmp_path / "frame.png"
+    Image.new("RGB", (16, 16)).save(image)
+    run_error(runner, gen(out, "--image", str(image)), "text-to-video and takes no image")
+    run_error(runner, gen(out, "--guidance-2", "3"), "apply to two-expert models")
 
 
 @pytest.mark.parametrize("frames,hint", [("20", "try 21"), ("0", "try 1")])

@@ -18,7 +18,7 @@ from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
 from runtime.pipeline import WanDenoiser
 from runtime.run import sum_comm
-from runtime.strategies import parallelize_wan
+from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
 from tiny_wan import build_tiny_wan
@@ -44,13 +44,13 @@ def _target(rank, world, events):
         layout = ParallelLayout(nodes=2, gpus_per_node=2, **kwargs)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=90)
         comm = Comm(mesh)
-        handle = parallelize_wan(denoiser.transformer, mesh, comm, "torch", opts)
+        handle = parallelize(denoiser.transformers, mesh, comm, "torch", opts)
         denoiser.listener = handle
         denoiser.guidance = CfgParallel(mesh, comm) if layout.cfg_degree == 2 else SequentialCfg()
         text = denoiser.encode_text("a yellow circle moving down", "blurry", 4.0)
         denoiser.denoise(denoiser.initial_latents(5, H, W, F), text, STEPS, 4.0)
         log = handle.ctx.selective.item_report()["plan_log"] if handle.ctx.selective else None
-        handle.remove(denoiser.transformer)
+        handle.remove()
         out[name] = (comm.totals(), log)
     return out
 

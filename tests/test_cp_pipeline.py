@@ -15,7 +15,7 @@ from runtime.comm import Comm
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
 from runtime.pipeline import WanDenoiser
-from runtime.strategies import parallelize_wan
+from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tiny_wan import TinyWanConfig, build_tiny_wan
 
@@ -41,9 +41,9 @@ def _pipeline_target(rank, world, events, strategies, nodes):
         layout = ParallelLayout(nodes=nodes, gpus_per_node=world // nodes, strategy=strategy, ulysses_degree=ulysses)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
         comm = Comm(mesh)
-        handle = parallelize_wan(denoiser.transformer, mesh, comm, "torch")
+        handle = parallelize(denoiser.transformers, mesh, comm, "torch")
         latents = denoise(denoiser)
-        handle.remove(denoiser.transformer)
+        handle.remove()
         out[strategy] = (latents, comm.totals())
     return out
 

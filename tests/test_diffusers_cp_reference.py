@@ -16,7 +16,7 @@ from runtime.comm import Comm
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
 from runtime.pipeline import WanDenoiser
-from runtime.strategies import parallelize_wan
+from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tests.diffusers_cp import DEFAULT_MODEL_CONFIG, diffusers_cp_latents
 from tiny_wan import build_tiny_wan
@@ -55,11 +55,11 @@ def _ours_target(rank, world, events):
     for strategy in ("ring", "ulysses"):
         layout = ParallelLayout(gpus_per_node=world, strategy=strategy)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=60)
-        handle = parallelize_wan(denoiser.transformer, mesh, Comm(mesh), "torch")
+        handle = parallelize(denoiser.transformers, mesh, Comm(mesh), "torch")
         text = denoiser.encode_text(GEN["prompt"], GEN["negative_prompt"], GEN["guidance_scale"])
         x = denoiser.initial_latents(SEED, GEN["height"], GEN["width"], GEN["num_frames"])
         out[strategy] = denoiser.denoise(x, text, GEN["num_inference_steps"], GEN["guidance_scale"]).latents_BCFHW
-        handle.remove(denoiser.transformer)
+        handle.remove()
     return out
 
 

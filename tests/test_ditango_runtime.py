@@ -15,7 +15,7 @@ from runtime.kernels import reference_attention
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
 from runtime.pipeline import WanDenoiser
-from runtime.strategies import parallelize_wan
+from runtime.strategies import parallelize
 from runtime.strategies.selective import SelectiveRuntime
 from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
@@ -93,13 +93,13 @@ def _pipeline_target(rank, world, events, runs):
         layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, **layout_kwargs)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
         comm = Comm(mesh)
-        handle = parallelize_wan(denoiser.transformer, mesh, comm, "torch", opts)
+        handle = parallelize(denoiser.transformers, mesh, comm, "torch", opts)
         denoiser.listener = handle
         text = denoiser.encode_text("a yellow circle moving down", "blurry", 4.0)
         x = denoiser.initial_latents(5, 48, 80, 5)
         latents = denoiser.denoise(x, text, STEPS, 4.0).latents_BCFHW
         report = handle.ctx.selective.item_report() if handle.ctx.selective else None
-        handle.remove(denoiser.transformer)
+        handle.remove()
         denoiser.listener = None
         out[name] = (latents, comm.totals(), report)
     return out
@@ -294,11 +294,21 @@ def test_cache_dtype_and_automatic_cap_follow_the_device(monkeypatch):
 
 def test_rotary_tables_reach_the_layers_in_float32():
     """The bug: float64 tables (diffusers' Wan rope) promoted q and k to float64 in every layer."""
+    from runtime.models import wan
     from runtime.strategies.parallelize import ShardContext
 
     layout = ParallelLayout(nodes=1, gpus_per_node=1, strategy="ring")
     mesh = build_mesh(layout, 0, (0,))
     ctx = ShardContext(mesh, Comm(mesh), "torch")
-    cos, sin = (torch.randn(1, 12, 1, 8, dtype=torch.float64) for _ in range(2))
-    c, s = ctx.shard_rope(None, None, (cos, sin))
+    transformer = build_tiny_wan(CP_MODEL)["transformer"]
+    rope = transformer.rope  # float64 tables, as diffusers builds them off Apple GPUs
+    rope.freqs_cos, rope.freqs_sin = rope.freqs_cos.double(), rope.freqs_sin.double()
+    x = torch.zeros(1, CP_MODEL.z_dim, 2, 4, 4)
+    cos, sin = transformer.rope(x)
+    handles, processors = wan.install(transformer, ctx)
+    try:
+        c, s = transformer.rope(x)
+    finally:
+        wan.uninstall(transformer, handles, processors)
+    assert cos.dtype == torch.float64  # before the adapter's hook
     assert c.dtype == s.dtype == torch.float32 and torch.allclose(c.double(), cos, atol=1e-7)

@@ -70,8 +70,8 @@ def test_processor_matches_diffusers_on_cpu():
 
 
 def test_processor_check_fails_a_wrong_rotation(monkeypatch):
-    from runtime.strategies import parallelize
+    from runtime.models import wan
 
-    monkeypatch.setattr(parallelize, "apply_rotary", lambda x, cos, sin: x)
+    monkeypatch.setattr(wan, "apply_rotary", lambda x, cos, sin: x)
     row = processor_row(torch.float32, 1e-5)
     assert not row.ok and row.value > 1e-3, row

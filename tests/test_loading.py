@@ -6,7 +6,6 @@ import json
 
 import torch
 
-from planner.models import MODELS
 from runtime.models.checkpoint import inspect_model_dir
 from runtime.models.loading import load_components, resolve_placement
 from runtime.models.registry import BUILTIN_DIR, REGISTRY, resolve_model
@@ -23,11 +22,12 @@ def test_builtin_is_a_checked_diffusers_directory_within_budget():
     assert not list(BUILTIN_DIR.rglob("*.bin")) and not list(BUILTIN_DIR.rglob("*.pt"))  # safetensors only
 
 
-def test_registry_and_cost_model_describe_the_shipped_transformer():
-    """The architecture is restated in the registry and the cost model: both must match the weights."""
+def test_registry_describes_the_shipped_transformer():
+    """The registry's shape (what the cost model and `check` read) must match the weights."""
     cfg = json.loads((BUILTIN_DIR / "transformer" / "config.json").read_text())
     want = (cfg["num_layers"], cfg["num_attention_heads"], cfg["attention_head_dim"], tuple(cfg["patch_size"]))
-    spec, shape = REGISTRY["tiny-wan"], MODELS["tiny-wan"]
+    spec = REGISTRY["tiny-wan"]
+    shape = spec.shape
     assert (spec.layers, spec.heads, spec.head_dim, spec.defaults.patch) == want
     assert (shape.layers, shape.heads, shape.head_dim, shape.patch) == want
     assert (shape.ffn, shape.text_dim, shape.latent_channels) == (cfg["ffn_dim"], cfg["text_dim"], cfg["in_channels"])
@@ -58,3 +58,12 @@ def test_bf16_load_keeps_float32_modules_and_fp32_vae():
 def test_default_dtype_per_device():
     assert resolve_placement("cpu").dtype == torch.float32
     assert resolve_placement("cpu", "bfloat16").dtype == torch.bfloat16
+
+
+def test_registry_parameter_counts_are_those_of_the_configs():
+    """PARAMS restates what each checkpoint's transformer config builds (on the meta device)."""
+    from runtime.models.registry import CONFIGS, PARAMS
+    from runtime.models.wan import count_params
+
+    assert {k: count_params(c) for k, c in CONFIGS.items()} == PARAMS
+    assert REGISTRY["wan2.2-t2v-a14b"].params == 2 * PARAMS["wan2.2-t2v-a14b"]  # two experts loaded

@@ -1,5 +1,8 @@
 """Validation of a diffusers-format model directory before anything is loaded.
 
+What a directory asks for (pipeline class, components, model_index.json keys) is checked
+against what the Wan adapter honours; the rest is refused by name.
+
 Local files only, safetensors only: pickle-based weights (.bin, .pt, .pth, .ckpt, .pkl)
 can execute code when loaded, so a directory that only has those is refused with a
 message saying how to convert it.
@@ -14,21 +17,24 @@ from pathlib import Path
 from safetensors import safe_open
 
 from runtime.errors import ModelDirError
+from runtime.models import wan
 
-SUPPORTED_PIPELINES = ("WanPipeline",)
-# What of a WanPipeline directory this tool honours: these components, with these classes.
-# Anything else changes what the pipeline computes (Wan2.2's second expert `transformer_2`
-# with `boundary_ratio`, TI2V's per-token timesteps `expand_timesteps`, an image encoder), so
-# it is refused by name rather than loaded and silently ignored.
-HONOURED_CLASSES = {"transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan"}
-OPTIONAL = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
-UNHONOURED_KEYS = {
-    "boundary_ratio": "Wan2.2's two-expert switch",
-    "expand_timesteps": "Wan2.2 TI2V's per-token timesteps",
+# What of a Wan directory this tool honours (runtime/models/wan.py): these pipelines, these
+# components with these classes, and these model_index.json keys. Anything else would change
+# what the pipeline computes, so it is refused by name rather than loaded and ignored.
+SUPPORTED_PIPELINES = wan.PIPELINES
+HONOURED_CLASSES = {
+    "transformer": (wan.TRANSFORMER_CLASS,),
+    "transformer_2": (wan.TRANSFORMER_CLASS,),
+    "vae": (wan.VAE_CLASS,),
+    "image_encoder": wan.IMAGE_ENCODER_CLASSES,
+    "image_processor": wan.IMAGE_PROCESSOR_CLASSES,
 }
+OPTIONAL = ("tokenizer", "text_encoder", "transformer", "transformer_2", "vae", "scheduler", "image_encoder",
+            "image_processor")  # fmt: skip
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Components that carry weights, and the config file diffusers/transformers expect in each.
-WEIGHTED = {"transformer": "config.json", "text_encoder": "config.json", "vae": "config.json"}
+WEIGHTED = ("transformer", "transformer_2", "text_encoder", "vae", "image_encoder")
 REQUIRED = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
 
 
@@ -38,7 +44,8 @@ class ModelDirInfo:
     pipeline_class: str
     components: dict[str, tuple[str, str]]  # name -> (library, class)
     transformer_config: dict
-    transformer_params: int
+    transformer_params: int  # of all experts together
+    variant: wan.WanVariant = wan.WanVariant()
 
 
 def _read_json(path: Path) -> dict:
@@ -100,21 +107,49 @@ def count_params(files: list[Path]) -> int:
 
 def _refuse_unhonoured(path: Path, index: dict, components: dict[str, tuple[str, str]]) -> None:
     """A directory asking for what the runtime does not do is refused, naming it: never run as
-    the Wan2.1 text-to-video model it is not (the video would be wrong without a word)."""
+    a model it is not (the video would be wrong without a word)."""
     extra = [name for name in components if name not in OPTIONAL]
     if extra:
-        raise ModelDirError(
-            f"{path}/model_index.json has component(s) {', '.join(extra)} that ditango does not run "
-            "(a second expert or an image encoder: Wan2.2 and image-to-video are not supported yet)"
-        )
-    for key, what in UNHONOURED_KEYS.items():
-        if index.get(key) not in (None, False):
+        raise ModelDirError(f"{path}/model_index.json has component(s) {', '.join(extra)} that ditango does not run")
+    for name, classes in HONOURED_CLASSES.items():
+        if name in components and components[name][1] not in classes:
             raise ModelDirError(
-                f"{path}/model_index.json sets {key} = {index[key]!r} ({what}), which ditango does not support yet"
+                f"{path}: component {name} is a {components[name][1]}; ditango runs a {' or '.join(classes)} there"
             )
-    for name, cls in HONOURED_CLASSES.items():
-        if components[name][1] != cls:
-            raise ModelDirError(f"{path}: component {name} is a {components[name][1]}; ditango runs a {cls} there")
+
+
+def _variant(path: Path, index: dict, components: dict, config: dict, config_2: dict | None) -> wan.WanVariant:
+    """What the directory asks of the denoising loop, checked for consistency."""
+    where = f"{path}/model_index.json"
+    ratio, expand = index.get("boundary_ratio"), index.get("expand_timesteps", False)
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1):
+        raise ModelDirError(f"{where}: boundary_ratio must be a number in (0, 1), got {ratio!r}")
+    if not isinstance(expand, bool):
+        raise ModelDirError(f"{where}: expand_timesteps must be true or false, got {expand!r}")
+    if (ratio is None) != (config_2 is None):
+        what = "a second expert (transformer_2) but no boundary_ratio" if ratio is None else (
+            f"boundary_ratio {ratio} but no second expert (transformer_2)")  # fmt: skip
+        raise ModelDirError(f"{where} has {what}: diffusers would not run both experts; ditango refuses it")
+    if config_2 is not None and (differ := wan.same_architecture(config, config_2)):
+        raise ModelDirError(f"{path}: transformer and transformer_2 differ in {', '.join(differ)}; ditango needs "
+                            "experts of one architecture")  # fmt: skip
+    pipeline = index["_class_name"]
+    wants_image = config.get("image_dim") is not None
+    if wants_image and "image_encoder" not in components:
+        raise ModelDirError(
+            f"{path}: the transformer takes CLIP image embeddings (image_dim) but there is no image_encoder"
+        )
+    if pipeline == "WanPipeline" and ("image_encoder" in components or wants_image):
+        raise ModelDirError(f"{where}: a WanPipeline with an image encoder; image-to-video is WanImageToVideoPipeline")
+    if wants_image and "image_processor" not in components:
+        raise ModelDirError(f"{where} lists an image_encoder but no image_processor")
+    if pipeline == "WanImageToVideoPipeline" and not expand and config.get("in_channels") == config.get("out_channels"):
+        raise ModelDirError(f"{path}: a WanImageToVideoPipeline whose transformer takes no condition channels "
+                            f"(in_channels = out_channels = {config.get('in_channels')})")  # fmt: skip
+    return wan.WanVariant(
+        pipeline=pipeline, boundary_ratio=None if ratio is None else float(ratio), expand_timesteps=expand,
+        image_encoder="image_encoder" in components,
+    )  # fmt: skip
 
 
 def inspect_model_dir(path: Path) -> ModelDirInfo:
@@ -139,18 +174,17 @@ def inspect_model_dir(path: Path) -> ModelDirInfo:
         folder = path / name
         if not folder.is_dir():
             raise ModelDirError(f"model directory is incomplete: component folder {folder} is missing")
-    for name, config_file in WEIGHTED.items():
-        _read_json(path / name / config_file)
-    for name in ("text_encoder", "vae"):
-        _check_weights(path / name, name)
-    transformer_files = _check_weights(path / "transformer", "transformer")
+    configs = {name: _read_json(path / name / "config.json") for name in WEIGHTED if name in components}
+    weights = {name: _check_weights(path / name, name) for name in WEIGHTED if name in components}
     _read_json(path / "scheduler" / "scheduler_config.json")
     if not any((path / "tokenizer").iterdir()):
         raise ModelDirError(f"model directory is incomplete: {path / 'tokenizer'} is empty")
+    variant = _variant(path, index, components, configs["transformer"], configs.get("transformer_2"))
     return ModelDirInfo(
         path=path,
         pipeline_class=pipeline_class,
         components=components,
-        transformer_config=_read_json(path / "transformer" / "config.json"),
-        transformer_params=count_params(transformer_files),
+        transformer_config=configs["transformer"],
+        transformer_params=sum(count_params(weights[n]) for n in ("transformer", "transformer_2") if n in weights),
+        variant=variant,
     )

@@ -54,23 +54,28 @@ def _dtype_kwarg() -> str:
 
 
 def load_components(model: ResolvedModel, placement: Placement) -> dict:
-    """Return {tokenizer, text_encoder, transformer, vae, scheduler} ready for inference.
+    """Return {tokenizer, text_encoder, transformer[, transformer_2], vae, scheduler[,
+    image_encoder, image_processor]} ready for inference, through the diffusers pipeline class
+    the directory names (the spec's variant).
 
-    The VAE is kept in float32 (as Wan2.1's reference code and diffusers' examples do);
-    the text encoder and transformer take `placement.dtype`, with the float32 modules
-    diffusers/transformers keep when loading. The built-in model is a directory shipped in
-    the package, loaded through the same path as a user checkpoint.
+    The VAE and the CLIP image encoder are kept in float32 (as Wan's reference code and
+    diffusers' examples do); the text encoder and transformers take `placement.dtype`, with
+    the float32 modules diffusers/transformers keep when loading. The built-in model is a
+    directory shipped in the package, loaded through the same path as a user checkpoint.
     """
-    from diffusers import WanPipeline
+    import diffusers
 
     path = model.path
-    dtypes = {"default": placement.dtype, "vae": torch.float32}
+    pipeline_class = getattr(diffusers, model.spec.variant.pipeline)
+    dtypes = {"default": placement.dtype, "vae": torch.float32, "image_encoder": torch.float32}
     try:
-        pipe = WanPipeline.from_pretrained(
+        pipe = pipeline_class.from_pretrained(
             str(path), local_files_only=True, use_safetensors=True, **{_dtype_kwarg(): dtypes}
         )
         components = {k: v for k, v in pipe.components.items() if v is not None}
-        for name in ("text_encoder", "transformer", "vae"):
+        for name in ("text_encoder", "transformer", "transformer_2", "vae", "image_encoder"):
+            if name not in components:
+                continue
             # Device only: a dtype cast here would undo the float32 modules kept by from_pretrained.
             components[name].to(placement.device).eval().requires_grad_(False)
     except Exception as exc:  # diffusers/transformers raise many types for a broken directory

@@ -1,7 +1,7 @@
 """Registry of model names and how a `--model` argument resolves to components.
 
-`--model` is a registry name (`tiny-wan`, `wan2.1-1.3b`, `wan2.1-14b`) or a path to a
-diffusers-format directory. Real checkpoints are never downloaded: named ones resolve
+`--model` is a registry name (`ditango models` lists them) or a path to a diffusers-format
+directory. Real checkpoints are never downloaded: named ones resolve
 under `--model-root` or `$DITANGO_MODEL_ROOT`.
 """
 
@@ -12,9 +12,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from planner.errors import ConfigError
-from planner.models import MODELS, ModelShape
+from planner.models import ModelShape
 from runtime.errors import ModelDirError
-from runtime.models.checkpoint import inspect_model_dir
+from runtime.models import wan
+from runtime.models.checkpoint import ModelDirInfo, inspect_model_dir
 
 MODEL_ROOT_ENV = "DITANGO_MODEL_ROOT"
 BUILTIN_DIR = Path(__file__).resolve().parent / "tiny" / "weights"  # tiny-wan, a diffusers directory
@@ -37,16 +38,21 @@ class Defaults:
     # Patches per axis (frames, height, width) the transformer's rotary table covers
     # (diffusers' `rope_max_seq_len`): a larger video fails inside the model with a reshape error.
     rope_max_seq_len: int = 1024
+    guidance_2: float | None = None  # the low-noise expert's CFG scale; None: one expert
+    image: str = "none"  # "required" (image-to-video), "optional" (TI2V) or "none"
+    experts: int = 1  # 2: Wan2.2 A14B (guidance_2 applies)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
     description: str
-    shape: ModelShape  # the transformer (planner/models.py, the one model table)
+    shape: ModelShape  # the transformer, from its config through the family adapter
     defaults: Defaults
     dir_name: str | None = None  # directory under the model root, for named checkpoints
     builtin: bool = False  # shipped inside the package (BUILTIN_DIR)
+    variant: wan.WanVariant = wan.WanVariant()
+    family: str = "wan"
 
     @property
     def params(self) -> int:
@@ -64,46 +70,86 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.shape.head_dim
 
-
-# The transformers' `rope_max_seq_len` where it is not diffusers' default of 1024 (Wan2.1: 1024).
-ROPE_MAX_SEQ_LEN = {"tiny-wan": 256}
-
-
-def _defaults(shape: ModelShape, **kwargs) -> Defaults:
-    """Generation defaults with the geometry (VAE stride, patch, rotary table) of `shape`."""
-    rope = ROPE_MAX_SEQ_LEN.get(shape.name, Defaults.rope_max_seq_len)
-    return Defaults(vae_stride=shape.vae_stride[1], patch=shape.patch, rope_max_seq_len=rope, **kwargs)
+    @property
+    def task(self) -> str:
+        return self.variant.task
 
 
-# Wan2.1 settings: diffusers' WanPipeline defaults (50 steps, guidance 5.0, 832x480, 81 frames,
-# 512 text tokens) and the checkpoints' transformer configs.
-WAN_DEFAULTS = Defaults()
-
-REGISTRY: dict[str, ModelSpec] = {
-    "tiny-wan": ModelSpec(
-        name="tiny-wan",
-        description="built-in tiny Wan trained on moving shapes (runtime/models/tiny/weights)",
-        shape=MODELS["tiny-wan"],
-        defaults=_defaults(
-            MODELS["tiny-wan"], steps=25, guidance=2.5, height=64, width=64, frames=17, fps=8, max_text_len=32
-        ),
-        builtin=True,
-    ),
-    "wan2.1-1.3b": ModelSpec(
-        name="wan2.1-1.3b",
-        description="Wan2.1 text-to-video 1.3B",
-        shape=MODELS["wan2.1-1.3b"],
-        defaults=WAN_DEFAULTS,
-        dir_name="Wan2.1-T2V-1.3B-Diffusers",
-    ),
-    "wan2.1-14b": ModelSpec(
-        name="wan2.1-14b",
-        description="Wan2.1 text-to-video 14B",
-        shape=MODELS["wan2.1-14b"],
-        defaults=WAN_DEFAULTS,
-        dir_name="Wan2.1-T2V-14B-Diffusers",
-    ),
+# Transformer configs of the public diffusers-format checkpoints (their transformer/config.json;
+# the keys that decide the shape). Wan2.2 A14B's two experts share one config.
+WAN21_14B = {
+    "num_layers": 40, "num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824,
+    "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "patch_size": [1, 2, 2],
+    "image_dim": None, "added_kv_proj_dim": None, "qk_norm": "rms_norm_across_heads", "cross_attn_norm": True,
+    "rope_max_seq_len": 1024,
+}  # fmt: skip
+CONFIGS = {
+    "wan2.1-1.3b": {**WAN21_14B, "num_layers": 30, "num_attention_heads": 12, "ffn_dim": 8960},
+    "wan2.1-14b": WAN21_14B,
+    "wan2.1-i2v-14b": {**WAN21_14B, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},
+    "wan2.2-t2v-a14b": WAN21_14B,
+    "wan2.2-i2v-a14b": {**WAN21_14B, "in_channels": 36},
+    "wan2.2-ti2v-5b": {**WAN21_14B, "num_layers": 30, "num_attention_heads": 24, "ffn_dim": 14336,
+                       "in_channels": 48, "out_channels": 48},
+}  # fmt: skip
+# Parameters of one transformer of each config (`wan.count_params`, checked by the tests).
+PARAMS = {
+    "wan2.1-1.3b": 1_418_996_800,
+    "wan2.1-14b": 14_288_491_584,
+    "wan2.1-i2v-14b": 16_394_878_784,
+    "wan2.2-t2v-a14b": 14_288_491_584,
+    "wan2.2-i2v-a14b": 14_288_901_184,
+    "wan2.2-ti2v-5b": 4_999_787_712,
 }
+TINY_CONFIG = {
+    "num_layers": 4, "num_attention_heads": 4, "attention_head_dim": 48, "ffn_dim": 768, "in_channels": 12,
+    "out_channels": 12, "text_dim": 32, "patch_size": [1, 2, 2], "rope_max_seq_len": 256,
+}  # fmt: skip
+
+
+def _spec(
+    name: str, description: str, config_key: str, dir_name: str | None, variant: wan.WanVariant, vae_stride: int = 8,
+    text_len: int = 512, params: int | None = None, builtin: bool = False, **defaults,
+) -> ModelSpec:  # fmt: skip
+    """A registry entry: shape from the transformer config (through the adapter), defaults
+    from diffusers' pipeline and the model card, geometry from the config and VAE."""
+    config = TINY_CONFIG if config_key == "tiny-wan" else CONFIGS[config_key]
+    n = PARAMS.get(config_key, 0) if params is None else params
+    shape = wan.shape_of(name, config, n * variant.experts, text_len, (4, vae_stride, vae_stride))
+    geometry = Defaults(
+        vae_stride=vae_stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
+        max_text_len=text_len, image=variant.image, experts=variant.experts,
+    )  # fmt: skip
+    return ModelSpec(name, description, shape, replace(geometry, **defaults), dir_name, builtin, variant)
+
+
+T2V, I2V = wan.WanVariant(), wan.WanVariant(pipeline="WanImageToVideoPipeline", image_encoder=True)
+P720 = {"height": 720, "width": 1280}
+REGISTRY: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        _spec("tiny-wan", "built-in tiny Wan trained on moving shapes (runtime/models/tiny/weights)", "tiny-wan",
+              None, T2V, vae_stride=4, text_len=32, params=2_712_816, builtin=True, steps=25, guidance=2.5,
+              height=64, width=64, frames=17, fps=8),
+        # Wan2.1: diffusers' WanPipeline / WanImageToVideoPipeline defaults (50 steps, guidance 5.0, 81 frames).
+        _spec("wan2.1-1.3b", "Wan2.1 text-to-video 1.3B", "wan2.1-1.3b", "Wan2.1-T2V-1.3B-Diffusers", T2V),
+        _spec("wan2.1-14b", "Wan2.1 text-to-video 14B", "wan2.1-14b", "Wan2.1-T2V-14B-Diffusers", T2V),
+        _spec("wan2.1-i2v-14b-480p", "Wan2.1 image-to-video 14B, 480p (CLIP image encoder)", "wan2.1-i2v-14b",
+              "Wan2.1-I2V-14B-480P-Diffusers", I2V),
+        _spec("wan2.1-i2v-14b-720p", "Wan2.1 image-to-video 14B, 720p (CLIP image encoder)", "wan2.1-i2v-14b",
+              "Wan2.1-I2V-14B-720P-Diffusers", I2V, **P720),
+        # Wan2.2 (the model cards' settings): two 14B experts switched at boundary_ratio x 1000.
+        _spec("wan2.2-t2v-a14b", "Wan2.2 text-to-video, two 14B experts", "wan2.2-t2v-a14b",
+              "Wan2.2-T2V-A14B-Diffusers", wan.WanVariant(boundary_ratio=0.875), steps=40, guidance=4.0,
+              guidance_2=3.0, **P720),
+        _spec("wan2.2-i2v-a14b", "Wan2.2 image-to-video, two 14B experts", "wan2.2-i2v-a14b",
+              "Wan2.2-I2V-A14B-Diffusers", wan.WanVariant(pipeline="WanImageToVideoPipeline", boundary_ratio=0.9),
+              steps=40, guidance=3.5, guidance_2=3.5),
+        _spec("wan2.2-ti2v-5b", "Wan2.2 text/image-to-video 5B, per-token timesteps, 16x VAE", "wan2.2-ti2v-5b",
+              "Wan2.2-TI2V-5B-Diffusers", wan.WanVariant(expand_timesteps=True), vae_stride=16, height=704,
+              width=1280, frames=121, fps=24),
+    )
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -134,43 +180,51 @@ def resolve_model(model: str, root: str | Path | None = None) -> ResolvedModel:
         path = base / spec.dir_name
         if not path.is_dir():
             raise ModelDirError(f"model {model!r}: {path} does not exist (expected a diffusers-format checkpoint)")
-        inspect_model_dir(path)
-        return ResolvedModel(spec, path)
+        info = inspect_model_dir(path)
+        found = spec_from_dir(path, info)
+        mismatch = _differs(spec, found)
+        if mismatch:
+            raise ModelDirError(f"model {model!r}: {path} is not that checkpoint ({mismatch})")
+        return ResolvedModel(replace(spec, variant=info.variant), path)
 
     path = Path(model).expanduser()
     if path.is_dir():
-        info = inspect_model_dir(path)
-        return ResolvedModel(spec_from_dir(path, info.transformer_config, info.transformer_params), path)
+        return ResolvedModel(spec_from_dir(path, inspect_model_dir(path)), path)
     if path.exists():
         raise ModelDirError(f"--model {model}: not a directory (expected a diffusers-format model directory)")
     names = ", ".join(REGISTRY)
     raise ConfigError(f"unknown model {model!r}: use one of {names}, or a path to a diffusers-format directory")
 
 
-def spec_from_dir(path: Path, transformer_config: dict, params: int) -> ModelSpec:
-    """A spec for a user-supplied directory: Wan defaults, shapes from its transformer config."""
-    patch = tuple(int(p) for p in transformer_config.get("patch_size", WAN_DEFAULTS.patch))
+def _differs(spec: ModelSpec, found: ModelSpec) -> str | None:
+    """What of a named model's directory disagrees with its registry entry (None: nothing)."""
+    ours, theirs = spec.variant, found.variant
+    for what, a, b in (
+        ("pipeline", ours.pipeline, theirs.pipeline),
+        ("experts", ours.experts, theirs.experts),
+        ("boundary_ratio", ours.boundary_ratio, theirs.boundary_ratio),
+        ("expand_timesteps", ours.expand_timesteps, theirs.expand_timesteps),
+        ("layers", spec.layers, found.layers),
+        ("heads", spec.heads, found.heads),
+        ("head_dim", spec.head_dim, found.head_dim),
+        ("VAE stride", spec.defaults.vae_stride, found.defaults.vae_stride),
+    ):
+        if a != b:
+            return f"{what} {b!r} where {spec.name} has {a!r}"
+    return None
+
+
+def spec_from_dir(path: Path, info: ModelDirInfo) -> ModelSpec:
+    """A spec for a user-supplied directory: diffusers' pipeline defaults, shapes from its
+    transformer config (through the adapter), what it asks for from its model_index.json."""
+    config, variant = info.transformer_config, info.variant
     stride = vae_stride(path)
-    rope = int(transformer_config.get("rope_max_seq_len", WAN_DEFAULTS.rope_max_seq_len))
-    shape = ModelShape(
-        name=str(path),
-        layers=int(transformer_config.get("num_layers", 0)),
-        heads=int(transformer_config.get("num_attention_heads", 0)),
-        head_dim=int(transformer_config.get("attention_head_dim", 0)),
-        ffn=int(transformer_config.get("ffn_dim", 0)),
-        text_len=WAN_DEFAULTS.max_text_len,
-        params=params,
-        text_dim=int(transformer_config.get("text_dim", 4096)),
-        latent_channels=int(transformer_config.get("in_channels", 16)),
-        patch=patch,  # type: ignore[arg-type]
-        vae_stride=(4, stride, stride),
-    )
-    return ModelSpec(
-        name=str(path),
-        description="local diffusers-format directory",
-        shape=shape,
-        defaults=replace(WAN_DEFAULTS, vae_stride=stride, patch=patch, rope_max_seq_len=rope),
-    )
+    shape = wan.shape_of(str(path), config, info.transformer_params, Defaults.max_text_len, (4, stride, stride))
+    defaults = Defaults(
+        vae_stride=stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
+        image=variant.image, experts=variant.experts,
+    )  # fmt: skip
+    return ModelSpec(str(path), "local diffusers-format directory", shape, defaults, variant=variant)
 
 
 def vae_stride(path: Path) -> int:
@@ -180,6 +234,6 @@ def vae_stride(path: Path) -> int:
     try:
         config = json.loads((path / "vae" / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return WAN_DEFAULTS.vae_stride
+        return Defaults.vae_stride
     stride = config.get("scale_factor_spatial")  # what WanPipeline sizes its latents by
-    return int(stride) if isinstance(stride, int) and stride > 0 else WAN_DEFAULTS.vae_stride
+    return int(stride) if isinstance(stride, int) and stride > 0 else Defaults.vae_stride

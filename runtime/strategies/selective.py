@@ -131,13 +131,21 @@ class SelectiveRuntime:
         return range(1 + unit * self.compose, min(self.groups, 1 + (unit + 1) * self.compose))
 
     def begin_run(
-        self, max_tokens: int, batch: int, steps: int, branches: int, device=None, local_tokens: int | None = None
+        self,
+        max_tokens: int,
+        batch: int,
+        steps: int,
+        branches: int,
+        device=None,
+        local_tokens: int | None = None,
+        switches: tuple[int, ...] = (),
     ) -> None:
         """Size and allocate the item's cache before its first step.
 
         `max_tokens`: the LARGEST local chunk of any rank, so every rank picks the same
         compose factor (and so the same units and plan) even when chunks are uneven;
-        `local_tokens`: this rank's chunk (the buffers' S; default `max_tokens`). Without a
+        `local_tokens`: this rank's chunk (the buffers' S; default `max_tokens`); `switches`:
+        steps where another expert takes over (anchors: nothing cached crosses one). Without a
         user cap on CUDA the cap is the free memory, agreed (minimum) over the plan group."""
         self._device = device = torch.device("cpu") if device is None else torch.device(device)
         local_tokens = max_tokens if local_tokens is None else local_tokens
@@ -149,7 +157,7 @@ class SelectiveRuntime:
         anchors = branches * self.layers * anchor_bytes(batch, max_tokens, self.heads)
         self.compose = compose_factor(self.groups - 1, branches, self.layers, per_unit, limit, fixed_bytes=anchors)
         self.branches = branches
-        self.planner = DiTangoPlanner(self.planner_cfg, steps, self.layers, self.units)
+        self.planner = DiTangoPlanner(self.planner_cfg, steps, self.layers, self.units, switches)
         U, L, N = self.units, self.layers, branches
         self.cache = StateCache(N, L, U, dtype)
         self.cache.allocate(batch, local_tokens, self.heads, self.head_dim, device)
@@ -333,8 +341,10 @@ class SelectiveRuntime:
         assert self.planner is not None
         log = self.planner.log()
         summary = log.summary()
+        # Steps where the second expert took over: anchors by construction (planner/ditango.py).
+        summary["expert_switches"] = list(self.planner.switches)
         return {
-            "plan_log": log.to_json(),
+            "plan_log": {**log.to_json(), "expert_switches": list(self.planner.switches)},
             "computed_fraction": summary["computed_fraction"],
             "per_step": summary["per_step"],
             "plan": summary,

@@ -1,0 +1,196 @@
+"""The Wan family adapter: Wan2.1 and Wan2.2 as diffusers runs them (`WanTransformer3DModel`).
+
+What the parallel strategies need of this family, declared in one place (the strategies
+name no model; runtime/strategies/parallelize.py calls `install`):
+- tokens enter at `rope` (cos, sin [1, S, 1, D], sharded to the rank's chunk) and at
+  `blocks[0]` (hidden states [B, S, C], sharded);
+- per-token inputs: with `expand_timesteps` (Wan2.2 TI2V) the `condition_embedder` returns
+  per-token time embeddings temb [B, S, C] and timestep_proj [B, S, 6C]: sharded with the
+  tokens (per-sample ones [B, C] stay whole);
+- self-attention is `blocks[i].attn1`: q/k/v projections, RMS norm across heads, Wan's
+  interleaved rotary (`WanSelfAttention` below), then the strategy's attention over all
+  chunks; cross-attention (`attn2`, text and image keys) keeps diffusers' processor;
+- the output is gathered at `proj_out` [B, S_local, C], so every rank unpatchifies the whole
+  prediction;
+- the model's shape (`shape_of`) for the registry, `check` and the cost model.
+Everything else in a Wan block is per token and runs unchanged on the local chunk.
+
+Variants (`WanVariant`, from model_index.json): one or two experts switched at
+`boundary_ratio * num_train_timesteps` (Wan2.2 A14B), per-token timesteps (`expand_timesteps`,
+TI2V-5B), and image-to-video through `WanImageToVideoPipeline` (Wan2.1 I2V with a CLIP image
+encoder; Wan2.2 I2V with the image only in the latents).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from planner.models import ModelShape
+
+PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
+TRANSFORMER_CLASS = "WanTransformer3DModel"
+VAE_CLASS = "AutoencoderKLWan"
+# The pipeline reads the encoder's penultimate hidden states: both CLIP vision classes give them.
+IMAGE_ENCODER_CLASSES = ("CLIPVisionModel", "CLIPVisionModelWithProjection")
+# transformers 5 saves its PIL fallback's name where torchvision is missing.
+IMAGE_PROCESSOR_CLASSES = ("CLIPImageProcessor", "CLIPImageProcessorFast", "CLIPImageProcessorPil")
+
+
+@dataclass(frozen=True)
+class WanVariant:
+    """What a Wan checkpoint asks of the denoising loop beyond Wan2.1 text-to-video."""
+
+    pipeline: str = "WanPipeline"  # the diffusers pipeline that is the exact reference
+    boundary_ratio: float | None = None  # two experts: `transformer` at t >= ratio * T, then `transformer_2`
+    expand_timesteps: bool = False  # per-token timesteps (Wan2.2 TI2V-5B)
+    image_encoder: bool = False  # CLIP image embeddings in the cross-attention (Wan2.1 I2V)
+
+    @property
+    def experts(self) -> int:
+        return 1 if self.boundary_ratio is None else 2
+
+    @property
+    def image(self) -> str:
+        """'required' (an image-to-video checkpoint), 'optional' (TI2V: text or image to video)
+        or 'none' (text-to-video only)."""
+        if self.pipeline == "WanImageToVideoPipeline":
+            return "required"
+        return "optional" if self.expand_timesteps else "none"
+
+    @property
+    def task(self) -> str:
+        return {"required": "i2v", "optional": "ti2v", "none": "t2v"}[self.image]
+
+    def image_pipeline(self) -> bool:
+        """Whether an item with an image runs through `WanImageToVideoPipeline`."""
+        return self.image != "none"
+
+
+def shape_of(name: str, config: dict, params: int, text_len: int, vae_stride: tuple[int, int, int]) -> ModelShape:
+    """The model's shape from its transformer config (diffusers' `config.json` keys)."""
+    patch = tuple(int(p) for p in config.get("patch_size", (1, 2, 2)))
+    out_channels = config.get("out_channels") or config.get("in_channels", 16)
+    return ModelShape(
+        name=name,
+        layers=int(config.get("num_layers", 0)),
+        heads=int(config.get("num_attention_heads", 0)),
+        head_dim=int(config.get("attention_head_dim", 0)),
+        ffn=int(config.get("ffn_dim", 0)),
+        text_len=text_len,
+        params=params,
+        text_dim=int(config.get("text_dim", 4096)),
+        latent_channels=int(out_channels),
+        patch=patch,  # type: ignore[arg-type]
+        vae_stride=vae_stride,
+    )
+
+
+def count_params(config: dict) -> int:
+    """Parameters of a transformer with this config, built on the meta device (no memory)."""
+    from diffusers import WanTransformer3DModel
+
+    known = set(WanTransformer3DModel.extract_init_dict(config)[0])
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**{k: v for k, v in config.items() if k in known})
+    return sum(p.numel() for p in model.parameters())
+
+
+def same_architecture(a: dict, b: dict) -> list[str]:
+    """Config keys on which two experts differ (one parallel runtime serves both: the
+    attention's heads, head dim and layer count must agree, and so must the token geometry)."""
+    keys = ("num_layers", "num_attention_heads", "attention_head_dim", "patch_size", "in_channels", "out_channels")
+    return [k for k in keys if a.get(k) != b.get(k)]
+
+
+# -- parallel installation ---------------------------------------------------------------
+
+
+def apply_rotary(x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) by the position angles; Wan's convention.
+
+    cos/sin [1, S, 1, D] hold each angle twice (interleaved), so even lanes carry it.
+    Computed in the frequency dtype, then cast back.
+    """
+    x_even, x_odd = x_BSHD.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    rotated = torch.stack([x_even * c - x_odd * s, x_even * s + x_odd * c], dim=-1).flatten(-2)
+    return rotated.to(x_BSHD.dtype)
+
+
+class WanSelfAttention:
+    """Self-attention processor of a Wan block: projections, QK norm and rotary on the local
+    chunk, then `ctx.attention` (the strategy) over all chunks."""
+
+    def __init__(self, ctx, layer: int) -> None:
+        self.ctx = ctx
+        self.layer = layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        assert encoder_hidden_states is None and attention_mask is None, "installed on self-attention only"
+        if getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key = attn.norm_q(query), attn.norm_k(key)  # per token (RMS across heads): shard-safe
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        if rotary_emb is not None:
+            query, key = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
+        out = self.ctx.attention(query, key, value, scale=query.shape[-1] ** -0.5, layer=self.layer)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def install(transformer, ctx) -> tuple[list, list]:
+    """Shard `transformer`'s tokens over `ctx` (a ShardContext) and route its self-attention
+    through the strategy; returns (hook handles, the processors replaced) for `uninstall`."""
+
+    def shard_rope(module, args, output):
+        cos, sin = output  # [1, S_full, 1, D], float64 in diffusers' Wan rope
+        ctx.begin_forward(cos.shape[1])
+        # float32 once per forward here, rather than q and k promoted to float64 in every layer
+        # (float64 is slow on GPUs; the angles' float32 rounding is far below bf16's).
+        return ctx.shard(cos).float(), ctx.shard(sin).float()
+
+    def shard_hidden(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        assert hidden.shape[1] == ctx.tokens, "rope and hidden states disagree on the token count"
+        if args:
+            return (ctx.shard(hidden), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": ctx.shard(hidden)}
+
+    def shard_time(module, args, output):
+        temb, timestep_proj, text, image = output
+        if temb.ndim == 3:  # per-token time embeddings [B, S, C] (expand_timesteps)
+            assert temb.shape[1] == ctx.tokens, "per-token timesteps and tokens disagree"
+            temb, timestep_proj = ctx.shard(temb), ctx.shard(timestep_proj)
+        return temb, timestep_proj, text, image
+
+    handles = [
+        transformer.rope.register_forward_hook(shard_rope),
+        transformer.condition_embedder.register_forward_hook(shard_time),
+        transformer.blocks[0].register_forward_pre_hook(shard_hidden, with_kwargs=True),
+        transformer.proj_out.register_forward_hook(lambda module, args, output: ctx.gather(output)),
+    ]
+    processors = [block.attn1.processor for block in transformer.blocks]
+    for layer, block in enumerate(transformer.blocks):
+        block.attn1.set_processor(WanSelfAttention(ctx, layer))
+    return handles, processors
+
+
+def uninstall(transformer, handles: list, processors: list) -> None:
+    for handle in handles:
+        handle.remove()
+    for block, processor in zip(transformer.blocks, processors, strict=True):
+        block.attn1.set_processor(processor)
+
+
+def attention_shape(transformer) -> tuple[int, int, int]:
+    """(layers, heads, head_dim) of the self-attention the strategy runs."""
+    cfg = transformer.config
+    return cfg.num_layers, cfg.num_attention_heads, cfg.attention_head_dim
+
+
+def patch_size(transformer) -> tuple[int, int, int]:
+    return tuple(transformer.config.patch_size)
