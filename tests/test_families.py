@@ -191,6 +191,9 @@ def test_strategies_on_four_ranks_equal_one_process(name, references, distribute
             latents = distributed[rank][(name, run)][0]
             err = (latents - ref).abs().max().item()
             assert err <= 1e-4, (name, run, rank, err)
+    for rank in range(4):  # DiTango at cache ratio 0 is ring
+        ring, exact = distributed[rank][(name, "ring")][0], distributed[rank][(name, "ratio0")][0]
+        assert (ring - exact).abs().max().item() <= 1e-4
     # DiTango with reuse moves fewer bytes across nodes than ring and than itself exact.
     ring_bytes = sum(distributed[r][(name, "ring")][1]["inter_node_bytes"] for r in range(4))
     exact_bytes = sum(distributed[r][(name, "ratio0")][1]["inter_node_bytes"] for r in range(4))
@@ -277,3 +280,30 @@ def test_image_to_video_from_a_prompt_file(runner, tmp_path):
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     result = runner.invoke(app, ["generate", "--prompt", "a red square", *common])
     assert result.exit_code == 2 and "is image-to-video" in result.stderr, result.stderr
+
+
+def _hybrid_target(rank, world, events):
+    from planner.hybrid import HybridConfig
+    from runtime.guidance import Hybrid
+
+    cfg, with_image = FAMILIES["t2v-a14b"]
+    den = WanDenoiser(build_tiny_wan(cfg), resolve_placement("cpu"), TEXT_LEN, variant(cfg))
+    layout = ParallelLayout(nodes=1, gpus_per_node=2, strategy="none", cfg_degree=2)
+    mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
+    # tau_cap 1: tau1 = 1, so the pipeline window is steps 2..5 and spans the switch at step 4.
+    den.guidance = Hybrid(mesh, Comm(mesh), HybridConfig(k=4, tau_cap=1), den.transformers)
+    latents = ours(den, cfg, with_image)
+    return latents, den.guidance.record(), den.switches(den.new_scheduler(STEPS))
+
+
+def test_hybrid_never_feeds_one_experts_boundary_to_the_other():
+    """Hybridiff over a two-expert model: the first pipeline step of the second expert is a
+    fill (the new expert runs both segments), not segment B on the old expert's boundary."""
+    per_rank = run_ranks(_hybrid_target, 2, (), timeout_s=300)
+    (a, record, switches), (b, record_b, _) = per_rank
+    assert switches == (4,)
+    stages = ["cfg-parallel", "cfg-parallel", "pipeline-fill", "pipeline", "pipeline-fill", "pipeline"]
+    assert record["stages"] == record_b["stages"] == stages
+    layers = BASE["layers"]
+    assert record_b["block_evals"][4] == layers and record["block_evals"][4] == 0  # cfg-1 runs it whole
+    assert torch.equal(a, b) and bool(torch.isfinite(a).all())
