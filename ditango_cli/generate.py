@@ -99,6 +99,8 @@ def build_run_config(
         p.nodes, p.gpus_per_node, p.replicas, spec.heads, strategy=strategy, cfg_parallel=g.cfg_parallel,
         ulysses_degree=p.ulysses_degree, group_size=d.group_size,
     )  # fmt: skip
+    if g.hybrid and spec.family == "hunyuanvideo":
+        raise ConfigError("--hybrid is not supported for HunyuanVideo yet (its two block stacks); use --cfg-parallel")
     if g.hybrid and layout.strategy == "ditango":
         raise ConfigError("--hybrid does not combine with --parallel ditango; use ring, ulysses or usp")
     if layout.strategy != "ditango" and d.given():
@@ -265,7 +267,7 @@ def check(m, i, o, p, d, g, s, r, options: dict) -> int:
         "layout": cfg.layout.to_json(), "replicas": cfg.replicas, "executor": where, "attention_backend": backend,
         "skipped": sorted(skipped),
         "items": [{k: getattr(it, k) for k in ("id", "prompt", "negative_prompt", "seed", "height", "width",
-                                                "frames", "steps", "guidance", "guidance_2", "image")}
+                                                "frames", "steps", "guidance", "guidance_2", "true_cfg", "image")}
                   | {"tokens": it.tokens()}
                   for it in cfg.items],
     }  # fmt: skip

@@ -71,6 +71,13 @@ class ItemArgs:
     guidance_2: Annotated[
         float | None, _o("--guidance-2", help="Two-expert models: the low-noise expert's CFG scale [the model's].")
     ] = None
+    true_cfg_scale: Annotated[
+        float | None,
+        _o(
+            "--true-cfg-scale",
+            help="HunyuanVideo: real CFG with the negative prompt when > 1 (--guidance is embedded).",
+        ),
+    ] = None
     image: Annotated[
         Path | None, _o("--image", help="Image-to-video: the first frame (JSONL lines may give their own).")
     ] = None

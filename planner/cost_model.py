@@ -123,6 +123,31 @@ def attention_time(
     hw: Hardware, topo: Topology, shape: ModelShape, tokens: int, e: int, compute_fraction: float
 ) -> float:
     """One layer's self-attention for one forward on the slowest rank."""
+    return _video_attention_time(hw, topo, shape, tokens, e, compute_fraction) + _joint_text_time(
+        hw, topo, shape, tokens
+    )
+
+
+def _joint_text_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: int) -> float:
+    """Joint attention's text part (`shape.joint_text`): the local queries over the text keys,
+    the text rows over the local chunk and over the text, and the gather of the text rows'
+    states (float32) from every cp peer."""
+    if not shape.joint_text:
+        return 0.0
+    H, D, n = shape.heads, shape.head_dim, shape.text_len
+    P = topo.layout.cp_degree
+    q = max(chunk_sizes(tokens, P))
+    t = _attn_s(hw, q, n, H, D) + _attn_s(hw, n, q, H, D) + _attn_s(hw, n, n, H, D)
+    if P > 1:
+        cp_ranks = topo.groups["cp"][0]
+        link = "inter_node" if len({topo.node_of[r] for r in cp_ranks}) > 1 else "intra_node"
+        t += (P - 1) * n * H * (D + 1) * 4 / _bw(hw, link) + _lat(hw, link)
+    return t
+
+
+def _video_attention_time(
+    hw: Hardware, topo: Topology, shape: ModelShape, tokens: int, e: int, compute_fraction: float
+) -> float:
     layout = topo.layout
     H, D = shape.heads, shape.head_dim
     sizes = chunk_sizes(tokens, layout.cp_degree)
@@ -158,8 +183,13 @@ def attention_time(
 
 
 def rest_of_block_time(hw: Hardware, shape: ModelShape, local_tokens: int) -> float:
-    """Projections, cross-attention and FFN of one block on one rank's tokens."""
+    """Projections, cross-attention and FFN of one block on one rank's tokens (joint-text
+    models: no cross-attention; the text tokens' projections and FFN run on every rank)."""
     n, hid = local_tokens, shape.hidden
+    if shape.joint_text:
+        tokens = n + shape.text_len
+        flops = 2 * tokens * 4 * hid * hid + 2 * tokens * 2 * hid * shape.ffn
+        return flops / (hw.bf16_tflops * 1e12 * ASSUMPTIONS["matmul_efficiency"])
     flops = 2 * n * 4 * hid * hid  # self-attention q, k, v, o
     flops += 2 * n * 2 * hid * hid + 2 * shape.text_len * 2 * shape.text_dim * hid  # cross-attn q, o; k, v of text
     flops += 2 * n * 2 * hid * shape.ffn  # FFN up and down

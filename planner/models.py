@@ -26,6 +26,9 @@ class ModelShape:
     latent_channels: int = 16
     patch: tuple[int, int, int] = (1, 2, 2)
     vae_stride: tuple[int, int, int] = (4, 8, 8)
+    # Text tokens take part in every self-attention (HunyuanVideo's joint attention), instead
+    # of a cross-attention: `text_len` rows and keys held whole on every rank.
+    joint_text: bool = False
 
     @property
     def hidden(self) -> int:

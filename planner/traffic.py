@@ -120,6 +120,19 @@ def gather_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e
                     t.add("gather", topo.link(a, b), forwards * block)
 
 
+def joint_traffic(t: Traffic, topo: Topology, shape: ModelShape, forwards: int) -> None:
+    """Joint text-video attention (`shape.joint_text`): per layer and forward, every cp rank
+    receives each peer's float32 state (out and lse) of the text rows over its own chunk."""
+    if not shape.joint_text:
+        return
+    block = shape.text_len * shape.heads * (shape.head_dim + 1) * 4
+    for cp_ranks in topo.groups["cp"]:
+        for a in cp_ranks:
+            for b in cp_ranks:
+                if a != b:
+                    t.add("joint", topo.link(a, b), forwards * shape.layers * block)
+
+
 def cfg_traffic(t: Traffic, topo: Topology, latent_numel: int, e: int, steps: int) -> None:
     """CFG-parallel: each rank receives its partner's full prediction once per step."""
     for pair in topo.groups["cfg"]:
@@ -165,6 +178,7 @@ def predict_traffic(
     t = Traffic()
     attention_traffic(t, topo, shape, tokens, element_bytes, forwards, plan_bits)
     gather_traffic(t, topo, shape, tokens, element_bytes, forwards)
+    joint_traffic(t, topo, shape, forwards)
     if layout.cfg_degree == 2:
         cfg_traffic(t, topo, math.prod(shape.latent_shape(height, width, frames)) * shape.latent_channels,
                     element_bytes, steps)  # fmt: skip

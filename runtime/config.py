@@ -47,6 +47,9 @@ class Item:
     source: str = "--prompt"
     guidance_2: float | None = None  # the low-noise expert's CFG scale (two-expert models)
     image: str | None = None  # image-to-video: absolute path of the conditioning image
+    # HunyuanVideo: real CFG scale (diffusers' true_cfg_scale), `guidance` being the embedded
+    # guidance; None for families whose `guidance` is the CFG scale.
+    true_cfg: float | None = None
     # The model's geometry (from its registry spec): VAE spatial stride and transformer patch.
     vae_stride: int = 8
     patch: tuple[int, int, int] = (1, 2, 2)
@@ -72,10 +75,17 @@ class Item:
             raise ConfigError(f"{where}steps must be >= 1, got {self.steps}")
         if not (math.isfinite(self.guidance) and self.guidance >= 0):
             raise ConfigError(f"{where}guidance must be a finite number >= 0, got {self.guidance}")
+        if self.true_cfg is not None and not (math.isfinite(self.true_cfg) and self.true_cfg >= 0):
+            raise ConfigError(f"{where}true_cfg_scale must be a finite number >= 0, got {self.true_cfg}")
         if self.guidance_2 is not None and not (math.isfinite(self.guidance_2) and self.guidance_2 >= 0):
             raise ConfigError(f"{where}guidance_2 must be a finite number >= 0, got {self.guidance_2}")
         if self.seed < 0 or self.seed >= 2**63:
             raise ConfigError(f"{where}seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def cfg_scale(self) -> float:
+        """The classifier-free guidance scale: two branches run when it is > 1."""
+        return self.guidance if self.true_cfg is None else self.true_cfg
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -156,9 +166,10 @@ class RunConfig:
                 )
         if self.layout.cfg_degree == 2:
             for item in self.items:
-                if item.guidance <= 1.0:
+                if item.cfg_scale <= 1.0:
+                    what = "--true-cfg-scale" if item.true_cfg is not None else "guidance"
                     raise ConfigError(
-                        f"{item.source}: --cfg-parallel needs guidance > 1 (two CFG branches), got {item.guidance:g}"
+                        f"{item.source}: --cfg-parallel needs {what} > 1 (two CFG branches), got {item.cfg_scale:g}"
                     )
         if self.hybrid is not None and self.layout.cfg_degree != 2:
             raise ConfigError("--hybrid needs --cfg-parallel")

@@ -31,7 +31,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 RESERVED_IDS = {"report"}
 RESERVED_SUFFIXES = (".plan", ".latents", ".rel_mae")
 INT_KEYS = ("seed", "height", "width", "frames", "steps")
-JSONL_KEYS = {"id", "prompt", "negative_prompt", "guidance", "guidance_2", "image", *INT_KEYS}
+JSONL_KEYS = {"id", "prompt", "negative_prompt", "guidance", "guidance_2", "true_cfg_scale", "image", *INT_KEYS}
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class Overrides:
     steps: int | None = None
     guidance: float | None = None
     guidance_2: float | None = None
+    true_cfg_scale: float | None = None
     image: Path | None = None
 
 
@@ -125,6 +126,11 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
     guidance_2 = pick("guidance_2", cli.guidance_2, defaults.guidance_2)
     if guidance_2 is not None and defaults.experts == 1:
         raise ConfigError(f'{source}: --guidance-2 / "guidance_2" apply to two-expert models (Wan2.2 A14B) only')
+    true_cfg = pick("true_cfg_scale", cli.true_cfg_scale, defaults.true_cfg)
+    if true_cfg is not None and defaults.true_cfg is None:
+        raise ConfigError(
+            f'{source}: --true-cfg-scale / "true_cfg_scale" apply to HunyuanVideo only (Wan\'s --guidance is its CFG scale)'
+        )
     item = Item(
         id=item_id,
         prompt=prompt,
@@ -136,6 +142,7 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
         steps=pick("steps", cli.steps, defaults.steps),
         guidance=float(pick("guidance", cli.guidance, defaults.guidance)),
         guidance_2=None if guidance_2 is None else float(guidance_2),
+        true_cfg=None if true_cfg is None else float(true_cfg),
         image=image,
         vae_stride=defaults.vae_stride,
         patch=defaults.patch,
@@ -206,7 +213,7 @@ def _jsonl_fields(line: str, where: str) -> dict:
     for key in INT_KEYS:
         if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int)):
             raise ConfigError(f'{where}: "{key}" must be an integer, got {data[key]!r}')
-    for key in ("guidance", "guidance_2"):
+    for key in ("guidance", "guidance_2", "true_cfg_scale"):
         if key in data and (isinstance(data[key], bool) or not isinstance(data[key], (int, float))):
             raise ConfigError(f'{where}: "{key}" must be a number, got {data[key]!r}')
     if "image" in data and not (isinstance(data["image"], str) and data["image"].strip()):

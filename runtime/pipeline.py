@@ -295,3 +295,88 @@ class WanDenoiser:
         video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
         frames = self.pipe.video_processor.postprocess_video(video, output_type="np")[0]
         return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+
+
+@dataclass
+class HunyuanText:
+    """One CFG branch's text inputs of HunyuanVideo, with the embedded guidance it runs with."""
+
+    inputs: dict  # encoder_hidden_states, encoder_attention_mask, pooled_projections
+    guidance: torch.Tensor  # [B] embedded guidance x 1000 (the same in both branches)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.inputs["encoder_hidden_states"].shape)
+
+
+class HunyuanDenoiser(WanDenoiser):
+    """HunyuanVideo's loop (`HunyuanVideoPipeline`): the same denoising loop, listeners and CFG
+    runners as Wan's, with this family's text encoding (Llama with a prompt template + CLIP
+    pooled), embedded guidance and flow-matching sigmas.
+
+    `embedded_guidance` is diffusers' `guidance_scale` (distilled into the model); real
+    classifier-free guidance (diffusers' `true_cfg_scale`) is the `guidance` of `encode_text`
+    and `denoise`, and runs two branches only when it is > 1."""
+
+    def __init__(self, components: dict, placement: Placement, max_text_len: int, prompt_template: dict | None = None):
+        from diffusers import HunyuanVideoPipeline
+
+        self.placement = placement
+        self.max_text_len = max_text_len
+        self.variant = WanVariant()  # one expert, no per-token timesteps, no image
+        self.transformers = [components["transformer"]]
+        self.expert = 0
+        self.vae = components["vae"]
+        self._scheduler_template = components["scheduler"]
+        self.pipe = HunyuanVideoPipeline(**{k: components[k] for k in (
+            "text_encoder", "tokenizer", "transformer", "vae", "scheduler", "text_encoder_2", "tokenizer_2")})  # fmt: skip
+        self.pipe.set_progress_bar_config(disable=True)
+        self.image_pipe = None
+        self.prompt_template = prompt_template
+        self.embedded_guidance = 6.0  # the pipeline's default guidance_scale
+        self.listener: DenoiseListener | None = None
+        self.guidance: SequentialCfg | CfgParallel = SequentialCfg()
+        self._condition = None
+
+    @torch.no_grad()
+    def encode_text(self, prompt: str, negative_prompt: str | None, guidance: float) -> TextEmbeds:
+        """`guidance`: the real CFG scale (diffusers' true_cfg_scale); the negative branch
+        exists when it is > 1 and a negative prompt is given, as in the pipeline."""
+        from runtime.models.hunyuan import guidance_tensor, prompt_embeds
+
+        dtype = self.transformer.dtype
+        g = guidance_tensor(self.embedded_guidance, 1, dtype, self.device)
+
+        def encode(text: str) -> HunyuanText:
+            inputs = prompt_embeds(self.pipe, text, self.prompt_template, self.max_text_len, self.device, dtype)
+            return HunyuanText(inputs, g)
+
+        negative = encode(negative_prompt) if guidance > 1.0 and negative_prompt is not None else None
+        return TextEmbeds(encode(prompt), negative)
+
+    def latent_channels(self) -> int:
+        return self.transformer.config.in_channels
+
+    def new_scheduler(self, steps: int):
+        scheduler = type(self._scheduler_template).from_config(self._scheduler_template.config)
+        sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]  # the pipeline's default schedule
+        scheduler.set_timesteps(sigmas=sigmas, device=self.device)
+        scheduler.set_begin_index(0)
+        return scheduler
+
+    def predict(self, latents_BCFHW: torch.Tensor, t: torch.Tensor, text: HunyuanText) -> torch.Tensor:
+        return self.transformer(
+            hidden_states=latents_BCFHW.to(self.transformer.dtype),
+            timestep=t.expand(latents_BCFHW.shape[0]).to(latents_BCFHW.dtype),
+            guidance=text.guidance,
+            return_dict=False,
+            **text.inputs,
+        )[0]
+
+    @torch.no_grad()
+    def decode(self, latents_BCFHW: torch.Tensor) -> np.ndarray:
+        """Latents -> uint8 frames [F, H, W, 3], as HunyuanVideoPipeline decodes them."""
+        latents = latents_BCFHW.to(self.device, dtype=self.vae.dtype) / self.vae.config.scaling_factor
+        video = self.vae.decode(latents, return_dict=False)[0]
+        frames = self.pipe.video_processor.postprocess_video(video, output_type="np")[0]
+        return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)

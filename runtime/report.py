@@ -89,7 +89,8 @@ def item_record(
         "width": item.width,
         "steps": item.steps,
         "guidance": item.guidance,
-        "guidance_2": item.guidance_2,  # two-expert models: the low-noise expert's scale (None: guidance)
+        "guidance_2": item.guidance_2,
+        "true_cfg_scale": item.true_cfg,  # HunyuanVideo: real CFG (guidance is the embedded one)  # two-expert models: the low-noise expert's scale (None: guidance)
         "image": item.image,  # image-to-video: the conditioning image
         "tokens": item.tokens(),
         "timing": None if timing is None else timing.to_json(),

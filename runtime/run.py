@@ -26,7 +26,7 @@ from runtime.mesh import Mesh, build_mesh
 from runtime.models.loading import load_components, placement_on, resolve_placement
 from runtime.models.registry import resolve_model
 from runtime.outputs import mark_running, output_paths, plan_resume, record_failure
-from runtime.pipeline import DenoiseResult, NonFiniteLatents, WanDenoiser, synchronize
+from runtime.pipeline import DenoiseResult, HunyuanDenoiser, NonFiniteLatents, WanDenoiser, synchronize
 from runtime.plots import write_heatmap, write_rel_mae_plot
 from runtime.quality import quality_record
 from runtime.report import SCHEMA, ItemTiming, item_record, peak_memory, run_report
@@ -123,7 +123,7 @@ def exact_reference(denoiser: WanDenoiser, latents, text, item: Item, condition=
     listener.ctx.selective = None  # ShardContext falls back to ring over the cp group
     try:
         return denoiser.denoise(
-            latents, text, item.steps, item.guidance, condition=condition, guidance_2=item.guidance_2
+            latents, text, item.steps, item.cfg_scale, condition=condition, guidance_2=item.guidance_2
         ).latents_BCFHW
     finally:
         listener.ctx.selective = saved
@@ -167,7 +167,9 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
     ctx.from_writer(None)
 
     start = time.perf_counter()
-    text = denoiser.encode_text(item.prompt, item.negative_prompt, item.guidance)
+    if item.true_cfg is not None:  # HunyuanVideo: --guidance is the embedded guidance
+        denoiser.embedded_guidance = item.guidance
+    text = denoiser.encode_text(item.prompt, item.negative_prompt, item.cfg_scale)
     synchronize(device)
     timing.text_encode_s = time.perf_counter() - start
 
@@ -178,7 +180,7 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
         image = load_image(item.image)
         condition = denoiser.encode_image(image, latents, item.height, item.width, item.frames)
     result = denoiser.denoise(
-        latents, text, item.steps, item.guidance, on_step=observer.step_done, condition=condition,
+        latents, text, item.steps, item.cfg_scale, on_step=observer.step_done, condition=condition,
         guidance_2=item.guidance_2,
     )  # fmt: skip
     timing.denoise_s = time.perf_counter() - start
@@ -307,7 +309,10 @@ def execute(
     if todo:
         resolved = resolve_model(cfg.model if cfg.model_path is None else str(cfg.model_path))
         components = load_components(resolved, placement)
-        denoiser = WanDenoiser(components, placement, cfg.max_text_len, resolved.spec.variant)
+        if resolved.spec.family == "hunyuanvideo":
+            denoiser = HunyuanDenoiser(components, placement, cfg.max_text_len)
+        else:
+            denoiser = WanDenoiser(components, placement, cfg.max_text_len, resolved.spec.variant)
         if cfg.layout.strategy != "none":
             denoiser.listener = parallelize(denoiser.transformers, ctx.mesh, ctx.comm, backend, cfg.ditango)
         if cfg.hybrid is not None:

@@ -121,3 +121,41 @@ def test_build_mesh_warms_up_every_communicator_and_p2p_is_batched():
         assert lone == []
         if rank >= 2:  # the cfg-1 side received from its cfg-0 partner
             assert torch.equal(got, torch.full((3,), float(partner)))
+
+
+L_TEXT = 5  # tokens every rank holds whole (a joint model's text)
+
+
+def _joint_target(rank, world, events, nodes):
+    results, meshes = [], {}
+    for strategy, ulysses, S in cases(world):
+        layout = ParallelLayout(nodes=nodes, gpus_per_node=world // nodes, strategy=strategy, ulysses_degree=ulysses)
+        if layout not in meshes:
+            meshes[layout] = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
+        mesh = meshes[layout]
+        g = torch.Generator().manual_seed(S + 100)
+        q, k, v = (torch.randn(B, S + L_TEXT, H, D, generator=g) for _ in range(3))  # video first, then text
+        ctx = ShardContext(mesh, Comm(mesh), "torch")
+        ctx.seq_sizes = chunk_sizes(S, world)
+        a, b = ctx.local_bounds()
+        text = slice(S, S + L_TEXT)
+        chunk, whole = ctx.joint_attention(
+            q[:, a:b], k[:, a:b], v[:, a:b], q[:, text], k[:, text], v[:, text], scale=D**-0.5
+        )
+        ref = reference_attention(q, k, v, D**-0.5)[0]
+        chunk_err = (chunk.double() - ref[:, a:b]).abs().max().item()
+        text_err = (whole.double() - ref[:, text]).abs().max().item()
+        results.append((strategy, S, chunk_err, text_err, whole))
+    return results
+
+
+@pytest.mark.parametrize("world,nodes", [(2, 1), (3, 1), (4, 2)])
+def test_joint_attention_with_whole_held_tokens(world, nodes):
+    """Sharded video tokens and text tokens held whole on every rank: both kinds of rows exact,
+    and the text rows bit-identical on every rank (each rank merges the same gathered states)."""
+    per_rank = run_ranks(_joint_target, world, (nodes,), timeout_s=TIMEOUT_S)
+    for case, (strategy, _, S) in enumerate(cases(world)):
+        for rank in range(world):
+            _, _, chunk_err, text_err, whole = per_rank[rank][case]
+            assert chunk_err <= ATOL and text_err <= ATOL, (strategy, S, rank, chunk_err, text_err)
+            assert torch.equal(whole, per_rank[0][case][4]), (strategy, S, rank)

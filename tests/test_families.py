@@ -60,8 +60,8 @@ def test_image() -> Image.Image:
 test_image.__test__ = False  # a helper, not a test
 
 
-def ours(den: WanDenoiser, cfg: TinyWanConfig, with_image: bool, steps: int = STEPS) -> torch.Tensor:
-    s = size(cfg)
+def ours(den: WanDenoiser, cfg: TinyWanConfig, with_image: bool, steps: int = STEPS, s: dict | None = None):
+    s = s or size(cfg)
     text = den.encode_text(GEN["prompt"], GEN["negative"], GEN["guidance"])
     x = den.initial_latents(GEN["seed"], s["height"], s["width"], s["frames"])
     cond = den.encode_image(test_image(), x, s["height"], s["width"], s["frames"]) if with_image else None
@@ -149,6 +149,47 @@ def _target(rank, world, events, names):
             den.listener, den.guidance = None, SequentialCfg()
             out[(name, run)] = (latents, comm.totals(), report)
     return out
+
+
+def small_size(cfg: TinyWanConfig, world: int) -> dict:
+    """Token counts uneven over `world` ranks: 3 x 3 x 5 = 45 over 2, 2 x 2 x 5 = 20 over 3."""
+    stride = 16 if cfg.vae22 else 8
+    return dict(height=(6 if world == 2 else 4) * stride, width=10 * stride, frames=9 if world == 2 else 5)
+
+
+def _small_target(rank, world, events, names):
+    out = {}
+    for name in names:
+        cfg, with_image = FAMILIES[name]
+        den = WanDenoiser(build_tiny_wan(cfg), resolve_placement("cpu"), TEXT_LEN, variant(cfg))
+        strategies = ("ring", "ulysses") if world == 2 else ("ring",)  # 4 heads: no Ulysses 3
+        out[(name, None)] = ours(den, cfg, with_image, s=small_size(cfg, world))  # in-process reference
+        for strategy in strategies:
+            layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy=strategy)
+            mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
+            den.listener = parallelize(den.transformers, mesh, Comm(mesh), "torch")
+            out[(name, strategy)] = ours(den, cfg, with_image, s=small_size(cfg, world))
+            den.listener.remove()
+            den.listener = None
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_strategies_on_two_and_three_ranks_equal_one_process(world):
+    from planner.layout import chunk_sizes, token_count
+
+    for cfg, _ in FAMILIES.values():
+        s = small_size(cfg, world)
+        stride = 16 if cfg.vae22 else 8
+        tokens = token_count(((s["frames"] - 1) // 4 + 1, s["height"] // stride, s["width"] // stride), (1, 2, 2))
+        assert len(set(chunk_sizes(tokens, world))) == 2, tokens  # uneven chunks
+    per_rank = run_ranks(_small_target, world, (list(FAMILIES),), timeout_s=600)
+    for name, strategy in per_rank[0]:
+        if strategy is None:
+            continue
+        for rank in range(world):
+            err = (per_rank[rank][(name, strategy)] - per_rank[rank][(name, None)]).abs().max().item()
+            assert err <= 1e-4, (name, strategy, rank, err)
 
 
 def _cfg_target(rank, world, events, names):

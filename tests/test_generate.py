@@ -132,7 +132,7 @@ def test_models_lists_registry(runner, tmp_path):
     assert result.exit_code == 0
     rows = {r["name"]: r for r in json.loads(result.stdout)}
     assert set(rows) == {"tiny-wan", "wan2.1-1.3b", "wan2.1-14b", "wan2.1-i2v-14b-480p", "wan2.1-i2v-14b-720p",
-                         "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b"}  # fmt: skip
+                         "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "hunyuanvideo"}  # fmt: skip
     assert rows["tiny-wan"]["resolves_to"] == "built-in"
     assert rows["wan2.1-1.3b"]["resolves_to"] == str(tmp_path / "Wan2.1-T2V-1.3B-Diffusers")
     assert rows["wan2.1-14b"]["resolves_to"].startswith("missing:")
@@ -141,6 +141,8 @@ def test_models_lists_registry(runner, tmp_path):
     assert (a14b["task"], a14b["experts"], a14b["defaults"]["guidance_2"]) == ("t2v", 2, 3.0)
     assert (ti2v["task"], ti2v["heads"], ti2v["layers"], ti2v["defaults"]["frames"]) == ("ti2v", 24, 30, 121)
     assert rows["wan2.1-i2v-14b-720p"]["task"] == "i2v"
+    hy = rows["hunyuanvideo"]
+    assert (hy["family"], hy["heads"], hy["layers"], hy["head_dim"]) == ("hunyuanvideo", 24, 60, 128)
 
 
 def test_builtin_params_match_registry():

@@ -22,7 +22,15 @@ from runtime.models import wan
 # What of a Wan directory this tool honours (runtime/models/wan.py): these pipelines, these
 # components with these classes, and these model_index.json keys. Anything else would change
 # what the pipeline computes, so it is refused by name rather than loaded and ignored.
-SUPPORTED_PIPELINES = wan.PIPELINES
+SUPPORTED_PIPELINES = (*wan.PIPELINES, "HunyuanVideoPipeline")
+# HunyuanVideo (runtime/models/hunyuan.py): text-to-video; its components and their classes.
+HUNYUAN_REQUIRED = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler", "text_encoder_2", "tokenizer_2")
+HUNYUAN_CLASSES = {
+    "transformer": ("HunyuanVideoTransformer3DModel",),
+    "vae": ("AutoencoderKLHunyuanVideo",),
+    "text_encoder": ("LlamaModel",),
+    "text_encoder_2": ("CLIPTextModel",),
+}
 HONOURED_CLASSES = {
     "transformer": (wan.TRANSFORMER_CLASS,),
     "transformer_2": (wan.TRANSFORMER_CLASS,),
@@ -34,7 +42,7 @@ OPTIONAL = ("tokenizer", "text_encoder", "transformer", "transformer_2", "vae", 
             "image_processor")  # fmt: skip
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Components that carry weights, and the config file diffusers/transformers expect in each.
-WEIGHTED = ("transformer", "transformer_2", "text_encoder", "vae", "image_encoder")
+WEIGHTED = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "vae", "image_encoder")
 REQUIRED = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
 
 
@@ -46,6 +54,7 @@ class ModelDirInfo:
     transformer_config: dict
     transformer_params: int  # of all experts together
     variant: wan.WanVariant = wan.WanVariant()
+    family: str = "wan"  # or "hunyuanvideo"
 
 
 def _read_json(path: Path) -> dict:
@@ -118,6 +127,15 @@ def _refuse_unhonoured(path: Path, index: dict, components: dict[str, tuple[str,
             )
 
 
+def _refuse_other_classes(path: Path, components: dict, allowed: tuple, classes: dict) -> None:
+    extra = [name for name in components if name not in allowed]
+    if extra:
+        raise ModelDirError(f"{path}/model_index.json has component(s) {', '.join(extra)} that ditango does not run")
+    for name, want in classes.items():
+        if components[name][1] not in want:
+            raise ModelDirError(f"{path}: component {name} is a {components[name][1]}; ditango runs a {want[0]} there")
+
+
 def _variant(path: Path, index: dict, components: dict, config: dict, config_2: dict | None) -> wan.WanVariant:
     """What the directory asks of the denoising loop, checked for consistency."""
     where = f"{path}/model_index.json"
@@ -166,10 +184,14 @@ def inspect_model_dir(path: Path) -> ModelDirInfo:
         if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] is None:
             continue
         components[name] = (str(value[0]), str(value[1]))
-    missing = [name for name in REQUIRED if name not in components]
+    hunyuan = pipeline_class == "HunyuanVideoPipeline"
+    missing = [name for name in (HUNYUAN_REQUIRED if hunyuan else REQUIRED) if name not in components]
     if missing:
         raise ModelDirError(f"{path}/model_index.json lists no {', '.join(missing)} component")
-    _refuse_unhonoured(path, index, components)
+    if hunyuan:
+        _refuse_other_classes(path, components, HUNYUAN_REQUIRED, HUNYUAN_CLASSES)
+    else:
+        _refuse_unhonoured(path, index, components)
     for name in components:
         folder = path / name
         if not folder.is_dir():
@@ -177,9 +199,16 @@ def inspect_model_dir(path: Path) -> ModelDirInfo:
     configs = {name: _read_json(path / name / "config.json") for name in WEIGHTED if name in components}
     weights = {name: _check_weights(path / name, name) for name in WEIGHTED if name in components}
     _read_json(path / "scheduler" / "scheduler_config.json")
-    if not any((path / "tokenizer").iterdir()):
-        raise ModelDirError(f"model directory is incomplete: {path / 'tokenizer'} is empty")
-    variant = _variant(path, index, components, configs["transformer"], configs.get("transformer_2"))
+    for tokenizer in [n for n in ("tokenizer", "tokenizer_2") if n in components]:
+        if not any((path / tokenizer).iterdir()):
+            raise ModelDirError(f"model directory is incomplete: {path / tokenizer} is empty")
+    if hunyuan:
+        condition = configs["transformer"].get("image_condition_type")
+        if condition is not None:
+            raise ModelDirError(f"{path}: HunyuanVideo image conditioning ({condition}) is not supported")
+        variant = wan.WanVariant(pipeline=pipeline_class)
+    else:
+        variant = _variant(path, index, components, configs["transformer"], configs.get("transformer_2"))
     return ModelDirInfo(
         path=path,
         pipeline_class=pipeline_class,
@@ -187,4 +216,5 @@ def inspect_model_dir(path: Path) -> ModelDirInfo:
         transformer_config=configs["transformer"],
         transformer_params=sum(count_params(weights[n]) for n in ("transformer", "transformer_2") if n in weights),
         variant=variant,
+        family="hunyuanvideo" if hunyuan else "wan",
     )

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from runtime.models import wan
+from runtime.models import hunyuan, wan
 
-ADAPTERS: dict[str, ModuleType] = {wan.TRANSFORMER_CLASS: wan}
+ADAPTERS: dict[str, ModuleType] = {wan.TRANSFORMER_CLASS: wan, hunyuan.TRANSFORMER_CLASS: hunyuan}
 
 
 def adapter_for(transformer) -> ModuleType:

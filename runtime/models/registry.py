@@ -14,7 +14,7 @@ from pathlib import Path
 from planner.errors import ConfigError
 from planner.models import ModelShape
 from runtime.errors import ModelDirError
-from runtime.models import wan
+from runtime.models import hunyuan, wan
 from runtime.models.checkpoint import ModelDirInfo, inspect_model_dir
 
 MODEL_ROOT_ENV = "DITANGO_MODEL_ROOT"
@@ -41,6 +41,10 @@ class Defaults:
     guidance_2: float | None = None  # the low-noise expert's CFG scale; None: one expert
     image: str = "none"  # "required" (image-to-video), "optional" (TI2V) or "none"
     experts: int = 1  # 2: Wan2.2 A14B (guidance_2 applies)
+    # HunyuanVideo: `guidance` is the embedded (distilled) guidance and real classifier-free
+    # guidance is this scale (diffusers' true_cfg_scale; two branches only when > 1). None: a
+    # family whose `guidance` is the CFG scale itself (Wan).
+    true_cfg: float | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,16 @@ PARAMS = {
     "wan2.2-t2v-a14b": 14_288_491_584,
     "wan2.2-i2v-a14b": 14_288_901_184,
     "wan2.2-ti2v-5b": 4_999_787_712,
+    "hunyuanvideo": 12_821_012_544,
 }
+# HunyuanVideo (hunyuanvideo-community/HunyuanVideo): 20 dual-stream + 40 single-stream blocks.
+HUNYUAN_CONFIG = {
+    "num_attention_heads": 24, "attention_head_dim": 128, "num_layers": 20, "num_single_layers": 40,
+    "num_refiner_layers": 2, "in_channels": 16, "out_channels": 16, "mlp_ratio": 4.0, "patch_size": 2,
+    "patch_size_t": 1, "text_embed_dim": 4096, "pooled_projection_dim": 768, "rope_axes_dim": [16, 56, 56],
+    "guidance_embeds": True,
+}  # fmt: skip
+CONFIGS["hunyuanvideo"] = HUNYUAN_CONFIG
 TINY_CONFIG = {
     "num_layers": 4, "num_attention_heads": 4, "attention_head_dim": 48, "ffn_dim": 768, "in_channels": 12,
     "out_channels": 12, "text_dim": 32, "patch_size": [1, 2, 2], "rope_max_seq_len": 256,
@@ -115,12 +128,14 @@ def _spec(
     from diffusers' pipeline and the model card, geometry from the config and VAE."""
     config = TINY_CONFIG if config_key == "tiny-wan" else CONFIGS[config_key]
     n = PARAMS.get(config_key, 0) if params is None else params
-    shape = wan.shape_of(name, config, n * variant.experts, text_len, (4, vae_stride, vae_stride))
+    adapter = hunyuan if config_key == "hunyuanvideo" else wan
+    shape = adapter.shape_of(name, config, n * variant.experts, text_len, (4, vae_stride, vae_stride))
     geometry = Defaults(
         vae_stride=vae_stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
         max_text_len=text_len, image=variant.image, experts=variant.experts,
     )  # fmt: skip
-    return ModelSpec(name, description, shape, replace(geometry, **defaults), dir_name, builtin, variant)
+    family = "hunyuanvideo" if adapter is hunyuan else "wan"
+    return ModelSpec(name, description, shape, replace(geometry, **defaults), dir_name, builtin, variant, family)
 
 
 T2V, I2V = wan.WanVariant(), wan.WanVariant(pipeline="WanImageToVideoPipeline", image_encoder=True)
@@ -148,6 +163,10 @@ REGISTRY: dict[str, ModelSpec] = {
         _spec("wan2.2-ti2v-5b", "Wan2.2 text/image-to-video 5B, per-token timesteps, 16x VAE", "wan2.2-ti2v-5b",
               "Wan2.2-TI2V-5B-Diffusers", wan.WanVariant(expand_timesteps=True), vae_stride=16, height=704,
               width=1280, frames=121, fps=24),
+        # HunyuanVideo: HunyuanVideoPipeline's defaults (720x1280, 129 frames, 50 steps, embedded guidance 6.0).
+        _spec("hunyuanvideo", "HunyuanVideo text-to-video 13B (joint text-video attention)", "hunyuanvideo",
+              "HunyuanVideo", wan.WanVariant(pipeline="HunyuanVideoPipeline"), text_len=256, guidance=6.0,
+              true_cfg=1.0, frames=129, fps=24, **P720),
     )
 }  # fmt: skip
 
@@ -219,6 +238,14 @@ def spec_from_dir(path: Path, info: ModelDirInfo) -> ModelSpec:
     transformer config (through the adapter), what it asks for from its model_index.json."""
     config, variant = info.transformer_config, info.variant
     stride = vae_stride(path)
+    if info.family == "hunyuanvideo":  # HunyuanVideoPipeline's defaults
+        shape = hunyuan.shape_of(str(path), config, info.transformer_params, 256, (4, stride, stride))
+        defaults = Defaults(
+            guidance=6.0, height=720, width=1280, frames=129, fps=24, max_text_len=256, vae_stride=stride,
+            patch=shape.patch, true_cfg=1.0,
+        )  # fmt: skip
+        return ModelSpec(str(path), "local diffusers-format directory", shape, defaults, variant=variant,
+                         family="hunyuanvideo")  # fmt: skip
     shape = wan.shape_of(str(path), config, info.transformer_params, Defaults.max_text_len, (4, stride, stride))
     defaults = Defaults(
         vae_stride=stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),

@@ -21,7 +21,7 @@ from runtime.comm import Comm
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
 from runtime.models.families import adapter_for
-from runtime.state import AttentionState
+from runtime.state import AttentionState, merge, merge_all
 from runtime.strategies.ring import ring_attention
 from runtime.strategies.selective import CACHE_DTYPES, SelectiveRuntime
 from runtime.strategies.ulysses import heads_to_seq, seq_to_heads
@@ -65,28 +65,37 @@ class ShardContext:
         return self.comm.all_gather_seq(x_local, self.seq_sizes, self.mesh.cp_ranks, self.mesh.cp_group)
 
     # -- attention ---------------------------------------------------------------------
-    def attention(self, q_BSHD, k_BSHD, v_BSHD, scale: float, layer: int = 0) -> torch.Tensor:
+    def attention(
+        self, q_BSHD, k_BSHD, v_BSHD, scale: float, layer: int = 0, extra_kv: tuple | None = None
+    ) -> torch.Tensor:
         """Attention of the local queries over the whole sequence; returns [B, S, H, D] in q's dtype.
 
         Exact for ring/ulysses/usp; DiTango follows its plan for this step and layer.
+        `extra_kv`: (k, v) [B, L, H, D] held whole on every rank (a joint model's text tokens):
+        a partition every query also attends, computed fresh here (never sent, never reused).
         """
         if self.selective is not None:
             state = self.selective.attention(layer, q_BSHD, k_BSHD, v_BSHD, scale, self.seq_sizes)
-            return state.out_BSHD.to(q_BSHD.dtype)
+            return self._with_extra(state, q_BSHD, extra_kv, scale).out_BSHD.to(q_BSHD.dtype)
         mesh, comm = self.mesh, self.comm
         u, r = mesh.layout.ulysses, mesh.layout.ring
         if self.cp == 1:
-            return attention(q_BSHD, k_BSHD, v_BSHD, scale, self.backend).out_BSHD.to(q_BSHD.dtype)
+            state = attention(q_BSHD, k_BSHD, v_BSHD, scale, self.backend)
+            return self._with_extra(state, q_BSHD, extra_kv, scale).out_BSHD.to(q_BSHD.dtype)
         cp_index = mesh.cp_index
         uly_me = cp_index % u
         ring_me = cp_index // u
         # Ulysses group = cp indices [ring_me * u, (ring_me + 1) * u): their chunk sizes.
         uly_sizes = self.seq_sizes[ring_me * u : (ring_me + 1) * u]
+        dtype = q_BSHD.dtype
         if u > 1:
             qkv = seq_to_heads(
                 torch.stack([q_BSHD, k_BSHD, v_BSHD], dim=2), uly_sizes, comm, mesh.ulysses_ranks, mesh.ulysses_group
             )
             q_BSHD, k_BSHD, v_BSHD = qkv.unbind(dim=2)
+            if extra_kv is not None:  # this member's heads of the whole-held partition (seq_to_heads' split)
+                h = q_BSHD.shape[2]
+                extra_kv = tuple(t[:, :, uly_me * h : (uly_me + 1) * h] for t in extra_kv)
         if r > 1:
             spans = [sum(self.seq_sizes[i * u : (i + 1) * u]) for i in range(r)]
             state: AttentionState = ring_attention(
@@ -95,10 +104,43 @@ class ShardContext:
             )  # fmt: skip
         else:
             state = attention(q_BSHD, k_BSHD, v_BSHD, scale, self.backend)
-        out = state.out_BSHD.to(q_BSHD.dtype)
+        out = self._with_extra(state, q_BSHD, extra_kv, scale).out_BSHD.to(dtype)
         if u > 1:
             out = heads_to_seq(out, uly_sizes, uly_me, comm, mesh.ulysses_ranks, mesh.ulysses_group)
         return out
+
+    def _with_extra(self, state: AttentionState, q_BSHD, extra_kv, scale: float) -> AttentionState:
+        if extra_kv is None:
+            return state
+        return merge(state, attention(q_BSHD, *extra_kv, scale, self.backend))
+
+    def joint_attention(
+        self, q_BSHD, k_BSHD, v_BSHD, q_BLHD, k_BLHD, v_BLHD, scale: float, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Joint self-attention of sharded tokens (this rank's chunk, [B, S, H, D]) and tokens
+        every rank holds whole (a joint model's text, [B, L, H, D], L at most a few hundred):
+        every query attends every key of both. Returns (chunk out, whole out) in q's dtype.
+
+        - The chunk's queries: the strategy's attention over all chunks (`attention`), merged
+          with their state over the whole-held keys (`extra_kv`).
+        - The whole-held queries: each rank's state over its own chunk only (always fresh, so
+          DiTango's reuse never reaches them), all-gathered over the cp group ([B, L, H, D+1]
+          per rank) and merged in cp order with their state over the whole-held keys. Every
+          rank merges the same numbers in the same order: the rows are bit-identical
+          everywhere, and exact (a partition of the keys, merged by (out, lse)).
+        """
+        chunk = self.attention(q_BSHD, k_BSHD, v_BSHD, scale, layer, extra_kv=(k_BLHD, v_BLHD))
+        own = attention(q_BLHD, k_BSHD, v_BSHD, scale, self.backend)
+        text = attention(q_BLHD, k_BLHD, v_BLHD, scale, self.backend)
+        if self.cp == 1:
+            return chunk, merge(own, text).out_BSHD.to(q_BLHD.dtype)
+        mesh, L = self.mesh, q_BLHD.shape[1]
+        packed = torch.cat([own.out_BSHD, own.lse_BSH.unsqueeze(-1)], dim=-1)  # [B, L, H, D + 1]
+        every = self.comm.all_gather_seq(packed, [L] * self.cp, mesh.cp_ranks, mesh.cp_group, purpose="joint")
+        states = [
+            AttentionState(part[..., :-1].contiguous(), part[..., -1].contiguous()) for part in every.split(L, dim=1)
+        ]
+        return chunk, merge_all([*states, text]).out_BSHD.to(q_BLHD.dtype)
 
 
 @dataclass

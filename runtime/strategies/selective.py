@@ -74,7 +74,7 @@ def check_cache_limit(
     dtype = cache_dtype_for(opts.cache_dtype, device)
     for item in items:
         tokens = max(chunk_sizes(item.tokens(), layout.cp_degree))
-        branches = 1 if layout.cfg_degree == 2 or item.guidance <= 1 else 2
+        branches = 1 if layout.cfg_degree == 2 or item.cfg_scale <= 1 else 2
         per_unit = unit_bytes(1, tokens, heads, head_dim, dtype)
         anchors = branches * layers * anchor_bytes(1, tokens, heads)
         compose_factor(layout.groups - 1, branches, layers, per_unit, opts.cache_limit_bytes, anchors)

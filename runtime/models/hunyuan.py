@@ -1,0 +1,179 @@
+"""The HunyuanVideo family adapter (diffusers' `HunyuanVideoTransformer3DModel`).
+
+What the parallel strategies need of this family (runtime/strategies/parallelize.py calls
+`install`); diffusers has no context-parallel plan for it:
+- text padding: with one video per forward the padded text tokens are dropped before the
+  model runs (a pre-hook on the transformer). Their keys are masked out and their rows never
+  reach the output, so this is the mask's computation without the mask, and it leaves every
+  self-attention unmasked;
+- video tokens enter at `rope` (cos, sin [N, D], sequence on dim 0) and at `x_embedder`
+  ([B, N, C]): both sharded to the rank's chunk (row-major frame, row, column order, the
+  same in both);
+- text tokens (the token refiner's output, [B, L, C]) stay whole on every rank; per-sample
+  inputs (temb: timestep, embedded guidance, pooled CLIP) stay whole;
+- joint self-attention in every dual-stream (`transformer_blocks`) and single-stream
+  (`single_transformer_blocks`) block (`JointAttention`): video and text projections and
+  RMS norms as diffusers forms them, rotary on the video only, then `ctx.joint_attention`:
+  the video rows by the strategy over all chunks plus the text keys, the text rows over
+  every chunk (gathered states) plus the text keys, identical on every rank;
+- the output is gathered at the model's `proj_out` (video tokens only), so every rank
+  unpatchifies the whole prediction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TRANSFORMER_CLASS = "HunyuanVideoTransformer3DModel"
+
+
+class JointAttention:
+    """Processor of a HunyuanVideo block's attention under context parallelism; `layer`
+    counts dual-stream blocks first, then single-stream ones (DiTango's layer index)."""
+
+    def __init__(self, ctx, layer: int) -> None:
+        self.ctx = ctx
+        self.layer = layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        assert encoder_hidden_states is not None, "HunyuanVideo blocks always attend the text"
+        assert attention_mask is None or bool(attention_mask.all()), "text padding must be dropped first"
+
+        def heads(x):
+            return x.unflatten(2, (attn.heads, -1))
+
+        video, text = hidden_states, encoder_hidden_states
+        q, k, v = heads(attn.to_q(video)), heads(attn.to_k(video)), heads(attn.to_v(video))
+        if attn.add_q_proj is None:  # single-stream: one set of projections for video and text
+            qt, kt, vt = heads(attn.to_q(text)), heads(attn.to_k(text)), heads(attn.to_v(text))
+            norm_qt, norm_kt = attn.norm_q, attn.norm_k
+        else:  # dual-stream: the text's own projections
+            qt, kt, vt = heads(attn.add_q_proj(text)), heads(attn.add_k_proj(text)), heads(attn.add_v_proj(text))
+            norm_qt, norm_kt = attn.norm_added_q, attn.norm_added_k
+        if attn.norm_q is not None:
+            q, k = attn.norm_q(q), attn.norm_k(k)
+        if norm_qt is not None:
+            qt, kt = norm_qt(qt), norm_kt(kt)
+        if image_rotary_emb is not None:  # positions: video tokens only (the local chunk's)
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        out_v, out_t = self.ctx.joint_attention(q, k, v, qt, kt, vt, scale=q.shape[-1] ** -0.5, layer=self.layer)
+        out_v, out_t = out_v.flatten(2, 3).to(q.dtype), out_t.flatten(2, 3).to(q.dtype)
+        if getattr(attn, "to_out", None) is not None:
+            out_v = attn.to_out[1](attn.to_out[0](out_v))
+        if getattr(attn, "to_add_out", None) is not None:
+            out_t = attn.to_add_out(out_t)
+        return out_v, out_t
+
+
+def _blocks(transformer) -> list:
+    return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+
+def install(transformer, ctx) -> tuple[list, list]:
+    """Shard `transformer`'s video tokens over `ctx` and route its joint attention through the
+    strategy; returns (hook handles, the processors replaced) for `uninstall`."""
+    if transformer.config.image_condition_type is not None:
+        raise ValueError(
+            f"HunyuanVideo image conditioning ({transformer.config.image_condition_type}) is not supported"
+        )
+
+    def drop_text_padding(module, args, kwargs):
+        mask = kwargs.get("encoder_attention_mask")
+        text = kwargs.get("encoder_hidden_states")
+        if mask is None or text is None:
+            return args, kwargs
+        assert mask.shape[0] == 1, "one video per forward"
+        valid = int(mask[0].sum().item())
+        assert bool(mask[0, :valid].all()), "the valid text tokens must come first (right padding)"
+        return args, {**kwargs, "encoder_hidden_states": text[:, :valid], "encoder_attention_mask": mask[:, :valid]}
+
+    def shard_rope(module, args, output):
+        cos, sin = output  # [N, D] float32
+        ctx.begin_forward(cos.shape[0])
+        return ctx.shard(cos, dim=0), ctx.shard(sin, dim=0)
+
+    def shard_video(module, args, output):
+        assert output.shape[1] == ctx.tokens, "rope and video tokens disagree on the token count"
+        return ctx.shard(output)
+
+    handles = [
+        transformer.register_forward_pre_hook(drop_text_padding, with_kwargs=True),
+        transformer.rope.register_forward_hook(shard_rope),
+        transformer.x_embedder.register_forward_hook(shard_video),
+        transformer.proj_out.register_forward_hook(lambda module, args, output: ctx.gather(output)),
+    ]
+    blocks = _blocks(transformer)
+    processors = [block.attn.processor for block in blocks]
+    for layer, block in enumerate(blocks):
+        block.attn.set_processor(JointAttention(ctx, layer))
+    return handles, processors
+
+
+def uninstall(transformer, handles: list, processors: list) -> None:
+    for handle in handles:
+        handle.remove()
+    for block, processor in zip(_blocks(transformer), processors, strict=True):
+        block.attn.set_processor(processor)
+
+
+def attention_shape(transformer) -> tuple[int, int, int]:
+    """(layers, heads, head_dim) of the joint self-attention: dual- then single-stream blocks."""
+    cfg = transformer.config
+    return cfg.num_layers + cfg.num_single_layers, cfg.num_attention_heads, cfg.attention_head_dim
+
+
+def patch_size(transformer) -> tuple[int, int, int]:
+    cfg = transformer.config
+    return cfg.patch_size_t, cfg.patch_size, cfg.patch_size
+
+
+def prompt_embeds(pipe, prompt: str, template: dict | None, max_text_len: int, device, dtype) -> dict:
+    """The transformer's text inputs for one prompt, as HunyuanVideoPipeline encodes them."""
+    kwargs = {} if template is None else {"prompt_template": template}
+    embeds, pooled, mask = pipe.encode_prompt(prompt=prompt, device=device, max_sequence_length=max_text_len, **kwargs)
+    return {
+        "encoder_hidden_states": embeds.to(dtype),
+        "encoder_attention_mask": mask.to(dtype),
+        "pooled_projections": pooled.to(dtype),
+    }
+
+
+def guidance_tensor(scale: float, batch: int, dtype, device) -> torch.Tensor:
+    """The embedded (distilled) guidance input, as the pipeline makes it."""
+    return torch.tensor([scale] * batch, dtype=dtype, device=device) * 1000.0
+
+
+def shape_of(name: str, config: dict, params: int, text_len: int, vae_stride: tuple[int, int, int]):
+    """The model's shape from its transformer config; `layers` counts the dual- and
+    single-stream blocks (every one runs a joint self-attention), `ffn` is mlp_ratio x width."""
+    from planner.models import ModelShape
+
+    heads, head_dim = int(config.get("num_attention_heads", 24)), int(config.get("attention_head_dim", 128))
+    p, p_t = int(config.get("patch_size", 2)), int(config.get("patch_size_t", 1))
+    return ModelShape(
+        name=name,
+        layers=int(config.get("num_layers", 20)) + int(config.get("num_single_layers", 40)),
+        heads=heads,
+        head_dim=head_dim,
+        ffn=int(float(config.get("mlp_ratio", 4.0)) * heads * head_dim),
+        text_len=text_len,
+        params=params,
+        text_dim=int(config.get("text_embed_dim", 4096)),
+        latent_channels=int(config.get("out_channels") or config.get("in_channels", 16)),
+        patch=(p_t, p, p),
+        vae_stride=vae_stride,
+        joint_text=True,
+    )
+
+
+def count_params(config: dict) -> int:
+    """Parameters of a transformer with this config, built on the meta device (no memory)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    known = set(HunyuanVideoTransformer3DModel.extract_init_dict(config)[0])
+    with torch.device("meta"):
+        model = HunyuanVideoTransformer3DModel(**{k: v for k, v in config.items() if k in known})
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,207 @@
+"""HunyuanVideo: our loop against diffusers' HunyuanVideoPipeline, and joint text-video attention
+under every strategy against one process, on a tiny random model (tiny_wan/hunyuan.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner.ditango import DiTangoOptions, PlannerConfig
+from planner.layout import ParallelLayout, chunk_sizes, virtual_node_map
+from runtime.comm import Comm
+from runtime.guidance import CfgParallel, SequentialCfg
+from runtime.mesh import build_mesh
+from runtime.models.loading import resolve_placement
+from runtime.pipeline import HunyuanDenoiser
+from runtime.strategies import parallelize
+from slurm.local import run_ranks
+from tiny_wan.hunyuan import build_tiny_hunyuan, prompt_template
+
+TEXT_LEN = 24
+STEPS = 4
+TIMEOUT_S = 120
+PROMPT, NEGATIVE = "a red square moving left", "blurry"
+SIZES = {
+    4: dict(height=48, width=80, frames=5),  # 2 x 3 x 5 = 30 video tokens: 8, 8, 7, 7
+    3: dict(height=32, width=80, frames=5),  # 2 x 2 x 5 = 20: 7, 7, 6
+    2: dict(height=48, width=80, frames=9),  # 3 x 3 x 5 = 45: 23, 22
+}
+
+
+def denoiser() -> HunyuanDenoiser:
+    components = build_tiny_hunyuan()
+    return HunyuanDenoiser(components, resolve_placement("cpu"), TEXT_LEN, prompt_template(components["tokenizer"]))
+
+
+def ours(den: HunyuanDenoiser, size: dict, true_cfg: float = 1.0, embedded: float = 6.0) -> torch.Tensor:
+    den.embedded_guidance = embedded
+    text = den.encode_text(PROMPT, NEGATIVE if true_cfg > 1 else None, true_cfg)
+    x = den.initial_latents(3, size["height"], size["width"], size["frames"])
+    return den.denoise(x, text, STEPS, true_cfg).latents_BCFHW
+
+
+def diffusers_latents(size: dict, true_cfg: float = 1.0, embedded: float = 6.0) -> torch.Tensor:
+    from diffusers import HunyuanVideoPipeline
+
+    components = build_tiny_hunyuan()
+    pipe = HunyuanVideoPipeline(**components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        prompt=PROMPT, negative_prompt=NEGATIVE if true_cfg > 1 else None, true_cfg_scale=true_cfg,
+        guidance_scale=embedded, num_inference_steps=STEPS, height=size["height"], width=size["width"],
+        num_frames=size["frames"], generator=torch.Generator("cpu").manual_seed(3), output_type="latent",
+        max_sequence_length=TEXT_LEN, prompt_template=prompt_template(components["tokenizer"]),
+    ).frames  # fmt: skip
+
+
+@pytest.mark.parametrize("true_cfg", [1.0, 4.0])
+def test_one_process_equals_the_pipeline(true_cfg):
+    got = ours(denoiser(), SIZES[4], true_cfg)
+    want = diffusers_latents(SIZES[4], true_cfg)
+    assert got.shape == want.shape and bool(torch.isfinite(got).all())
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_the_adapter_on_one_rank_equals_the_pipeline():
+    """Dropped text padding and our joint-attention processor, without any peer: diffusers' numbers."""
+    den = denoiser()
+    mesh = build_mesh(ParallelLayout(strategy="ring"), 0, (0,))
+    den.listener = parallelize(den.transformers, mesh, Comm(mesh), "torch")
+    got = ours(den, SIZES[4], 4.0)
+    assert (got - diffusers_latents(SIZES[4], 4.0)).abs().max().item() <= 1e-5
+
+
+def _target(rank, world, events, runs):
+    den = denoiser()
+    out = {}
+    for name, kwargs, opts, true_cfg in runs:
+        if kwargs is None:  # this process alone: the sequential loop with this rank's threads
+            den.listener, den.guidance = None, SequentialCfg()
+            out[name] = (ours(den, SIZES[world], true_cfg), None, None, [])
+            continue
+        layout = ParallelLayout(nodes=2 if world == 4 else 1, gpus_per_node=world // (2 if world == 4 else 1), **kwargs)
+        mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
+        comm = Comm(mesh)
+        den.listener = parallelize(den.transformers, mesh, comm, "torch", opts) if layout.cp_degree > 1 else None
+        den.guidance = CfgParallel(mesh, comm) if layout.cfg_degree == 2 else SequentialCfg()
+        texts = []  # the text stream after the last block, every forward: must agree across ranks
+        hook = den.transformer.single_transformer_blocks[-1].register_forward_hook(
+            lambda module, args, output, texts=texts: texts.append(output[1].clone())
+        )
+        latents = ours(den, SIZES[world], true_cfg)
+        hook.remove()
+        selective = None if den.listener is None else den.listener.ctx.selective
+        report = None if selective is None else selective.item_report()
+        if den.listener is not None:
+            den.listener.remove()
+        out[name] = (latents, comm.totals(), report, texts)
+    return out
+
+
+DITANGO = {"strategy": "ditango", "group_size": 2}
+RUNS = {
+    4: [
+        ("ring", {"strategy": "ring"}, None, 1.0),
+        ("usp", {"strategy": "usp", "ulysses_degree": 2}, None, 1.0),
+        ("ratio0", DITANGO, DiTangoOptions(PlannerConfig(cache_ratio=0.0, warmup=1, cooldown=0)), 1.0),
+        ("reuse", DITANGO, DiTangoOptions(PlannerConfig(cache_ratio=0.5, warmup=1, cooldown=0)), 1.0),
+        ("cfg_ring", {"strategy": "ring", "cfg_degree": 2}, None, 4.0),
+    ],
+    3: [("ring", {"strategy": "ring"}, None, 1.0)],
+    2: [
+        ("ring", {"strategy": "ring"}, None, 1.0),
+        ("ulysses", {"strategy": "ulysses"}, None, 1.0),
+        ("cfg", {"strategy": "none", "cfg_degree": 2}, None, 4.0),
+        ("sequential", None, None, 4.0),
+    ],
+}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_strategies_equal_one_process(world):
+    size = SIZES[world]
+    tokens = ((size["frames"] - 1) // 4 + 1) * (size["height"] // 16) * (size["width"] // 16)  # 8x VAE, 2x2 patch
+    assert len(set(chunk_sizes(tokens, world))) == 2, tokens  # video tokens uneven over the ranks
+    per_rank = run_ranks(_target, world, (RUNS[world],), timeout_s=600)
+    refs = {cfg: ours(denoiser(), size, cfg) for cfg in (1.0, 4.0)}
+    for name, kwargs, _, true_cfg in RUNS[world]:
+        for rank in range(world):
+            latents = per_rank[rank][name][0]
+            assert torch.equal(latents, per_rank[0][name][0]), (name, rank)  # every rank steps alike
+            if kwargs and kwargs.get("cfg_degree", 1) == 1:  # one branch per rank otherwise
+                texts = per_rank[rank][name][3]  # text rows: bit-identical on every rank, every forward
+                assert len(texts) == len(per_rank[0][name][3]) > 0
+                assert all(torch.equal(a, b) for a, b in zip(texts, per_rank[0][name][3], strict=True)), (name, rank)
+            if name != "reuse":  # DiTango with reuse is approximate by design
+                err = (latents - refs[true_cfg]).abs().max().item()
+                assert err <= 1e-4, (name, rank, err)
+    # The cost model's byte counts (planner/traffic.py) equal the runtime's, text rows included.
+    from planner.traffic import predict_traffic
+    from runtime.models.hunyuan import shape_of
+    from runtime.run import sum_comm
+
+    den = denoiser()
+    text_len = int(den.encode_text(PROMPT, None, 1.0).cond_BLE.inputs["encoder_attention_mask"].sum())
+    shape = shape_of("tiny", dict(den.transformer.config), 0, text_len, (4, 8, 8))
+    for name, kwargs, _, true_cfg in RUNS[world]:
+        if kwargs is None or true_cfg > 1 or kwargs["strategy"] not in ("ring", "ulysses", "usp"):
+            continue
+        nodes = 2 if world == 4 else 1
+        layout = ParallelLayout(nodes=nodes, gpus_per_node=world // nodes, **kwargs)
+        want = predict_traffic(layout, shape, size["height"], size["width"], size["frames"], STEPS, guidance=False,
+                               element_bytes=4)  # fmt: skip
+        got = sum_comm([per_rank[r][name][1] for r in range(world)])
+        assert got == want, (name, got, want)
+        assert got["by_purpose"]["joint"], name
+    if world == 2:  # true CFG on two ranks runs each branch as one process does
+        for rank in range(2):
+            cfg, sequential = per_rank[rank]["cfg"][0], per_rank[rank]["sequential"][0]
+            assert (cfg - sequential).abs().max().item() <= 1e-6
+    if world == 4:
+        ring, exact = per_rank[0]["ring"][0], per_rank[0]["ratio0"][0]
+        assert (ring - exact).abs().max().item() <= 1e-4  # DiTango at cache ratio 0 is ring
+        inter = {n: sum(per_rank[r][n][1]["inter_node_bytes"] for r in range(4)) for n in ("ring", "ratio0", "reuse")}
+        assert inter["reuse"] < min(inter["ring"], inter["ratio0"]), inter
+        reports = [per_rank[r]["reuse"][2] for r in range(4)]
+        assert reports[0]["computed_fraction"] < 1.0
+        assert len({r["plan_hash"] for r in reports}) == 1  # one plan on every rank
+
+
+def test_a_hunyuanvideo_directory_from_the_command_line(runner, tmp_path):
+    """Saved HunyuanVideoPipeline directory -> `ditango generate` (true CFG, embedded guidance)
+    gives the pipeline's latents; CFG-parallel without true CFG and Hybridiff are refused."""
+    from diffusers import HunyuanVideoPipeline
+    from safetensors.torch import load_file
+
+    from ditango_cli.app import app
+
+    model = tmp_path / "hunyuan"
+    HunyuanVideoPipeline(**build_tiny_hunyuan()).save_pretrained(model, safe_serialization=True)
+    size = SIZES[4]
+    common = ["--model", str(model), "--prompt", PROMPT, "--steps", "2", "--height", str(size["height"]), "--width",
+              str(size["width"]), "--frames", str(size["frames"]), "--device", "cpu", "--seed", "3"]  # fmt: skip
+    out = tmp_path / "out"
+    args = ["generate", *common, "--negative-prompt", NEGATIVE, "--guidance", "5", "--true-cfg-scale", "3",
+            "--out", str(out), "--save-latents", "--quiet"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    (latents_file,) = out.glob("*.latents.safetensors")
+    got = next(iter(load_file(latents_file).values()))
+    pipe = HunyuanVideoPipeline.from_pretrained(model, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(
+        prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=3.0, guidance_scale=5.0, num_inference_steps=2,
+        height=size["height"], width=size["width"], num_frames=size["frames"], output_type="latent",
+        generator=torch.Generator("cpu").manual_seed(3),
+    ).frames  # fmt: skip
+    assert (got - want).abs().max().item() <= 1e-5
+    assert list(out.glob("*.mp4"))
+    for extra, needle in (
+        (["--nodes", "1", "--gpus", "2", "--cfg-parallel", "--executor", "local"], "needs --true-cfg-scale > 1"),
+        (["--nodes", "1", "--gpus", "2", "--cfg-parallel", "--hybrid", "--true-cfg-scale", "3", "--executor", "local"],
+         "--hybrid is not supported for HunyuanVideo"),
+    ):  # fmt: skip
+        result = runner.invoke(app, ["check", *common, "--out", str(tmp_path / "o2"), *extra])
+        assert result.exit_code == 2 and needle in result.stderr, result.stderr
+    wan = runner.invoke(app, ["check", "--prompt", "x", "--out", str(tmp_path / "o3"), "--true-cfg-scale", "2"])
+    assert wan.exit_code == 2 and "apply to HunyuanVideo only" in wan.stderr, wan.stderr
