@@ -99,8 +99,9 @@ def build_run_config(
         p.nodes, p.gpus_per_node, p.replicas, spec.heads, strategy=strategy, cfg_parallel=g.cfg_parallel,
         ulysses_degree=p.ulysses_degree, group_size=d.group_size,
     )  # fmt: skip
-    if g.hybrid and spec.family == "hunyuanvideo":
-        raise ConfigError("--hybrid is not supported for HunyuanVideo yet (its two block stacks); use --cfg-parallel")
+    if g.hybrid and spec.family == "hunyuanvideo" and g.hybrid_first_text != "cond":
+        raise ConfigError("--hybrid-first-text uncond does not apply to HunyuanVideo: its text stream runs through "
+                          "the blocks, so segment B must continue the conditional one")  # fmt: skip
     if g.hybrid and layout.strategy == "ditango":
         raise ConfigError("--hybrid does not combine with --parallel ditango; use ring, ulysses or usp")
     if layout.strategy != "ditango" and d.given():

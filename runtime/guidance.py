@@ -30,15 +30,17 @@ import torch
 from planner.hybrid import HybridConfig, HybridSchedule
 from runtime.comm import Comm
 from runtime.mesh import Mesh
+from runtime.models.families import adapter_for
 
 
 class BlockCounter:
     """Counts transformer block evaluations (forward pre-hooks), per step, over all experts."""
 
-    def __init__(self, transformers) -> None:
+    def __init__(self, transformers, adapter) -> None:
         self.count = 0
         self.per_step: list[int] = []
-        self.handles = [b.register_forward_pre_hook(self._hook) for tr in transformers for b in tr.blocks]
+        blocks = [b for tr in transformers for b in adapter.segment_blocks(tr)]
+        self.handles = [b.register_forward_pre_hook(self._hook) for b in blocks]
 
     def _hook(self, module, args) -> None:
         self.count += 1
@@ -129,8 +131,9 @@ class Hybrid(CfgParallel):
         super().__init__(mesh, comm)
         self.cfg = cfg
         transformers = list(transformers) if isinstance(transformers, (list, tuple)) else [transformers]
-        self.split = cfg.split_for(len(transformers[0].blocks))
-        self.counter = BlockCounter(transformers)
+        self.adapter = adapter_for(transformers[0])
+        self.split = cfg.split_for(len(self.adapter.segment_blocks(transformers[0])))
+        self.counter = BlockCounter(transformers, self.adapter)
         self.schedule: HybridSchedule | None = None
         self.boundary: torch.Tensor | None = None  # cfg-1 side: segment A's output of the previous step
         self.boundary_expert: int | None = None  # the expert whose segment A made `boundary`
@@ -182,30 +185,20 @@ class Hybrid(CfgParallel):
         def stop(module, args, output):
             raise _Boundary(output)
 
-        handle = den.transformer.blocks[self.split - 1].register_forward_hook(stop)
+        cut = self.adapter.segment_blocks(den.transformer)[self.split - 1]
+        handle = cut.register_forward_hook(stop)
         try:
             den.predict(latents, t, self._first_text(text))
         except _Boundary as b:
-            return b.hidden
+            return self.adapter.pack_boundary(b.hidden)
         finally:
             handle.remove()
         raise AssertionError("segment A did not reach the cut")
 
     def _segment_b(self, den, t, latents, text, boundary: torch.Tensor) -> torch.Tensor:
         """Blocks [split, L) and the head on `boundary`, conditional text, timestep t."""
-        tr = den.transformer
-        blocks = tr.blocks
-
-        def inject(module, args):  # replaces the (unused) patch-embedded input of the first B block
-            return (boundary, *args[1:])
-
-        handle = blocks[self.split].register_forward_pre_hook(inject)
-        tr.blocks = torch.nn.ModuleList(list(blocks)[self.split :])
-        try:
+        with self.adapter.from_block(den.transformer, self.split, boundary):
             return den.predict(latents, t, text.cond_BLE)
-        finally:
-            tr.blocks = blocks
-            handle.remove()
 
     def _pipeline_step(self, den, stage: str, t, latents, text) -> torch.Tensor:
         den.begin_branch(0)

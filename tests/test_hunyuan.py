@@ -169,7 +169,8 @@ def test_strategies_equal_one_process(world):
 
 def test_a_hunyuanvideo_directory_from_the_command_line(runner, tmp_path):
     """Saved HunyuanVideoPipeline directory -> `ditango generate` (true CFG, embedded guidance)
-    gives the pipeline's latents; CFG-parallel without true CFG and Hybridiff are refused."""
+    gives the pipeline's latents; CFG-parallel without true CFG, and Hybridiff's first segment on
+    the negative text, are refused."""
     from diffusers import HunyuanVideoPipeline
     from safetensors.torch import load_file
 
@@ -198,10 +199,38 @@ def test_a_hunyuanvideo_directory_from_the_command_line(runner, tmp_path):
     assert list(out.glob("*.mp4"))
     for extra, needle in (
         (["--nodes", "1", "--gpus", "2", "--cfg-parallel", "--executor", "local"], "needs --true-cfg-scale > 1"),
-        (["--nodes", "1", "--gpus", "2", "--cfg-parallel", "--hybrid", "--true-cfg-scale", "3", "--executor", "local"],
-         "--hybrid is not supported for HunyuanVideo"),
+        (["--nodes", "1", "--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-first-text", "uncond",
+          "--true-cfg-scale", "3", "--executor", "local"], "--hybrid-first-text uncond does not apply"),
     ):  # fmt: skip
         result = runner.invoke(app, ["check", *common, "--out", str(tmp_path / "o2"), *extra])
         assert result.exit_code == 2 and needle in result.stderr, result.stderr
     wan = runner.invoke(app, ["check", "--prompt", "x", "--out", str(tmp_path / "o3"), "--true-cfg-scale", "2"])
     assert wan.exit_code == 2 and "apply to HunyuanVideo only" in wan.stderr, wan.stderr
+
+
+def _hybrid_target(rank, world, events, k):
+    from planner.hybrid import HybridConfig
+    from runtime.guidance import Hybrid
+
+    den = denoiser()
+    layout = ParallelLayout(nodes=1, gpus_per_node=2, strategy="none", cfg_degree=2)
+    mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
+    den.guidance = Hybrid(mesh, Comm(mesh), HybridConfig(k=k, tau_cap=1), den.transformers)
+    latents = ours(den, SIZES[4], 4.0)
+    return latents, den.guidance.record()
+
+
+def test_hybridiff_cuts_both_block_stacks():
+    """Hybridiff on HunyuanVideo (true CFG): the pipeline window runs segment A (dual-stream
+    blocks) and segment B (single-stream blocks) on the boundary's video and text streams;
+    with k = 0 it is CFG-parallel, exact."""
+    (a, record), (b, record_b) = run_ranks(_hybrid_target, 2, (2,), timeout_s=300)
+    assert record["stages"] == record_b["stages"] == ["cfg-parallel", "cfg-parallel", "pipeline-fill", "pipeline"]
+    blocks = 4  # 2 dual + 2 single; the cut in the middle: segment A = the dual-stream blocks
+    assert record["block_evals"] == [blocks, blocks, 0, 2] and record_b["block_evals"] == [blocks, blocks, blocks, 2]
+    assert torch.equal(a, b) and bool(torch.isfinite(a).all())
+    ref = ours(denoiser(), SIZES[4], 4.0)
+    rel = ((a - ref).norm() / ref.norm()).item()
+    assert 0 < rel < 0.5, rel  # two of four steps approximate, not garbage
+    (exact, _), _ = run_ranks(_hybrid_target, 2, (0,), timeout_s=300)
+    assert (exact - ref).abs().max().item() <= 1e-4

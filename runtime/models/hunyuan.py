@@ -22,6 +22,8 @@ What the parallel strategies need of this family (runtime/strategies/parallelize
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 TRANSFORMER_CLASS = "HunyuanVideoTransformer3DModel"
@@ -177,3 +179,41 @@ def count_params(config: dict) -> int:
     with torch.device("meta"):
         model = HunyuanVideoTransformer3DModel(**{k: v for k, v in config.items() if k in known})
     return sum(p.numel() for p in model.parameters())
+
+
+# -- Hybridiff's segments (runtime/guidance.py) -------------------------------------------
+
+
+def segment_blocks(transformer) -> list:
+    """The blocks a two-segment pipeline cuts: dual-stream, then single-stream."""
+    return _blocks(transformer)
+
+
+def pack_boundary(output) -> torch.Tensor:
+    """A block's output (video chunk, text stream) as one tensor [B, S + L, C]: the text
+    stream evolves through the blocks, so segment B starts from segment A's."""
+    video, text = output
+    return torch.cat([video, text], dim=1)
+
+
+@contextlib.contextmanager
+def from_block(transformer, split: int, boundary: torch.Tensor):
+    """Within: the transformer runs blocks [split, L) and the head on `boundary` (video and text
+    streams, the text as long as this forward's) in place of their inputs."""
+    dual, single = transformer.transformer_blocks, transformer.single_transformer_blocks
+    first = (list(dual) + list(single))[split]
+
+    def inject(module, args):
+        text_len = args[1].shape[1]
+        assert boundary.shape[1] == args[0].shape[1] + text_len, "segment A ran with another text length"
+        return (boundary[:, :-text_len], boundary[:, -text_len:], *args[2:])
+
+    handle = first.register_forward_pre_hook(inject)
+    n = len(dual)
+    transformer.transformer_blocks = torch.nn.ModuleList(list(dual)[split:])
+    transformer.single_transformer_blocks = torch.nn.ModuleList(list(single)[max(0, split - n) :])
+    try:
+        yield
+    finally:
+        transformer.transformer_blocks, transformer.single_transformer_blocks = dual, single
+        handle.remove()

@@ -23,6 +23,7 @@ encoder; Wan2.2 I2V with the image only in the latents).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -194,3 +195,30 @@ def attention_shape(transformer) -> tuple[int, int, int]:
 
 def patch_size(transformer) -> tuple[int, int, int]:
     return tuple(transformer.config.patch_size)
+
+
+# -- Hybridiff's segments (runtime/guidance.py) -------------------------------------------
+
+
+def segment_blocks(transformer) -> list:
+    """The blocks a two-segment pipeline cuts, in order."""
+    return list(transformer.blocks)
+
+
+def pack_boundary(output) -> torch.Tensor:
+    """Segment A's output at the cut (a block's output) as one tensor to send."""
+    return output
+
+
+@contextlib.contextmanager
+def from_block(transformer, split: int, boundary: torch.Tensor):
+    """Within: the transformer runs blocks [split, L) and the head, on `boundary` in place of
+    the (unused) patch-embedded input of the first of them."""
+    blocks = transformer.blocks
+    handle = blocks[split].register_forward_pre_hook(lambda module, args: (boundary, *args[1:]))
+    transformer.blocks = torch.nn.ModuleList(list(blocks)[split:])
+    try:
+        yield
+    finally:
+        transformer.blocks = blocks
+        handle.remove()
