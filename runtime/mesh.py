@@ -134,6 +134,6 @@ def warm_up(mesh: Mesh) -> None:
             probes.append((kind, probe, dist.get_world_size(group)))
     probe = torch.ones(1)
     dist.all_reduce(probe, group=mesh.control_group)
-    probes.append(("control", probe, mesh.world_size))
+    probes.append(("control", probe, dist.get_world_size(mesh.control_group)))
     for kind, probe, size in probes:  # .item() waits for the device: every communicator is up
         assert probe.item() == size, f"warm-up on the {kind} group gave {probe.item()}, expected {size}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 from planner.errors import ConfigError
 from runtime.config import RunConfig
 from slurm.aggregate import aggregate
+from slurm.jobs import run_slurm
 from slurm.options import SlurmOptions
 from slurm.rank import exit_soon, is_peer_failure
 from slurm.supervise import Outcome, tasks_with_work
@@ -118,10 +120,11 @@ def srun_command(cfg: RunConfig, folder: Path, task: int, call: Path) -> list[st
 
 
 def allocation_gpus_per_node() -> int | None:
-    """GPUs per node of the current allocation, from what Slurm sets (None: it says nothing,
-    e.g. no GPU was requested). SLURM_GPUS_ON_NODE (batch script and steps), else the request
-    as salloc passes it on (SLURM_GPUS_PER_NODE, e.g. "8" or "h100:8"), else SLURM_JOB_GPUS
-    (the GPU indices of this node)."""
+    """GPUs per node of the current allocation (None: none was requested, or Slurm cannot
+    say). SLURM_GPUS_ON_NODE (batch script and steps), else the request as salloc passes it on
+    (SLURM_GPUS_PER_NODE, e.g. "8" or "h100:8"), else SLURM_JOB_GPUS (the GPU indices of this
+    node), else the job's record: `salloc --gres=gpu:8` sets none of these in its shell, and
+    only `scontrol show job` says what was allocated (`allocated_gpus_per_node`)."""
     on_node = os.environ.get("SLURM_GPUS_ON_NODE")
     if on_node and on_node.strip().isdigit():
         return int(on_node)
@@ -133,7 +136,30 @@ def allocation_gpus_per_node() -> int | None:
     ids = os.environ.get("SLURM_JOB_GPUS")
     if ids:
         return len([i for i in ids.split(",") if i.strip()])
-    return None
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if not _JOB_ID.fullmatch(job):
+        return None
+    try:
+        shown = run_slurm(["scontrol", "show", "job", "--oneliner", job])
+    except ConfigError:
+        return None
+    return allocated_gpus_per_node(shown.stdout) if shown.returncode == 0 else None
+
+
+def allocated_gpus_per_node(record: str) -> int | None:
+    """GPUs per node from a `scontrol show job` record: TresPerNode=gres:gpu[:type]:N (or
+    gres/gpu), else the job's TRES gres/gpu=N over NumNodes; 0 when it has no GPU."""
+    per_node = re.search(r"TresPerNode=\S*?gres[:/]gpu(?::[^:,\s]+)?:(\d+)", record)
+    if per_node:
+        return int(per_node.group(1))
+    total = re.search(r"\bTRES=\S*?gres/gpu=(\d+)", record)
+    nodes = re.search(r"\bNumNodes=(\d+)", record)
+    if total is None:
+        return 0 if re.search(r"\bTRES=", record) else None
+    return int(total.group(1)) // max(1, int(nodes.group(1)) if nodes else 1)
+
+
+_JOB_ID = re.compile(r"[0-9]+")
 
 
 def _step_error(folder: Path, task: int, returncode: int) -> tuple[str, int | None]:

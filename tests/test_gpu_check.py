@@ -75,3 +75,30 @@ def test_processor_check_fails_a_wrong_rotation(monkeypatch):
     monkeypatch.setattr(wan, "apply_rotary", lambda x, cos, sin: x)
     row = processor_row(torch.float32, 1e-5)
     assert not row.ok and row.value > 1e-3, row
+
+
+def test_one_rank_world_bring_up_on_gloo():
+    """Section 2's mesh and warm-up, over gloo. The bug: warm-up compared the control group's
+    sum with the layout's world size (4) in a one-rank world, so the section always raised."""
+    rows = gpu_check.nccl_rows(device="cpu", backend="gloo")
+    assert [r.check for r in rows] == ["warm-up of every group of a 4-member mesh", "Comm.all_gather_seq over one rank"]
+    assert all(r.ok for r in rows), rows
+
+
+SMALL_CACHE = dict(layers=3, heads=4, head_dim=8, tokens=4 * 64, cp=8, group=2, branches=2)
+
+
+def test_cache_section_on_cpu():
+    """Section 4 at a small shape: buffers equal the formula, a cap composes, and nothing is
+    held after the item. The bug: the planner statistics outlived end_run."""
+    rows = gpu_check.cache_rows(device="cpu", shape=SMALL_CACHE, name="small")
+    assert len(rows) == 4 and all(r.ok for r in rows), rows
+
+
+def test_cache_section_fails_buffers_kept_after_the_item(monkeypatch):
+    from runtime.strategies.selective import SelectiveRuntime
+
+    monkeypatch.setattr(SelectiveRuntime, "end_run", lambda self: None)
+    rows = gpu_check.cache_rows(device="cpu", shape=SMALL_CACHE, name="small")
+    (left,) = [r for r in rows if "after the item" in r.check]
+    assert not left.ok and left.value > 0, left

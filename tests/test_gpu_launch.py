@@ -113,6 +113,34 @@ def test_inside_an_allocation_gpus_are_checked_against_the_allocation(runner, no
     assert result.exit_code == 2 and "allocation 42 has no GPUs" in result.stderr
 
 
+def test_gres_allocation_gpus_come_from_the_job_record(runner, no_slurm, monkeypatch, tmp_path):
+    """The bug: `salloc --gres=gpu:4` sets no GPU variable in its shell, so the login node's
+    torch count (0) made the ranks run on CPUs without a word. The job record says 4."""
+    FakeCuda(monkeypatch, 0)
+    bin_dir = tmp_path / "empty-path"  # on PATH (no_slurm): a scontrol that shows job 42
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho 'JobId=42 NumNodes=2 TRES=cpu=2,node=2,gres/gpu=8 TresPerNode=gres:gpu:4'\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    out = str(tmp_path / "out")
+    job = dry_run(runner, "--nodes", "2", "--gpus", "4", "--out", out)
+    assert job["executor"] == "srun" and job["device"] == "cuda", job["device"]
+    assert "--gpus-per-node=4" in job["srun_commands"][0]
+    result = runner.invoke(app, ["generate", *SMALL, "--nodes", "2", "--gpus", "8", "--dry-run", "--out", out])
+    assert result.exit_code == 2 and "allocation 42 has 4" in result.stderr
+
+
+def test_allocated_gpus_per_node_reads_every_record_form():
+    from slurm.allocation import allocated_gpus_per_node as per_node
+
+    assert per_node("JobId=1 NumNodes=1 TRES=cpu=1,node=1,gres/gpu=2 TresPerNode=gres:gpu:2") == 2
+    assert per_node("JobId=1 NumNodes=1 TRES=cpu=1,node=1 TresPerNode=gres/gpu:h100:4") == 4
+    assert per_node("JobId=1 NumNodes=2 TRES=cpu=2,node=2,billing=2,gres/gpu=8") == 4  # --gpus 8 over 2 nodes
+    assert per_node("JobId=1 NumNodes=1 TRES=cpu=1,node=1,billing=1") == 0  # no GPU in the allocation
+    assert per_node("slurm_load_jobs error: Invalid job id specified") is None
+
+
 def test_submitted_config_insists_on_cuda_unless_cpu(tmp_path):
     from slurm.options import SlurmOptions
     from slurm.submit import job_parameters, submission_config

@@ -242,6 +242,18 @@ def test_gpu_request_of_device_auto_is_recorded_by_slurm(runner, tmp_path, monke
     assert report["device"] == "cpu" and report["counts"]["done"] == 1
 
 
+def test_a_gres_allocation_is_seen_with_its_gpus():
+    """salloc --gres=gpu:2 sets no GPU variable in its shell: the count comes from the job record."""
+    probe = "from slurm.allocation import allocation_gpus_per_node as g; print('gpus', g())"
+    shown = subprocess.run(
+        ["salloc", "--nodes", "1", "--gres", "gpu:2", "--partition", "debug", "--time", "2",
+         sys.executable, "-c", probe],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "gpus 2" in shown.stdout, shown.stdout
+
+
 def test_a_gpu_job_on_nodes_without_cuda_fails_clearly(runner, tmp_path, monkeypatch):
     """Never a silent CPU run: the job asked for GPUs, torch finds none on the node."""
     monkeypatch.delenv("DITANGO_RANK_DEVICE", raising=False)

@@ -176,6 +176,7 @@ class SelectiveRuntime:
         if self.cache is not None:
             self.cache.reset()
         self.c_ref_NLUBSH = self.c_anchor_NLBSH = None
+        self.weights_NLU = self.alpha_NLU = self.ase_NLU = self.gate_NL = None  # planner statistics too
 
     def reference_bytes(self) -> int:
         """Compressed local states kept for the drift estimate (per branch, layer, unit + anchors)."""
