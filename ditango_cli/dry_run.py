@@ -23,20 +23,8 @@ def show_dry_run(cfg: RunConfig, opts: SlurmOptions, where: str, as_json: bool) 
         print(json.dumps(record, indent=2))
         return 0
     out = Console(soft_wrap=True, highlight=False, width=max(120, Console().width))
-    gpus = record["gpus_per_node_requested"]
-    if where == "local":
-        executor = (
-            f"local, {cfg.world_size} process(es) on this machine ({record['nodes']} virtual node(s) of "
-            f"{record['tasks_per_node']})" + ("; one GPU per rank" if cfg.device == "cuda" else "")
-        )
-    else:
-        request = f"{gpus} GPU(s) per node requested" if gpus else "no GPUs requested"
-        kind = "sbatch (a new Slurm job)" if where == "sbatch" else "srun (steps of the current allocation)"
-        executor = (
-            f"{kind}; {record['nodes']} node(s) x {record['tasks_per_node']} task(s), one rank per task; {request}"
-        )
     out.print("dry run: nothing is submitted, started, loaded or written", markup=False)
-    out.print(f"executor: {executor}", markup=False)
+    out.print(f"executor: {record['executor_line']}", markup=False)
     out.print(
         f"device {record['device']} ({record['backend']}); {record['replicas']} replica(s) of "
         f"{cfg.layout.world_size} rank(s), strategy {cfg.layout.strategy}; {record['items']} item(s) in "

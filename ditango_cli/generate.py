@@ -6,8 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -28,17 +27,17 @@ from ditango_cli.options import (
     RunArgs,
     SlurmArgs,
     command,
-    parse_bytes,
 )
 from planner.ditango import DiTangoOptions, PlannerConfig
 from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import replica_layout
+from planner.memory import parse_bytes
 from runtime.config import RunConfig
 from runtime.items import Overrides, build_items
 from runtime.kernels import resolve_backend
 from runtime.models.loading import placement_on
-from runtime.models.registry import MODEL_ROOT_ENV, REGISTRY, ResolvedModel, model_root, resolve_model
+from runtime.models.registry import REGISTRY, ResolvedModel, model_root, resolve_model
 from runtime.outputs import check_writable
 from slurm.options import SlurmOptions, choose_executor
 
@@ -50,7 +49,7 @@ def ditango_options(d: DiTangoArgs) -> DiTangoOptions:
     """--cache-ratio & co. onto the planner's config, by field name (defaults: the authors' test script)."""
     planner = {"cache_ratio": 0.4, "warmup": 5, "cooldown": 5, "tau_max": None, "anchor_interval": None}
     planner.update({k: getattr(d, k) for k in planner if getattr(d, k) is not None})
-    limit = None if d.cache_memory_limit is None else parse_bytes(d.cache_memory_limit)
+    limit = None if d.cache_memory_limit is None else parse_bytes(d.cache_memory_limit, "--cache-memory-limit")
     return DiTangoOptions(PlannerConfig(**planner, use_alpha=bool(d.alpha)), d.cache_dtype, limit)
 
 
@@ -64,17 +63,15 @@ def hybrid_config(g: GuidanceArgs, layers: int) -> HybridConfig | None:
         return None
     if not g.cfg_parallel:
         raise ConfigError("--hybrid needs --cfg-parallel (the two CFG branches on two rank groups)")
-    cfg = HybridConfig(**tuned, first_segment_text=g.hybrid_first_text)  # type: ignore[arg-type]
-    cfg.split_for(layers)
-    return cfg
+    hybrid = HybridConfig(**tuned, first_segment_text=g.hybrid_first_text)  # type: ignore[arg-type]
+    hybrid.split_for(layers)
+    return hybrid
 
 
 def slurm_options(s: SlurmArgs) -> SlurmOptions:
-    return SlurmOptions(
-        partition=s.partition, account=s.account, qos=s.qos, time_min=s.time, cpus_per_task=s.cpus_per_task,
-        mem=s.mem, constraint=s.constraint, extra=SlurmOptions.parse_extra(s.slurm_arg or []), array=s.array,
-        array_parallelism=s.array_parallelism,
-    )  # fmt: skip
+    """By field name; --time is `time_min`, the --slurm-arg pairs are `extra`."""
+    same = {f.name: getattr(s, f.name) for f in fields(SlurmOptions) if hasattr(s, f.name)}
+    return SlurmOptions(**same, time_min=s.time, extra=SlurmOptions.parse_extra(s.slurm_arg or []))
 
 
 def build_run_config(
@@ -136,7 +133,8 @@ def build_run_config(
 def generate(m, i, o, p, d, g, s, r, run: GenerateArgs, options: dict) -> int:
     """Generate one MP4 per prompt, plus a sidecar JSON per item and report.json."""
     from ditango_cli.progress import RichObserver
-    from runtime.run import SilentObserver  # torch.distributed, diffusers: only when work is asked for
+    from runtime.run import SilentObserver  # the runtime and diffusers: only when work is asked for
+    from slurm.executors import executor_for, own_output_folder
     from slurm.supervise import supervise
 
     _quiet_libraries()
@@ -161,8 +159,8 @@ def generate(m, i, o, p, d, g, s, r, run: GenerateArgs, options: dict) -> int:
     if p.executor == ExecutorChoice.auto and where == "local" and cfg.nodes > 1:
         say(f"executor: local ({cfg.nodes} virtual nodes; no sbatch on PATH)")
     progress = contextlib.nullcontext(SilentObserver()) if run.quiet or where != "local" else RichObserver(err)
-    with own_folder(cfg.out_dir, run.wait_for_lock, say), progress as observer:
-        executor = _executor(cfg, opts, where, s.wait, observer, say)
+    with own_output_folder(cfg.out_dir, run.wait_for_lock, say), progress as observer:
+        executor = executor_for(cfg, opts, where, s.wait, observer, say)
         outcome = supervise(cfg, executor, opts.array, observer.message if where == "local" else say)
     if outcome.submitted:
         typer.echo(f"submitted job(s) {', '.join(executor.job_ids)}; follow with: ditango status {cfg.out_dir}")
@@ -176,86 +174,17 @@ def generate(m, i, o, p, d, g, s, r, run: GenerateArgs, options: dict) -> int:
     return report_summary(executor.report(), cfg.out_dir / "report.json", run.quiet, r.json, err)
 
 
-def own_folder(out_dir: Path, wait: bool, say, poll_s: float = 30.0):
-    """The lock on OUT for this command's whole run (runtime/lock.py), once no Slurm job
-    submitted from OUT is still live (such jobs own OUT until they end); then the partial
-    files of killed writers go."""
-    from runtime.lock import FolderLock, remove_partials
-    from slurm.jobs import live_jobs
-
-    lock = FolderLock(out_dir).acquire(wait, say)
-    waiting = False
-    while live := live_jobs(out_dir):
-        if not wait:
-            lock.release()
-            raise _jobs_own(out_dir, live)
-        if not waiting:
-            say(f"waiting for Slurm job(s) {_jobs(live)}, submitted from {out_dir}, to end")
-            waiting = True
-        time.sleep(poll_s)
-    for path in remove_partials(out_dir):
-        say(f"note: removed {path.name}, left by a writer that was killed")
-    return lock
-
-
-def _jobs(live: list[tuple[str, str]]) -> str:
-    return ", ".join(f"{job} ({state})" for job, state in live)
-
-
-def _jobs_own(out_dir: Path, live: list[tuple[str, str]]) -> ConfigError:
-    from runtime.lock import FolderBusy
-
-    return FolderBusy(
-        f"{out_dir} belongs to Slurm job(s) {_jobs(live)} submitted from it; wait for them to end, "
-        f"`ditango cancel {out_dir}`, or pass --wait-for-lock"
-    )
-
-
-def _executor(cfg: RunConfig, opts: SlurmOptions, where: str, wait: bool, observer, say):
-    if where == "local":
-        from slurm.launch import LocalExecutor
-
-        return LocalExecutor(cfg, opts.array, observer)
-    from runtime.outputs import RUNNING, item_status
-
-    last: list[str | None] = [None]
-
-    def show(states):  # the job states and how many items are done, running, failed
-        status = [item_status(cfg, item) for item in cfg.items]
-        line = (
-            f"  {', '.join(states)}: {status.count('done')}/{len(cfg.items)} items done"
-            + (f", {status.count(RUNNING)} running" if RUNNING in status else "")
-            + (f", {status.count('failed')} failed" if "failed" in status else "")
-        )
-        if line != last[0]:
-            say(line)
-            last[0] = line
-
-    if where == "srun":
-        from slurm.allocation import SrunExecutor
-
-        return SrunExecutor(cfg, opts, show, say)
-    from slurm.submit import SbatchExecutor
-
-    return SbatchExecutor(cfg, opts, wait, show, say)
-
-
 @command(*GROUPS)
 def check(m, i, o, p, d, g, s, r, options: dict) -> int:
     """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
     from runtime.outputs import plan_resume
+    from slurm.executors import check_output_folder_free
 
     opts = slurm_options(s)
     where = choose_executor(p.executor.value, p.nodes, opts)
     cfg, resolved = build_run_config(m, i, o, p, d, g, where=where, create_out=False, array=opts.array)
     placement = placement_on(torch.device(cfg.device), cfg.dtype)
-    if cfg.out_dir.is_dir():  # generate would refuse an OUT that another run or live jobs own
-        from runtime.lock import FolderLock
-        from slurm.jobs import live_jobs
-
-        FolderLock(cfg.out_dir).check_free()
-        if live := live_jobs(cfg.out_dir):
-            raise _jobs_own(cfg.out_dir, live)
+    check_output_folder_free(cfg.out_dir)  # generate would refuse an OUT that another run or live jobs own
     skipped = plan_resume(cfg) if cfg.out_dir.is_dir() else {}
     spec = resolved.spec
     backend = "diffusers" if cfg.layout.strategy == "none" else resolve_backend(
@@ -267,10 +196,7 @@ def check(m, i, o, p, d, g, s, r, options: dict) -> int:
         "device": str(placement.device), "dtype": placement.dtype_name, "out_dir": str(cfg.out_dir),
         "layout": cfg.layout.to_json(), "replicas": cfg.replicas, "executor": where, "attention_backend": backend,
         "skipped": sorted(skipped),
-        "items": [{k: getattr(it, k) for k in ("id", "prompt", "negative_prompt", "seed", "height", "width",
-                                                "frames", "steps", "guidance", "guidance_2", "true_cfg", "image")}
-                  | {"tokens": it.tokens()}
-                  for it in cfg.items],
+        "items": [it.to_json() for it in cfg.items],
     }  # fmt: skip
     if r.json:
         print(json.dumps(summary, indent=2, ensure_ascii=False))
@@ -300,22 +226,7 @@ def models(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
 ) -> int:
     """List registry names with size, heads, layers and where each resolves."""
-    root = model_root(model_root_dir)
-    rows = []
-    for spec in REGISTRY.values():
-        if spec.builtin:
-            where = "built-in"
-        elif root is None:
-            where = f"not configured (set --model-root or {MODEL_ROOT_ENV})"
-        else:
-            path = root / spec.dir_name
-            where = str(path) if path.is_dir() else f"missing: {path}"
-        d = spec.defaults
-        rows.append({"name": spec.name, "family": spec.family, "task": spec.task, "experts": spec.variant.experts,
-                     "params": spec.params, "heads": spec.heads, "layers": spec.layers, "head_dim": spec.head_dim,
-                     "defaults": {"steps": d.steps, "guidance": d.guidance, "guidance_2": d.guidance_2,
-                                  "height": d.height, "width": d.width, "frames": d.frames, "fps": d.fps},
-                     "resolves_to": where, "description": spec.description})  # fmt: skip
+    rows = [spec.to_json(model_root(model_root_dir)) for spec in REGISTRY.values()]
     if as_json:
         print(json.dumps(rows, indent=2))
         return 0

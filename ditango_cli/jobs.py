@@ -20,7 +20,7 @@ def status(out: OutArg) -> int:
     Exit status 1 when a job of the latest submission failed, 2 when OUT is not an output
     folder of ditango, nothing was submitted from it, its job record is damaged, or a Slurm
     command failed."""
-    from runtime.outputs import item_records, require_output_folder
+    from runtime.outputs import require_output_folder, status_counts
     from slurm.jobs import failed_state
     from slurm.submit import job_states
 
@@ -29,11 +29,7 @@ def status(out: OutArg) -> int:
     for r in rows:
         table.add_row(r["job_id"], r["state"], r["submitted_at"], escape(r["error"] or ""))
     Console().print(table)
-    counts: dict[str, int] = {}
-    for _, record in item_records(out):
-        counts[record.get("status")] = counts.get(record.get("status"), 0) + 1
-    parts = [f"{counts.get(s, 0)} {s}" for s in ("done", "running", "failed") if counts.get(s) or s == "done"]
-    Console().print(f"items in {out}: {', '.join(parts)}", highlight=False)
+    Console().print(f"items in {out}: {status_counts(out)}", highlight=False)
     # Earlier submissions of a retried batch may have failed; the latest one says how it stands.
     latest = max((r["submitted_at"] for r in rows), default=None)
     return 1 if any(failed_state(r["state"]) for r in rows if r["submitted_at"] == latest) else 0

@@ -72,11 +72,7 @@ class ItemArgs:
         float | None, _o("--guidance-2", help="Two-expert models: the low-noise expert's CFG scale [the model's].")
     ] = None
     true_cfg_scale: Annotated[
-        float | None,
-        _o(
-            "--true-cfg-scale",
-            help="HunyuanVideo: real CFG with the negative prompt when > 1 (--guidance is embedded).",
-        ),
+        float | None, _o("--true-cfg-scale", help="HunyuanVideo: real CFG when > 1 (--guidance: embedded).")
     ] = None
     image: Annotated[
         Path | None, _o("--image", help="Image-to-video: the first frame (JSONL lines may give their own).")
@@ -111,9 +107,7 @@ class ParallelArgs:
         ParallelChoice | None,
         _o("--parallel", help="Context-parallel strategy [none on 1 rank, ring on more].", case_sensitive=False),
     ] = None
-    ulysses_degree: Annotated[int | None, _o("--ulysses-degree", help="USP: Ulysses degree [largest in a node].")] = (
-        None
-    )
+    ulysses_degree: Annotated[int | None, _o("--ulysses-degree", help="USP: Ulysses degree [in-node max].")] = None
     executor: Annotated[
         ExecutorChoice, _o("--executor", help="local processes, a Slurm job, or auto (Slurm when needed).")
     ] = ExecutorChoice.auto
@@ -136,14 +130,10 @@ class DiTangoArgs:
     cache_ratio: Annotated[float | None, _o("--cache-ratio", help="DiTango: remote attention reused [0.4].")] = None
     warmup: Annotated[int | None, _o("--warmup", help="DiTango: exact steps at the start [5].")] = None
     cooldown: Annotated[int | None, _o("--cooldown", help="DiTango: exact steps at the end [5].")] = None
-    group_size: Annotated[str | None, _o("--group-size", help="DiTango: adjacent ranks per group, or 'node' [2].")] = (
-        None
-    )
+    group_size: Annotated[str | None, _o("--group-size", help="DiTango: ranks per group, or 'node' [2].")] = None
     tau_max: Annotated[int | None, _o("--tau-max", help="DiTango: recompute a cache this many steps old.")] = None
     anchor_interval: Annotated[int | None, _o("--anchor-interval", help="DiTango: an anchor step this often.")] = None
-    alpha: Annotated[bool | None, _o("--alpha/--no-alpha", help="DiTango: norm-ratio factor in the drift [off].")] = (
-        None
-    )
+    alpha: Annotated[bool | None, _o("--alpha/--no-alpha", help="DiTango: norm-ratio drift factor [off].")] = None
     cache_dtype: Annotated[
         str | None, _o("--cache-dtype", help="DiTango: float32 or bfloat16 [bfloat16 on CUDA, float32 on CPU].")
     ] = None
@@ -292,15 +282,3 @@ def recorded(values: dict) -> dict:
         return v
 
     return {k: plain(v) for k, v in values.items() if k not in NOT_RECORDED and k != "ctx" and v is not None}
-
-
-def parse_bytes(text: str) -> int:
-    """'8GiB', '500MB', '1048576' -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    number = text.strip().upper().rstrip()
-    suffix = number.lstrip("0123456789.")
-    value = number[: len(number) - len(suffix)]
-    try:
-        return int(float(value) * units[suffix.strip()])
-    except (KeyError, ValueError):
-        raise ConfigError(f"--cache-memory-limit {text!r}: expected a size like 8GiB, 500MB or 1048576") from None

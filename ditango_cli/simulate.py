@@ -40,13 +40,7 @@ def simulate(
     as_json: JsonOpt = False,
 ) -> int:
     """Price strategies on a hardware profile: per-step attention, step and end-to-end time, bytes."""
-    from planner.cost_model import (
-        compare_layouts,
-        load_hardware,
-        plan_fraction_from_report,
-        report_dict,
-        synthetic_plan_fraction,
-    )  # fmt: skip
+    from planner.cost_model import compare_layouts, load_hardware, read_plan, report_dict, synthetic_plan_fraction
     from runtime.models.registry import REGISTRY
 
     if model not in REGISTRY:
@@ -59,15 +53,7 @@ def simulate(
             raise ConfigError(f"--parallel {s!r}: simulate knows ring, ulysses, usp, ditango")
     plan_log = None
     if plan is not None:
-        try:
-            report = json.loads(plan.read_text(encoding="utf-8"))
-            fraction = plan_fraction_from_report(report)
-            plan_files = [(i.get("attention") or {}).get("plan_file") for i in report.get("items", [])]
-            plan_file = next((plan.parent / f for f in plan_files if f), None)
-            if plan_file is not None and plan_file.is_file():
-                plan_log = json.loads(plan_file.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"--plan {plan}: cannot read ({exc})") from None
+        fraction, plan_log = read_plan(plan)
     else:
         fraction = synthetic_plan_fraction(cache_ratio, steps)
     rows, notes = compare_layouts(hw, shape, nodes, gpus_per_node, strategies, group_size, height, width, frames,

@@ -293,6 +293,20 @@ def plan_fraction_from_report(report: dict) -> float:
     raise ConfigError("--plan: the report has no DiTango item (attention.per_step); run with --parallel ditango")
 
 
+def read_plan(path: Path) -> tuple[float, dict | None]:
+    """A DiTango run's report.json -> (mean computed fraction, its first plan file or None)."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        fraction = plan_fraction_from_report(report)
+        plan_files = [(i.get("attention") or {}).get("plan_file") for i in report.get("items", [])]
+        plan_file = next((path.parent / f for f in plan_files if f), None)
+        if plan_file is None or not plan_file.is_file():
+            return fraction, None
+        return fraction, json.loads(plan_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        raise ConfigError(f"--plan {path}: cannot read ({exc})") from None
+
+
 def compare_layouts(
     hw: Hardware, shape: ModelShape, nodes: int, gpus_per_node: int, strategies: list[str], group_size: str,
     height: int, width: int, frames: int, steps: int, fraction: float, plan_log: dict | None = None,

@@ -96,6 +96,18 @@ class Item:
         """Length of the transformer's token sequence for this item."""
         return token_count(self.latent_shape, self.patch)
 
+    def to_json(self) -> dict:
+        """What the item asks for, as the report, the sidecars and `check --json` state it."""
+        return {
+            "id": self.id, "prompt": self.prompt, "negative_prompt": self.negative_prompt, "seed": self.seed,
+            "frames": self.frames, "height": self.height, "width": self.width, "steps": self.steps,
+            "guidance": self.guidance,
+            "guidance_2": self.guidance_2,  # two-expert models: the low-noise expert's scale (None: guidance)
+            "true_cfg_scale": self.true_cfg,  # HunyuanVideo: real CFG (guidance is the embedded one)
+            "image": self.image,  # image-to-video: the conditioning image
+            "tokens": self.tokens(),
+        }  # fmt: skip
+
 
 @dataclass(frozen=True)
 class RunConfig:

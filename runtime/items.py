@@ -66,6 +66,8 @@ def check_image(path: str, where: str) -> str:
             image.verify()
     except FileNotFoundError:
         raise ConfigError(f"{where}: image {path} not found") from None
+    except Image.DecompressionBombError as exc:  # not an OSError: PIL refuses to open it at all
+        raise ConfigError(f"{where}: image {path} is too large to load ({exc})") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{where}: image {path} cannot be read as an image ({reason})") from None

@@ -5,8 +5,9 @@ relaunch) holds the lock; a second one into the same OUT refuses, or waits with
 `--wait-for-lock`. The lock is a file naming its owner (host, pid, start, command), created
 atomically with its content, and kept fresh by a heartbeat (its mtime, every `BEAT_S`). A
 run that dies without releasing it does not hold it forever: the next one takes it over when
-the owner's process is gone (same host) or its heartbeat is older than `LEASE_S` (any host,
-by the folder's file-system clock, so it works on a shared file system across nodes).
+the owner's process is gone (same host: a live owner holds it even when stopped, and a pid
+reused by another process does not count) or, from another host, when its heartbeat is older
+than `LEASE_S` (by the folder's file-system clock, so it works on a shared file system).
 
 Jobs submitted without `--wait` outlive the command that submitted them; while they are
 live, OUT belongs to them (the CLI asks Slurm about the jobs in `jobs.json`, see slurm/jobs.py).
@@ -73,8 +74,9 @@ class FolderLock:
         if owner is None:
             return None, (None if age < WRITING_S else "the lock file is damaged")
         if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
-            if not _alive(owner["pid"]):
+            if not _alive(owner["pid"], owner.get("pid_start")):
                 return owner, f"its owner, {owner_line(owner)}, is gone"
+            return owner, None  # alive on this host: it owns OUT, even stopped (its heartbeat then lags)
         if age > LEASE_S:
             return owner, f"its owner, {owner_line(owner)}, has not refreshed it for {age:.0f} s"
         return owner, None
@@ -96,7 +98,7 @@ class FolderLock:
         check_foreign_files(self.out_dir)
         state_dir(self.out_dir).mkdir(parents=True, exist_ok=True)
         me = {
-            "host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
+            "host": socket.gethostname(), "pid": os.getpid(), "pid_start": _start_time(os.getpid()), "token": self.token,
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(" ".join(["ditango", *sys.argv[1:]]).split())[:300],  # one line
         }  # fmt: skip
@@ -195,14 +197,28 @@ class FolderLock:
                     pass
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, started: int | None = None) -> bool:
+    """Whether process `pid` runs, and is the one that started at `started` (a pid the
+    system gave to another process since is not the owner)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
-        return True
-    return True
+        pass
+    now = _start_time(pid)
+    return started is None or now is None or now == started
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), None
+    where there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
 
 
 def remove_partials(out_dir: Path) -> list[Path]:

@@ -183,7 +183,10 @@ def record_failure(cfg: RunConfig, item: Item, error: str, attempts: int, final:
 
 # What must match for an existing output to count as this item's (the layout may differ:
 # exact strategies produce the same video).
-RESUME_KEYS = ("model", "prompt", "negative_prompt", "seed", "height", "width", "frames", "steps", "guidance")
+RESUME_KEYS = (
+    "model", "prompt", "negative_prompt", "seed", "height", "width", "frames", "steps", "guidance", "guidance_2",
+    "true_cfg_scale", "image",
+)  # fmt: skip
 
 
 def completed_record(cfg: RunConfig, item: Item) -> dict | None:
@@ -196,7 +199,7 @@ def completed_record(cfg: RunConfig, item: Item) -> dict | None:
     record = read_record(paths["sidecar"])
     if record is None or record.get("status") != "done" or not paths["video"].is_file():
         return None
-    wanted = {"model": cfg.model, **{k: getattr(item, k) for k in RESUME_KEYS if k != "model"}}
+    wanted = {"model": cfg.model, **item.to_json()}
     differ = [k for k in RESUME_KEYS if record.get(k) != wanted[k]]
     if differ:
         k = differ[0]
@@ -241,6 +244,24 @@ def damaged_sidecars(cfg: RunConfig) -> list[str]:
 def item_status(cfg: RunConfig, item: Item) -> str | None:
     """The status its sidecar gives an item (None: no readable sidecar)."""
     return (read_record(output_paths(cfg.out_dir, item.id)["sidecar"]) or {}).get("status")
+
+
+def progress_line(cfg: RunConfig, states: list[str]) -> str:
+    """'  RUNNING: 3/8 items done, 1 running': a batch's job states and its items' counts."""
+    status = [item_status(cfg, item) for item in cfg.items]
+    return (
+        f"  {', '.join(states)}: {status.count('done')}/{len(cfg.items)} items done"
+        + (f", {status.count(RUNNING)} running" if RUNNING in status else "")
+        + (f", {status.count('failed')} failed" if "failed" in status else "")
+    )
+
+
+def status_counts(out_dir: Path) -> str:
+    """'5 done, 1 running': the item sidecars of `out_dir` by status (done always shown)."""
+    counts: dict[str, int] = {}
+    for _, record in item_records(out_dir):
+        counts[record.get("status")] = counts.get(record.get("status"), 0) + 1
+    return ", ".join(f"{counts.get(s, 0)} {s}" for s in ("done", RUNNING, "failed") if counts.get(s) or s == "done")
 
 
 def item_records(out_dir: Path):

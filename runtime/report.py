@@ -79,20 +79,9 @@ def item_record(
         "id": item.id,
         "status": status,
         "model": model,
-        "prompt": item.prompt,
-        "negative_prompt": item.negative_prompt,
-        "seed": item.seed,
+        **{k: v for k, v in item.to_json().items() if k != "id"},
         "video": video,
         "latents": latents,
-        "frames": item.frames,
-        "height": item.height,
-        "width": item.width,
-        "steps": item.steps,
-        "guidance": item.guidance,
-        "guidance_2": item.guidance_2,
-        "true_cfg_scale": item.true_cfg,  # HunyuanVideo: real CFG (guidance is the embedded one)  # two-expert models: the low-noise expert's scale (None: guidance)
-        "image": item.image,  # image-to-video: the conditioning image
-        "tokens": item.tokens(),
         "timing": None if timing is None else timing.to_json(),
         # Bytes summed over ranks, by the link class they crossed (see runtime/comm.py).
         "comm": comm or {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}},

@@ -269,11 +269,9 @@ def execute(
     of items settled by earlier launches of the same command (done, or failed `cfg.retries + 1`
     times): reported as they are, not run.
 
-    A single process retries a failing item up to `cfg.retries` times, records it as
-    failed and goes on with the others. With several ranks a failure raises instead: the
-    peers are inside collectives of the same item, so the launcher ends them all and
-    relaunches (slurm/supervise.py), blaming the item whose sidecar says it was running.
-    Non-finite latents are the exception: every rank sees them at the same point, so the item
+    A failure raises, on one rank as on many (the peers are inside collectives of the same
+    item): the supervisor (slurm/supervise.py) blames the item whose sidecar says it was
+    running, and relaunches for what is left, retrying it up to `cfg.retries` times. Non-finite latents are the exception: every rank sees them at the same point, so the item
     is recorded failed for good (no retry: it would happen again) and all ranks go on.
     """
     observer = observer or SilentObserver()
@@ -320,26 +318,17 @@ def execute(
         elif cfg.layout.cfg_degree == 2:
             denoiser.guidance = CfgParallel(ctx.mesh, ctx.comm)
         for item in todo:
-            for attempt in range(1, cfg.retries + 2):
-                observer.item_started(item)
-                try:
-                    record = generate_item(denoiser, item, cfg, ctx, observer)
-                    break
-                except NonFiniteLatents as exc:
-                    # Deterministic, so final at once. Every rank raised it at the same point
-                    # (check_finite agrees first), so the ranks go on to the next item together.
-                    # Recorded `final`: the supervisor and later launches of this command
-                    # (`settled_since`) count it as given up and never run it again.
-                    record = {}
-                    if ctx.is_writer:
-                        record = record_failure(cfg, item, f"{type(exc).__name__}: {exc}", attempt, final=True)
-                    break
-                except Exception as exc:
-                    if ctx.distributed:
-                        raise
-                    record = record_failure(cfg, item, f"{type(exc).__name__}: {exc}", attempt)
-                    if attempt <= cfg.retries:
-                        observer.message(f"{item.id} failed ({record['error']}); retry {attempt} of {cfg.retries}")
+            observer.item_started(item)
+            try:
+                record = generate_item(denoiser, item, cfg, ctx, observer)
+            except NonFiniteLatents as exc:
+                # Deterministic, so final at once. Every rank raised it at the same point
+                # (check_finite agrees first), so the ranks go on to the next item together.
+                # Recorded `final`: the supervisor and later launches of this command
+                # (`settled_since`) count it as given up and never run it again.
+                record = {}
+                if ctx.is_writer:
+                    record = record_failure(cfg, item, f"{type(exc).__name__}: {exc}", 1, final=True)
             if ctx.is_writer:
                 records[item.id] = record
                 observer.item_finished(record)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from planner.errors import ConfigError
 from runtime.comm import Comm
 from runtime.config import RunConfig
 from runtime.mesh import build_mesh
@@ -82,10 +83,16 @@ class LocalExecutor:
                 self._report = settled_report(cfg, {**skipped, **decided}, name)
                 outcomes.append(Outcome(task))
                 continue
-            if cfg.world_size == 1:  # this process; it retries a failing item itself
+            if cfg.world_size == 1:  # this process; the supervisor retries a failure as for many ranks
                 ctx = RankContext.single(cfg, select_device(cfg.device, 0))
                 observer = FaultInjecting(self.observer, 0)
-                self._report = execute(cfg, observer, ctx, skipped, report_name=name, decided=decided)
+                try:
+                    self._report = execute(cfg, observer, ctx, skipped, report_name=name, decided=decided)
+                except ConfigError:
+                    raise  # the user's mistake (a model that does not load): one line, exit 2
+                except Exception as exc:  # noqa: BLE001 - any other failure of the rank is the launch's outcome
+                    outcomes.append(Outcome(task, f"{type(exc).__name__}: {exc}", 0))
+                    continue
                 outcomes.append(Outcome(task))
                 continue
             try:

@@ -43,6 +43,13 @@ class SlurmOptions:
         for key, _ in self.extra:
             if not _KEY.fullmatch(key):
                 raise ConfigError(f"--slurm-arg {key!r}: expected KEY=VALUE with a sbatch option name as KEY")
+        # Values become `#SBATCH` lines of a shell script: a newline would end the line there
+        # (and a shell command could follow it), so no control character reaches it.
+        named = {"--partition": self.partition, "--account": self.account, "--qos": self.qos, "--mem": self.mem,
+                 "--constraint": self.constraint, **{f"--slurm-arg {k}": v for k, v in self.extra}}  # fmt: skip
+        for flag, value in named.items():
+            if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
+                raise ConfigError(f"{flag} {value!r}: control characters (a newline, a tab) cannot reach sbatch")
 
     @classmethod
     def parse_extra(cls, pairs: list[str]) -> tuple[tuple[str, str], ...]:

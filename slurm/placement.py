@@ -130,6 +130,17 @@ def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
         "environment": rank_environment(cfg.out_dir),
         "ranks": [s.to_json() for s in rank_slots(cfg, local=where == "local")],
     }
+    if where == "local":
+        record["executor_line"] = (
+            f"local, {cfg.world_size} process(es) on this machine ({cfg.nodes} virtual node(s) of "
+            f"{cfg.gpus_per_node})" + ("; one GPU per rank" if cfg.device == "cuda" else "")
+        )
+    else:
+        kind = "sbatch (a new Slurm job)" if where == "sbatch" else "srun (steps of the current allocation)"
+        request = f"{gpus} GPU(s) per node requested" if gpus else "no GPUs requested"
+        record["executor_line"] = (
+            f"{kind}; {cfg.nodes} node(s) x {cfg.gpus_per_node} task(s), one rank per task; {request}"
+        )
     if where == "sbatch":
         folder = submission_folder(cfg)
         record["folder"] = str(folder)

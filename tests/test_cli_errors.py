@@ -371,7 +371,7 @@ def test_illegal_ditango_options(runner, out, extra, needles):
 
 
 def test_parse_bytes():
-    from ditango_cli.options import parse_bytes
+    from planner.memory import parse_bytes
 
     assert parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("500MB") == 500 * 10**6 and parse_bytes("1024") == 1024
     assert parse_bytes("1.5 kib") == 1536

@@ -64,3 +64,15 @@ def test_no_import_cycles():
         if start not in state and visit(start, [start]):
             break
     assert cycle == [], " -> ".join(cycle)
+
+
+def test_imports_are_absolute():
+    """The graph above reads absolute imports only: a relative one would slip past it."""
+    relative = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ImportFrom) and node.level > 0
+    ]
+    assert relative == [], relative

@@ -59,6 +59,24 @@ def test_a_crashed_owner_does_not_hold_the_folder_forever(tmp_path):
     assert any("is gone" in n and str(dead.pid) in n for n in notes)
 
 
+def test_a_stopped_owner_on_this_host_keeps_the_folder(tmp_path):
+    """The bug: a live owner whose heartbeat lagged past the lease (Ctrl-Z, SIGSTOP, a
+    suspended machine) lost OUT to a second run without knowing, and both wrote into it."""
+    lock = _write_lock(tmp_path)  # this process: alive
+    old = time.time() - 600
+    os.utime(lock, (old, old))
+    with pytest.raises(FolderBusy, match=rf"in use by pid {os.getpid()}"):
+        FolderLock(tmp_path).acquire()
+
+
+def test_a_reused_pid_is_not_the_owner(tmp_path):
+    """A lock whose pid now belongs to another process (another start time) is stale."""
+    _write_lock(tmp_path, pid_start=1)  # this pid, but a process that started at tick 1
+    notes = []
+    FolderLock(tmp_path).acquire(say=notes.append).release()
+    assert any("is gone" in n for n in notes)
+
+
 def test_a_lock_of_another_host_is_stale_only_after_its_lease(tmp_path, monkeypatch):
     lock = _write_lock(tmp_path, host="some-other-node", pid=1)
     with pytest.raises(FolderBusy, match="some-other-node"):
@@ -220,7 +238,8 @@ def test_a_report_json_this_tool_did_not_write_is_never_replaced(runner, tmp_pat
     out = tmp_path / "out"
     assert _generate(runner, "--prompt", "a red ball", "--out", str(out), *TINY).exit_code == 0
     (out / "report.json").write_text("a file of my own")
-    for args in (["report", str(out)], ["generate", "--prompt", "a blue ball", "--out", str(out), *TINY]):
+    for args in (["report", str(out)], ["generate", "--prompt", "a blue ball", "--out", str(out), *TINY],
+                 ["check", "--prompt", "a blue ball", "--out", str(out)]):  # fmt: skip
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and "is not a report of ditango" in result.stderr, args
     assert (out / "report.json").read_text() == "a file of my own"
@@ -269,3 +288,30 @@ def test_check_says_what_generate_would_about_an_owned_folder(runner, tmp_path):
         result = runner.invoke(app, ["check", "--prompt", "a red ball", "--out", str(out), *TINY[:2]])
     assert result.exit_code == 2 and f"{out} is in use by pid {os.getpid()}" in result.stderr
     assert runner.invoke(app, ["check", "--prompt", "a red ball", "--out", str(out), *TINY[:2]]).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "changed", [{"guidance_2": 7.5}, {"true_cfg": 4.0}, {"image": "/elsewhere/b.png"}], ids=lambda c: next(iter(c))
+)
+def test_resume_refuses_an_output_made_with_another_image_or_guidance(tmp_path, changed):
+    """The bug: resume compared only the Wan2.1 fields, so an item rerun with another image,
+    a second expert's guidance or a real-CFG scale was skipped as done with the old video."""
+    from dataclasses import replace
+
+    from planner.errors import ConfigError
+    from runtime.config import Item, RunConfig
+    from runtime.outputs import output_paths, plan_resume
+    from runtime.report import item_record
+    from runtime.video import write_json
+
+    item = Item("x", "a red ball", "", 0, 32, 32, 5, 2, 5.0, image="/here/a.png")
+    cfg = RunConfig("tiny-wan", None, (item,), tmp_path)
+    paths = output_paths(tmp_path, "x")
+    paths["video"].write_bytes(b"mp4")
+    write_json(paths["sidecar"], item_record(item, model="tiny-wan", status="done", video="x.mp4", latents=None,
+                                             timing=None))  # fmt: skip
+    assert set(plan_resume(cfg)) == {"x"}  # the same item: skipped
+    other = replace(cfg, items=(replace(item, **changed),))
+    key = {"true_cfg": "true_cfg_scale"}.get(next(iter(changed)), next(iter(changed)))
+    with pytest.raises(ConfigError, match=f"was made with {key} "):
+        plan_resume(other)

@@ -52,6 +52,11 @@ def test_bad_options():
         SlurmOptions(array=0)
     with pytest.raises(ConfigError, match="sbatch option name"):
         SlurmOptions(extra=(("rm -rf /", "x"),))
+    # A newline in a value would end its #SBATCH line and start a shell line of its own.
+    with pytest.raises(ConfigError, match="--partition 'debug.nrm -rf /': control characters"):
+        SlurmOptions(partition="debug\nrm -rf /")
+    with pytest.raises(ConfigError, match="--slurm-arg comment"):
+        SlurmOptions(extra=(("comment", "a\tb"),))
 
 
 def test_auto_executor(monkeypatch, tmp_path):

@@ -78,6 +78,26 @@ class ModelSpec:
     def task(self) -> str:
         return self.variant.task
 
+    def resolves_to(self, root: Path | None) -> str:
+        """Where `--model NAME` resolves, in words: built-in, a directory, or why not."""
+        if self.builtin:
+            return "built-in"
+        if root is None:
+            return f"not configured (set --model-root or {MODEL_ROOT_ENV})"
+        path = root / self.dir_name
+        return str(path) if path.is_dir() else f"missing: {path}"
+
+    def to_json(self, root: Path | None) -> dict:
+        """The row of `ditango models --json`."""
+        d = self.defaults
+        return {
+            "name": self.name, "family": self.family, "task": self.task, "experts": self.variant.experts,
+            "params": self.params, "heads": self.heads, "layers": self.layers, "head_dim": self.head_dim,
+            "defaults": {"steps": d.steps, "guidance": d.guidance, "guidance_2": d.guidance_2, "height": d.height,
+                         "width": d.width, "frames": d.frames, "fps": d.fps},
+            "resolves_to": self.resolves_to(root), "description": self.description,
+        }  # fmt: skip
+
 
 # Transformer configs of the public diffusers-format checkpoints (their transformer/config.json;
 # the keys that decide the shape). Wan2.2 A14B's two experts share one config.

@@ -1,0 +1,83 @@
+"""The executor a run asks for (local processes, srun steps of an allocation, sbatch jobs),
+and the output folder's ownership for the run's whole length.
+
+The CLI picks `where` (slurm/options.py `choose_executor`), takes the folder with
+`own_output_folder` and hands `executor_for(...)` to the supervisor (slurm/supervise.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from runtime.config import RunConfig
+from runtime.lock import FolderBusy, FolderLock, remove_partials
+from runtime.outputs import check_foreign_files, progress_line
+from slurm.jobs import live_jobs
+from slurm.options import SlurmOptions
+
+
+def own_output_folder(out_dir: Path, wait: bool, say: Callable[[str], None], poll_s: float = 30.0) -> FolderLock:
+    """The lock on OUT for a command's whole run (runtime/lock.py), once no Slurm job
+    submitted from OUT is still live (such jobs own OUT until they end); then the partial
+    files of killed writers go. `wait`: wait for the owner instead of refusing."""
+    lock = FolderLock(out_dir).acquire(wait, say)
+    waiting = False
+    while live := live_jobs(out_dir):
+        if not wait:
+            lock.release()
+            raise _owned_by_jobs(out_dir, live)
+        if not waiting:
+            say(f"waiting for Slurm job(s) {_listed(live)}, submitted from {out_dir}, to end")
+            waiting = True
+        time.sleep(poll_s)
+    for path in remove_partials(out_dir):
+        say(f"note: removed {path.name}, left by a writer that was killed")
+    return lock
+
+
+def check_output_folder_free(out_dir: Path) -> None:
+    """Raise what `generate` would when OUT is not its to write: a foreign report.json in it,
+    or another run or live jobs own it (FolderBusy)."""
+    if not out_dir.is_dir():
+        return
+    check_foreign_files(out_dir)  # a report.json this tool did not write would be replaced
+    FolderLock(out_dir).check_free()
+    if live := live_jobs(out_dir):
+        raise _owned_by_jobs(out_dir, live)
+
+
+def _listed(live: list[tuple[str, str]]) -> str:
+    return ", ".join(f"{job} ({state})" for job, state in live)
+
+
+def _owned_by_jobs(out_dir: Path, live: list[tuple[str, str]]) -> FolderBusy:
+    return FolderBusy(
+        f"{out_dir} belongs to Slurm job(s) {_listed(live)} submitted from it; wait for them to end, "
+        f"`ditango cancel {out_dir}`, or pass --wait-for-lock"
+    )
+
+
+def executor_for(cfg: RunConfig, opts: SlurmOptions, where: str, wait: bool, observer, say: Callable[[str], None]):
+    """The executor of `where`; `observer` draws local progress, `say` prints Slurm's (a line
+    when the job states or the item counts change)."""
+    if where == "local":
+        from slurm.launch import LocalExecutor
+
+        return LocalExecutor(cfg, opts.array, observer)
+    last: list[str | None] = [None]
+
+    def show(states: list[str]) -> None:
+        line = progress_line(cfg, states)
+        if line != last[0]:
+            say(line)
+            last[0] = line
+
+    if where == "srun":
+        from slurm.allocation import SrunExecutor
+
+        return SrunExecutor(cfg, opts, show, say)
+    from slurm.submit import SbatchExecutor
+
+    return SbatchExecutor(cfg, opts, wait, show, say)
