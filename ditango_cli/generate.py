@@ -21,6 +21,7 @@ from ditango_cli.options import (
     GenerateArgs,
     GuidanceArgs,
     ItemArgs,
+    MemoryArgs,
     ModelArgs,
     OutputArgs,
     ParallelArgs,
@@ -33,7 +34,7 @@ from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import replica_layout
 from planner.memory import parse_bytes
-from runtime.config import RunConfig
+from runtime.config import DecodeOptions, RunConfig
 from runtime.items import Overrides, build_items
 from runtime.kernels import resolve_backend
 from runtime.models.loading import placement_on
@@ -42,7 +43,7 @@ from runtime.outputs import check_writable
 from slurm.options import SlurmOptions, choose_executor
 
 EXIT_FAILED_ITEMS = 1
-GROUPS = (ModelArgs, ItemArgs, OutputArgs, ParallelArgs, DiTangoArgs, GuidanceArgs, SlurmArgs, RunArgs)
+GROUPS = (ModelArgs, ItemArgs, OutputArgs, ParallelArgs, DiTangoArgs, GuidanceArgs, MemoryArgs, SlurmArgs, RunArgs)
 
 
 def ditango_options(d: DiTangoArgs) -> DiTangoOptions:
@@ -75,7 +76,7 @@ def slurm_options(s: SlurmArgs) -> SlurmOptions:
 
 
 def build_run_config(
-    m: ModelArgs, i: ItemArgs, o: OutputArgs, p: ParallelArgs, d: DiTangoArgs, g: GuidanceArgs, *,
+    m: ModelArgs, i: ItemArgs, o: OutputArgs, p: ParallelArgs, d: DiTangoArgs, g: GuidanceArgs, mem: MemoryArgs, *,
     where: str, create_out: bool, options: dict | None = None, array: int = 1,
 ) -> tuple[RunConfig, ResolvedModel]:  # fmt: skip
     """Validate everything that can be checked before anything runs; `where`: the executor
@@ -101,8 +102,12 @@ def build_run_config(
                           "the blocks, so segment B must continue the conditional one")  # fmt: skip
     if g.hybrid and layout.strategy == "ditango":
         raise ConfigError("--hybrid does not combine with --parallel ditango; use ring, ulysses or usp")
-    if layout.strategy != "ditango" and d.given():
-        raise ConfigError(f"{', '.join(d.given())} only apply to --parallel ditango")
+    parallel_decode = layout.world_size > 1 and mem.vae_parallel is not False
+    decode = DecodeOptions(tiling=mem.vae_tiling, parallel=parallel_decode, tile_px=mem.vae_tile)
+    # --reference exact measures what the run approximates: DiTango's reuse, a tiled decode.
+    ditango_only = [f for f in d.given() if f != "--reference" or not decode.tiled]
+    if layout.strategy != "ditango" and ditango_only:
+        raise ConfigError(f"{', '.join(ditango_only)} only apply to --parallel ditango")
     if d.reference not in (None, "exact"):
         raise ConfigError(f"--reference must be 'exact', got {d.reference!r}")
     for flag, seconds in (("--timeout", p.timeout), ("--setup-timeout", p.setup_timeout)):
@@ -123,14 +128,14 @@ def build_run_config(
         save_latents=o.save_latents, overwrite=o.overwrite, max_text_len=spec.defaults.max_text_len,
         fps=spec.defaults.fps, layout=layout, attention_backend=p.attention_backend.value, timeout_s=p.timeout,
         setup_timeout_s=p.setup_timeout_s, ditango=ditango, reference=d.reference,
-        hybrid=hybrid_config(g, spec.layers), replicas=p.replicas, alloc_gpus_per_node=p.gpus_per_node,
+        hybrid=hybrid_config(g, spec.layers), replicas=p.replicas, alloc_gpus_per_node=p.gpus_per_node, decode=decode,
         options=options or {},
     )  # fmt: skip
     return cfg, resolved
 
 
 @command(*GROUPS, GenerateArgs)
-def generate(m, i, o, p, d, g, s, r, run: GenerateArgs, options: dict) -> int:
+def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> int:
     """Generate one MP4 per prompt, plus a sidecar JSON per item and report.json."""
     from ditango_cli.progress import RichObserver
     from runtime.run import SilentObserver  # the runtime and diffusers: only when work is asked for
@@ -141,7 +146,7 @@ def generate(m, i, o, p, d, g, s, r, run: GenerateArgs, options: dict) -> int:
     opts = slurm_options(s)
     where = choose_executor(p.executor.value, p.nodes, opts, require_sbatch=not run.dry_run)
     cfg, _ = build_run_config(
-        m, i, o, p, d, g, where=where, create_out=not run.dry_run, options=options, array=opts.array
+        m, i, o, p, d, g, mem, where=where, create_out=not run.dry_run, options=options, array=opts.array
     )
     cfg = replace(cfg, retries=run.retries)
     err = Console(stderr=True, soft_wrap=True)
@@ -175,14 +180,14 @@ def generate(m, i, o, p, d, g, s, r, run: GenerateArgs, options: dict) -> int:
 
 
 @command(*GROUPS)
-def check(m, i, o, p, d, g, s, r, options: dict) -> int:
+def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
     """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
     from runtime.outputs import plan_resume
     from slurm.executors import check_output_folder_free
 
     opts = slurm_options(s)
     where = choose_executor(p.executor.value, p.nodes, opts)
-    cfg, resolved = build_run_config(m, i, o, p, d, g, where=where, create_out=False, array=opts.array)
+    cfg, resolved = build_run_config(m, i, o, p, d, g, mem, where=where, create_out=False, array=opts.array)
     placement = placement_on(torch.device(cfg.device), cfg.dtype)
     check_output_folder_free(cfg.out_dir)  # generate would refuse an OUT that another run or live jobs own
     skipped = plan_resume(cfg) if cfg.out_dir.is_dir() else {}

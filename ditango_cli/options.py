@@ -140,7 +140,9 @@ class DiTangoArgs:
     cache_memory_limit: Annotated[
         str | None, _o("--cache-memory-limit", help="DiTango: cap per rank, e.g. 8GiB [CUDA: free memory].")
     ] = None
-    reference: Annotated[str | None, _o("--reference", help="DiTango: 'exact' also runs exact attention.")] = None
+    reference: Annotated[
+        str | None, _o("--reference", help="'exact': also measure vs exact attention, untiled decode.")
+    ] = None
 
     def given(self) -> list[str]:
         return [f"--{f.name.replace('_', '-')}" for f in fields(self) if getattr(self, f.name) is not None]
@@ -156,6 +158,15 @@ class GuidanceArgs:
     hybrid_tau_cap: Annotated[int | None, _o("--hybrid-tau-cap", help="Latest tau1 [40 at 50 steps].")] = None
     hybrid_split: Annotated[int | None, _o("--hybrid-split", help="First block of segment 2 [half].")] = None
     hybrid_first_text: Annotated[str, _o("--hybrid-first-text", help="Segment 1's text: cond or uncond.")] = "cond"
+
+
+@dataclass
+class MemoryArgs:
+    vae_parallel: Annotated[
+        bool | None, _o("--vae-parallel/--no-vae-parallel", help="VAE tiles over the ranks [on with > 1 rank].")
+    ] = None
+    vae_tiling: Annotated[bool, _o("--vae-tiling", help="Tiled VAE decode (diffusers' tiles) on one rank too.")] = False
+    vae_tile: Annotated[int | None, _o("--vae-tile", help="VAE tile side, pixels (stride 3/4) [256].")] = None
 
 
 @dataclass
@@ -191,7 +202,7 @@ class GenerateArgs:
 
 SECTIONS = {
     ModelArgs: "model", ItemArgs: "items", OutputArgs: "output", ParallelArgs: "parallel", DiTangoArgs: "ditango",
-    GuidanceArgs: "guidance", SlurmArgs: "slurm", RunArgs: "run", GenerateArgs: "run",
+    GuidanceArgs: "guidance", MemoryArgs: "memory", SlurmArgs: "slurm", RunArgs: "run", GenerateArgs: "run",
 }  # fmt: skip
 # Options a run file may not set, and the report does not record (they say how to show a run).
 NOT_RECORDED = ("config", "json", "dry_run", "quiet", "wait_for_lock")

@@ -30,6 +30,29 @@ def _nearest_multiples(value: int, multiple: int) -> str:
     return f"{lo}" if lo == hi else f"{lo} or {hi}"
 
 
+# diffusers' tile defaults: 256-pixel tiles every 192 pixels (a quarter overlaps, and is blended).
+STRIDE_FRACTION = 0.75
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How the writer's replica decodes: `tiling` (diffusers' tiled decode), `parallel` (the
+    tiles over the replica's ranks; implies tiling), `tile_px` (the tile's side in pixels,
+    None: the VAE's own, 256; stride 3/4 of it)."""
+
+    tiling: bool = False
+    parallel: bool = False
+    tile_px: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tile_px is not None and self.tile_px < 8:
+            raise ConfigError(f"--vae-tile must be >= 8 pixels, got {self.tile_px}")
+
+    @property
+    def tiled(self) -> bool:
+        return self.tiling or self.parallel
+
+
 @dataclass(frozen=True)
 class Item:
     """One video to generate. `source` says where it came from, for error messages."""
@@ -131,6 +154,7 @@ class RunConfig:
     ditango: DiTangoOptions | None = None  # --parallel ditango settings
     reference: str | None = None  # "exact": also run the exact ring path and record quality
     hybrid: HybridConfig | None = None  # --hybrid (needs cfg degree 2)
+    decode: DecodeOptions = DecodeOptions()  # --vae-tiling, --vae-parallel, --vae-tile
     retries: int = 1  # a failed item is tried again this many times before it is given up
     # Data parallelism: `replicas` independent copies of `layout` (each its own process group)
     # take the items round-robin. The allocation is replicas x layout.world_size ranks on

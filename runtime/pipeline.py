@@ -23,6 +23,7 @@ from diffusers import WanPipeline
 from runtime.guidance import CfgParallel, SequentialCfg
 from runtime.models.loading import Placement
 from runtime.models.wan import WanVariant
+from runtime.vae import DecodeOptions, decode_video
 
 
 class DenoiseListener(Protocol):
@@ -284,17 +285,31 @@ class WanDenoiser:
         result.first_nonfinite_step = next((i + 1 for i, ok in enumerate(flags) if not ok), None)
         return result
 
-    @torch.no_grad()
-    def decode(self, latents_BCFHW: torch.Tensor) -> np.ndarray:
-        """Latents -> uint8 frames [F, H, W, 3] (first batch entry), as WanPipeline decodes them."""
+    def vae_input(self, latents_BCFHW: torch.Tensor) -> torch.Tensor:
+        """The denoised latents as the VAE takes them (WanPipeline's de-normalisation)."""
         vae = self.vae
         z = vae.config.z_dim
         latents = latents_BCFHW.to(self.device, dtype=vae.dtype)
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
-        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
-        frames = self.pipe.video_processor.postprocess_video(video, output_type="np")[0]
-        return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+        return latents / inv_std + mean
+
+    def decode(self, latents_BCFHW: torch.Tensor) -> np.ndarray:
+        """Latents -> uint8 frames [F, H, W, 3] (first batch entry), as the diffusers pipeline
+        decodes them (one process, untiled)."""
+        return self.decode_with(latents_BCFHW, DecodeOptions())[0]
+
+    @torch.no_grad()
+    def decode_with(
+        self, latents_BCFHW: torch.Tensor, options: DecodeOptions, ctx=None
+    ) -> tuple[np.ndarray | None, dict]:
+        """(uint8 frames [F, H, W, 3] on the writer, None elsewhere; the decode's record):
+        tiled and spread over `ctx`'s ranks as `options` say (runtime/vae.py)."""
+        decoded = decode_video(self.vae, self.vae_input(latents_BCFHW), options, ctx)
+        if decoded.video_BCFHW is None:
+            return None, decoded.record
+        frames = self.pipe.video_processor.postprocess_video(decoded.video_BCFHW, output_type="np")[0]
+        return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8), decoded.record
 
 
 @dataclass
@@ -373,10 +388,6 @@ class HunyuanDenoiser(WanDenoiser):
             **text.inputs,
         )[0]
 
-    @torch.no_grad()
-    def decode(self, latents_BCFHW: torch.Tensor) -> np.ndarray:
-        """Latents -> uint8 frames [F, H, W, 3], as HunyuanVideoPipeline decodes them."""
-        latents = latents_BCFHW.to(self.device, dtype=self.vae.dtype) / self.vae.config.scaling_factor
-        video = self.vae.decode(latents, return_dict=False)[0]
-        frames = self.pipe.video_processor.postprocess_video(video, output_type="np")[0]
-        return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+    def vae_input(self, latents_BCFHW: torch.Tensor) -> torch.Tensor:
+        """The denoised latents as the VAE takes them (HunyuanVideoPipeline's scaling)."""
+        return latents_BCFHW.to(self.device, dtype=self.vae.dtype) / self.vae.config.scaling_factor

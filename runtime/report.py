@@ -71,6 +71,7 @@ def item_record(
     attention: dict | None = None,
     quality: dict | None = None,
     hybrid: dict | None = None,
+    decode: dict | None = None,
     error: str | None = None,
 ) -> dict:
     """The per-item record: the sidecar's body and one entry of report.json's `items`."""
@@ -89,6 +90,9 @@ def item_record(
         "attention": attention or {"computed_fraction": 1.0},
         "quality": quality,  # with --reference exact: psnr, ssim, latent_rel_err vs the exact run
         "hybrid": hybrid,  # with --hybrid: tau1, tau2, rel_mae and stage per step, block evals, bytes per stage
+        # mode (tiled/untiled), tiles, ranks, per_rank_s (decode time of each rank), bytes (tiles
+        # sent to the writer), psnr_vs_untiled (with --reference exact and a tiled decode)
+        "decode": decode,
         "error": error,
     }
 

@@ -10,7 +10,7 @@ is rewritten after every item so an interrupted batch still has an up-to-date re
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Protocol
 
@@ -196,22 +196,29 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
             s: sum(r.get(s, 0) for r in stage_bytes) for s in sorted(set().union(*stage_bytes))
         }
     reference = None
-    if cfg.reference == "exact":
+    if cfg.reference == "exact" and cfg.ditango is not None:
         start = time.perf_counter()
         reference = exact_reference(denoiser, latents, text, item, condition)
         timing.reference_s = time.perf_counter() - start
     release_device_memory(device)  # what the denoising held (DiTango's cache) goes back before the decode
-    if not ctx.is_writer:
+    options = cfg.decode if ctx.distributed else replace(cfg.decode, parallel=False)
+    if not (ctx.is_writer or options.parallel):
         return {}
 
     start = time.perf_counter()
-    frames = denoiser.decode(result.latents_BCFHW)
+    frames, decode = denoiser.decode_with(result.latents_BCFHW, options, ctx)  # every rank decodes tiles
     synchronize(device)
     timing.decode_s = time.perf_counter() - start
+    if not ctx.is_writer:
+        return {}
     quality = None
     if reference is not None:
-        ref_frames = denoiser.decode(reference)
+        ref_frames, _ = denoiser.decode_with(reference, replace(options, parallel=False))  # decoded as the run's
         quality = quality_record(frames, ref_frames, result.latents_BCFHW, reference, "exact")
+    if cfg.reference == "exact" and options.tiled:  # what tiling costs: the same latents, untiled
+        untiled = denoiser.decode(result.latents_BCFHW)
+        decode["psnr_vs_untiled"] = quality_record(frames, untiled, result.latents_BCFHW, result.latents_BCFHW,
+                                                   "untiled")["psnr"]  # fmt: skip
 
     start = time.perf_counter()
     write_mp4(paths["video"], frames, cfg.fps)
@@ -235,7 +242,7 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
         attention["plan_png"] = plan_png.name
     record = item_record(
         item, model=cfg.model, status="done", video=paths["video"].name, latents=latents_name, timing=timing,
-        comm=comm, attention=attention, quality=quality, hybrid=hybrid,
+        comm=comm, attention=attention, quality=quality, hybrid=hybrid, decode=decode,
     )  # fmt: skip
     write_json(paths["sidecar"], record)  # last: its presence marks the item complete
     return record

@@ -1,0 +1,232 @@
+"""The VAE decode: diffusers' tiles, spread over a replica's ranks.
+
+The tiles are diffusers' own (`enable_tiling`): the same grid, the same per-tile decode and
+the same blending of the overlaps, so one process equals the VAE's `tiled_decode` (and, for
+HunyuanVideo, its frame-chunked `_temporal_tiled_decode`), and R ranks equal one process:
+rank r decodes tiles r, r + R, ..., the writer (rank 0) receives the others' tiles and
+blends. A tile is (frame chunk, row, column); an untiled decode has one tile per frame chunk
+(Wan: one chunk, its causal caches carry the frames; HunyuanVideo: diffusers' frame chunks,
+which it decodes one by one whether tiled or not).
+
+This is a distribution of diffusers' tiles, not a spatial split with halo exchange: a tiled
+video differs from the untiled one in the blended overlaps (`--reference exact` records
+the PSNR between them), and the split is exact against one process's tiled decode.
+
+Legend: B batch, C channels, F frames, H height, W width (latent or sample, as named).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from runtime.comm import Comm
+from runtime.config import STRIDE_FRACTION, DecodeOptions
+
+
+class Tile(NamedTuple):
+    """One tile of a latent video [B, C, F, H, W]: frame chunk `chunk`, grid row and column."""
+
+    chunk: int
+    row: int
+    col: int
+    frames: slice
+    rows: slice
+    cols: slice
+
+
+class TiledDecoder:
+    """A VAE's tile grid, per-tile decode and blending, as its diffusers class does them."""
+
+    def __init__(self, vae, options: DecodeOptions) -> None:
+        self.vae, self.options = vae, options
+        if options.tiled:
+            px = options.tile_px
+            if px is None:
+                vae.enable_tiling()
+            else:
+                stride = max(1, int(px * STRIDE_FRACTION))
+                vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px,
+                                  tile_sample_stride_height=stride, tile_sample_stride_width=stride)  # fmt: skip
+        else:
+            vae.disable_tiling()
+        self.hunyuan = type(vae).__name__ == "AutoencoderKLHunyuanVideo"
+        self.ratio = vae.spatial_compression_ratio
+        self.min_px, self.stride_px = vae.tile_sample_min_height, vae.tile_sample_stride_height
+        self.patch = None if self.hunyuan else vae.config.patch_size
+
+    # -- the grid ------------------------------------------------------------------------------
+    def chunks(self, F: int) -> list[slice]:
+        """Frame chunks of the latent: HunyuanVideo decodes overlapping chunks (one latent frame
+        shared) when framewise decoding is on, as diffusers' `_temporal_tiled_decode`."""
+        vae = self.vae
+        if not self.hunyuan or not vae.use_framewise_decoding:
+            return [slice(0, F)]
+        ratio = vae.temporal_compression_ratio
+        min_f, stride_f = vae.tile_sample_min_num_frames // ratio, vae.tile_sample_stride_num_frames // ratio
+        if F <= min_f:
+            return [slice(0, F)]
+        return [slice(i, i + min_f + 1) for i in range(0, F, stride_f)]
+
+    def spatially_tiled(self, H: int, W: int) -> bool:
+        lmin = self.min_px // self.ratio
+        return self.vae.use_tiling and (W > lmin or H > lmin)
+
+    def grid(self, z_BCFHW: torch.Tensor) -> list[Tile]:
+        _, _, F, H, W = z_BCFHW.shape
+        tiles = []
+        for c, frames in enumerate(self.chunks(F)):
+            if not self.spatially_tiled(H, W):
+                tiles.append(Tile(c, 0, 0, frames, slice(0, H), slice(0, W)))
+                continue
+            lmin, lstride = self.min_px // self.ratio, self.stride_px // self.ratio
+            for r, i in enumerate(range(0, H, lstride)):
+                for k, j in enumerate(range(0, W, lstride)):
+                    tiles.append(Tile(c, r, k, frames, slice(i, i + lmin), slice(j, j + lmin)))
+        return tiles
+
+    # -- one tile --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode_tile(self, z_BCFHW: torch.Tensor, tile: Tile) -> torch.Tensor:
+        """The decoder's output for one tile: before blending, unpatchify and clamp."""
+        vae = self.vae
+        z = z_BCFHW[:, :, tile.frames, tile.rows, tile.cols]
+        if self.hunyuan:
+            return vae.decoder(vae.post_quant_conv(z))
+        # Wan: frame by frame through the causal caches, as its tiled_decode does.
+        vae.clear_cache()
+        out = []
+        for k in range(z.shape[2]):
+            vae._conv_idx = [0]
+            x = vae.post_quant_conv(z[:, :, k : k + 1])
+            out.append(vae.decoder(x, feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=k == 0))
+        vae.clear_cache()
+        return torch.cat(out, dim=2)
+
+    # -- blending ----------------------------------------------------------------------------------
+    def assemble(self, z_BCFHW: torch.Tensor, tiles: list[Tile], decoded: list[torch.Tensor]) -> torch.Tensor:
+        """The video [B, C, F, H, W] from every tile's decode (in `tiles` order)."""
+        _, _, F, H, W = z_BCFHW.shape
+        vae = self.vae
+        by_chunk: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
+        for tile, out in zip(tiles, decoded, strict=True):
+            by_chunk.setdefault(tile.chunk, {})[(tile.row, tile.col)] = out
+        chunks = [self._blend_spatial(by_chunk[c], H, W) for c in sorted(by_chunk)]
+        if self.hunyuan and len(chunks) > 1:
+            ratio = vae.temporal_compression_ratio
+            blend_f = vae.tile_sample_min_num_frames - vae.tile_sample_stride_num_frames
+            stride_f = vae.tile_sample_stride_num_frames
+            chunks = [c if i == 0 else c[:, :, 1:] for i, c in enumerate(chunks)]
+            out = []
+            for i, chunk in enumerate(chunks):
+                if i > 0:
+                    chunk = vae.blend_t(chunks[i - 1], chunk, blend_f)
+                out.append(chunk[:, :, : stride_f + (1 if i == 0 else 0)])
+            video = torch.cat(out, dim=2)[:, :, : (F - 1) * ratio + 1]
+        else:
+            video = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+        if self.hunyuan:
+            return video
+        if self.patch is not None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+            video = unpatchify(video, patch_size=self.patch)
+        return torch.clamp(video, min=-1.0, max=1.0)
+
+    def _blend_spatial(self, grid: dict[tuple[int, int], torch.Tensor], H: int, W: int) -> torch.Tensor:
+        if len(grid) == 1 and not self.spatially_tiled(H, W):
+            return grid[(0, 0)]
+        vae, p = self.vae, self.patch or 1
+        stride = self.stride_px // p
+        blend = self.min_px // p - stride  # diffusers' own rounding (Wan2.2 blends in patches)
+        n_rows, n_cols = max(r for r, _ in grid) + 1, max(c for _, c in grid) + 1
+        rows = [[grid[(r, c)] for c in range(n_cols)] for r in range(n_rows)]
+        result = []
+        for i, row in enumerate(rows):
+            line = []
+            for j, tile in enumerate(row):  # the tile above and the one to the left blend into this one
+                if i > 0:
+                    tile = vae.blend_v(rows[i - 1][j], tile, blend)
+                if j > 0:
+                    tile = vae.blend_h(row[j - 1], tile, blend)
+                line.append(tile[:, :, :, :stride, :stride])
+            result.append(torch.cat(line, dim=-1))
+        return torch.cat(result, dim=3)[:, :, :, : H * self.ratio // p, : W * self.ratio // p]
+
+
+@dataclass
+class Decoded:
+    """A decode's video (the writer's; None elsewhere) and its record."""
+
+    video_BCFHW: torch.Tensor | None
+    record: dict
+
+
+@torch.no_grad()
+def decode_video(vae, z_BCFHW: torch.Tensor, options: DecodeOptions, ctx=None) -> Decoded:
+    """Decode latents (already scaled for the VAE). `ctx` (runtime/run.py RankContext) with
+    `options.parallel`: every rank of the replica must call this; rank r decodes tiles
+    r, r + R, ... and the writer gathers and blends them. Without it, one process decodes."""
+    start = time.perf_counter()
+    if not options.tiled:
+        video = vae.decode(z_BCFHW, return_dict=False)[0]
+        return Decoded(video, {"mode": "untiled", "tiles": 1, "ranks": 1, "per_rank_s": [_elapsed(start, video)]})
+    decoder = TiledDecoder(vae, options)
+    tiles = decoder.grid(z_BCFHW)
+    ranks, rank = (1, 0) if ctx is None or not options.parallel else (ctx.mesh.world_size, ctx.mesh.rank)
+    mine = {k: decoder.decode_tile(z_BCFHW, tiles[k]) for k in range(rank, len(tiles), ranks)}
+    own_s = _elapsed(start, *mine.values())
+    record = {"mode": "tiled", "tiles": len(tiles), "ranks": ranks, "tile_px": decoder.min_px}
+    if ranks == 1:
+        return Decoded(decoder.assemble(z_BCFHW, tiles, [mine[k] for k in range(len(tiles))]),
+                       {**record, "per_rank_s": [own_s]})  # fmt: skip
+    decoded, received = gather_tiles(ctx.comm, ctx.mesh, mine, len(tiles))
+    per_rank = ctx.gather((own_s, received))
+    record = {**record, "per_rank_s": [s for s, _ in per_rank], "bytes": sum(b for _, b in per_rank)}
+    if decoded is None:
+        return Decoded(None, record)
+    return Decoded(decoder.assemble(z_BCFHW, tiles, decoded), record)
+
+
+def gather_tiles(comm: Comm, mesh, mine: dict[int, torch.Tensor], count: int):
+    """Every rank's decoded tiles on the writer, in tile order (None elsewhere), and the bytes
+    this rank received. Shapes go over the control group first (tiles differ at the edges),
+    then each rank's tiles travel to the writer as one flat block on the replica's group."""
+    shapes = comm.gather_objects({k: tuple(t.shape) for k, t in mine.items()}, mesh.control_group,
+                                 range(mesh.world_size))  # fmt: skip
+    before = _received(comm)
+    if mesh.rank != 0:
+        if mine:
+            flat = torch.cat([mine[k].reshape(-1) for k in sorted(mine)])
+            comm.one_way(flat, mesh.rank, 0, None, None, None, mesh.world_group, "vae")
+        return None, _received(comm) - before
+    out: list[torch.Tensor | None] = [None] * count
+    for k, t in mine.items():
+        out[k] = t
+    sample = next(iter(mine.values())) if mine else None
+    for src in range(1, mesh.world_size):
+        theirs = shapes[src]
+        if not theirs:
+            continue
+        sizes = [torch.Size(theirs[k]).numel() for k in sorted(theirs)]
+        dtype = sample.dtype if sample is not None else torch.float32
+        device = sample.device if sample is not None else mesh.device
+        flat = comm.one_way(None, src, 0, (sum(sizes),), dtype, device, mesh.world_group, "vae")
+        for k, part in zip(sorted(theirs), flat.split(sizes), strict=True):
+            out[k] = part.view(theirs[k])
+    assert all(t is not None for t in out), "a tile was decoded by no rank"
+    return out, _received(comm) - before
+
+
+def _received(comm: Comm) -> int:
+    totals = comm.totals()
+    return totals["intra_node_bytes"] + totals["inter_node_bytes"]
+
+
+def _elapsed(start: float, *tensors: torch.Tensor) -> float:
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+    return time.perf_counter() - start

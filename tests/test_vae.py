@@ -1,0 +1,122 @@
+"""The VAE decode: diffusers' tiles in one process, and spread over 2 and 3 gloo ranks.
+
+Every VAE family we run: Wan2.1's AutoencoderKLWan, Wan2.2's (residual, 2x2 patches, 16x),
+HunyuanVideo's (frame chunks blended in time as well). One process is held to the VAE's own
+`decode` with tiling enabled (diffusers' tiled_decode); R ranks to one process. Tile counts
+are chosen so the split is uneven (5 tiles; 10 for HunyuanVideo's two frame chunks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner.layout import ParallelLayout, virtual_node_map
+from runtime.comm import Comm
+from runtime.mesh import build_mesh
+from runtime.vae import DecodeOptions, TiledDecoder, decode_video
+from slurm.local import run_ranks
+
+TOL = 1e-5
+TIMEOUT_S = 60
+
+
+def build_vae(family: str):
+    from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLWan
+
+    torch.manual_seed(7)
+    if family == "wan2.1":
+        vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True])  # fmt: skip
+    elif family == "wan2.2":
+        vae = AutoencoderKLWan(base_dim=8, decoder_base_dim=16, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                               temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                               out_channels=12, patch_size=2, scale_factor_temporal=4, scale_factor_spatial=16)  # fmt: skip
+    else:
+        vae = AutoencoderKLHunyuanVideo(
+            in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            norm_num_groups=4, spatial_compression_ratio=8, temporal_compression_ratio=4,
+            mid_block_add_attention=True,
+        )  # fmt: skip
+    return vae.eval()
+
+
+# (family, latent [B, C, F, H, W], tile px): one row of 5 tiles; HunyuanVideo: 2 frame chunks of 5.
+CASES = [("wan2.1", (1, 4, 3, 3, 13), 32), ("wan2.2", (1, 4, 2, 3, 13), 64), ("hunyuan", (1, 4, 6, 3, 13), 32)]
+
+
+def latents(shape) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("family,shape,tile", CASES, ids=[c[0] for c in CASES])
+def test_one_process_equals_diffusers_tiled_decode(family, shape, tile):
+    vae = build_vae(family)
+    z = latents(shape)
+    options = DecodeOptions(tiling=True, tile_px=tile)
+    ours = decode_video(vae, z, options)
+    assert ours.record["tiles"] == (10 if family == "hunyuan" else 5)
+    stride = int(tile * 0.75)
+    vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile, tile_sample_stride_height=stride,
+                      tile_sample_stride_width=stride)  # fmt: skip
+    with torch.no_grad():
+        ref = vae.decode(z, return_dict=False)[0]
+    assert ours.video_BCFHW.shape == ref.shape
+    err = (ours.video_BCFHW - ref).abs().max().item()
+    assert err <= TOL, err
+    # Tiled differs from untiled in the blended overlaps (what --reference exact measures)...
+    vae.disable_tiling()
+    with torch.no_grad():
+        untiled = vae.decode(z, return_dict=False)[0]
+    assert (untiled - ref).abs().max().item() > 10 * TOL
+    # ...and an untiled decode is the VAE's own.
+    plain = decode_video(vae, z, DecodeOptions())
+    assert plain.record["mode"] == "untiled" and torch.equal(plain.video_BCFHW, untiled)
+
+
+def test_a_video_within_one_tile_decodes_as_untiled():
+    vae = build_vae("wan2.1")
+    z = latents((1, 4, 2, 3, 4))  # 24 x 32 px: inside one 32 px tile
+    tiled = decode_video(vae, z, DecodeOptions(tiling=True, tile_px=32))
+    untiled = decode_video(vae, z, DecodeOptions())
+    assert tiled.record["tiles"] == 1
+    assert (tiled.video_BCFHW - untiled.video_BCFHW).abs().max().item() <= TOL
+
+
+def test_tile_grid_follows_the_tile_size():
+    vae = build_vae("wan2.1")
+    grid = TiledDecoder(vae, DecodeOptions(tiling=True, tile_px=32)).grid(latents((1, 4, 1, 7, 13)))
+    assert [(t.row, t.col) for t in grid][:6] == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0)]
+    assert len(grid) == 3 * 5  # rows 0, 3, 6 and columns 0, 3, ..., 12 (latent stride 3)
+    assert grid[-1].cols == slice(12, 16)
+
+
+def _decode_on_ranks(rank, world, events):
+    from runtime.run import RankContext
+
+    layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy="ring")
+    mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
+    ctx = RankContext(mesh, Comm(mesh))
+    outs = []
+    for family, shape, tile in CASES:  # one process group for every family: spawning is the slow part
+        out = decode_video(build_vae(family), latents(shape), DecodeOptions(parallel=True, tile_px=tile), ctx)
+        outs.append((out.video_BCFHW, out.record))
+    return outs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tiles_over_ranks_equal_one_process(world):
+    per_rank = run_ranks(_decode_on_ranks, world, timeout_s=TIMEOUT_S)
+    for case, (family, shape, tile) in enumerate(CASES):
+        one = decode_video(build_vae(family), latents(shape), DecodeOptions(tiling=True, tile_px=tile))
+        video, record = per_rank[0][case]
+        assert all(r[case][0] is None for r in per_rank[1:])  # only the writer holds the video
+        err = (video - one.video_BCFHW).abs().max().item()
+        assert err <= TOL, (family, err)
+        assert record["ranks"] == world and len(record["per_rank_s"]) == world
+        # Every tile but the writer's travels to it once: the bytes are the other ranks' tiles.
+        decoder = TiledDecoder(build_vae(family), DecodeOptions(tiling=True, tile_px=tile))
+        tiles = decoder.grid(latents(shape))
+        sent = sum(decoder.decode_tile(latents(shape), t).nbytes for k, t in enumerate(tiles) if k % world)
+        assert record["bytes"] == sent, family
