@@ -100,6 +100,8 @@ def build_run_config(
     if g.hybrid and spec.family == "hunyuanvideo" and g.hybrid_first_text != "cond":
         raise ConfigError("--hybrid-first-text uncond does not apply to HunyuanVideo: its text stream runs through "
                           "the blocks, so segment B must continue the conditional one")  # fmt: skip
+    if g.hybrid and mem.shard_weights:
+        raise ConfigError("--shard-weights does not combine with --hybrid (its segments run different blocks)")
     if g.hybrid and layout.strategy == "ditango":
         raise ConfigError("--hybrid does not combine with --parallel ditango; use ring, ulysses or usp")
     parallel_decode = layout.world_size > 1 and mem.vae_parallel is not False
@@ -129,6 +131,7 @@ def build_run_config(
         fps=spec.defaults.fps, layout=layout, attention_backend=p.attention_backend.value, timeout_s=p.timeout,
         setup_timeout_s=p.setup_timeout_s, ditango=ditango, reference=d.reference,
         hybrid=hybrid_config(g, spec.layers), replicas=p.replicas, alloc_gpus_per_node=p.gpus_per_node, decode=decode,
+        shard_weights=mem.shard_weights,
         options=options or {},
     )  # fmt: skip
     return cfg, resolved

@@ -167,6 +167,7 @@ class MemoryArgs:
     ] = None
     vae_tiling: Annotated[bool, _o("--vae-tiling", help="Tiled VAE decode (diffusers' tiles) on one rank too.")] = False
     vae_tile: Annotated[int | None, _o("--vae-tile", help="VAE tile side, pixels (stride 3/4) [256].")] = None
+    shard_weights: Annotated[bool, _o("--shard-weights", help="FSDP2: weights over the ranks.")] = False
 
 
 @dataclass

@@ -155,6 +155,11 @@ class RunConfig:
     reference: str | None = None  # "exact": also run the exact ring path and record quality
     hybrid: HybridConfig | None = None  # --hybrid (needs cfg degree 2)
     decode: DecodeOptions = DecodeOptions()  # --vae-tiling, --vae-parallel, --vae-tile
+    shard_weights: bool = False  # --shard-weights: FSDP2 over the cp group (runtime/weights.py)
+    # Components moved to the CPU when their stage is over, chosen by the memory pre-flight
+    # when the GPU is short (planner/memory.py): "text_encoder" after encoding, "transformer"
+    # before the decode (back for the next item).
+    offload: tuple[str, ...] = ()
     retries: int = 1  # a failed item is tried again this many times before it is given up
     # Data parallelism: `replicas` independent copies of `layout` (each its own process group)
     # take the items round-robin. The allocation is replicas x layout.world_size ranks on

@@ -32,6 +32,7 @@ from runtime.quality import quality_record
 from runtime.report import SCHEMA, ItemTiming, item_record, peak_memory, run_report
 from runtime.strategies import parallelize
 from runtime.video import write_json, write_latents, write_mp4
+from runtime.weights import SHARDED, local_param_bytes, place, shard_weights
 
 
 class Observer(Protocol):
@@ -169,7 +170,13 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
     start = time.perf_counter()
     if item.true_cfg is not None:  # HunyuanVideo: --guidance is the embedded guidance
         denoiser.embedded_guidance = item.guidance
+    encoders = [getattr(denoiser.pipe, n, None) for n in ("text_encoder", "text_encoder_2")]
+    encoders = [e for e in encoders if e is not None] if "text_encoder" in cfg.offload else []
+    place(encoders, device)
     text = denoiser.encode_text(item.prompt, item.negative_prompt, item.cfg_scale)
+    place(encoders, torch.device("cpu"))  # encoded once per item; the encoder waits on the CPU
+    if "transformer" in cfg.offload:
+        place(denoiser.transformers, device)  # back from the previous item's decode
     synchronize(device)
     timing.text_encode_s = time.perf_counter() - start
 
@@ -200,6 +207,8 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
         start = time.perf_counter()
         reference = exact_reference(denoiser, latents, text, item, condition)
         timing.reference_s = time.perf_counter() - start
+    if "transformer" in cfg.offload:
+        place(denoiser.transformers, torch.device("cpu"))  # the decode needs the room
     release_device_memory(device)  # what the denoising held (DiTango's cache) goes back before the decode
     options = cfg.decode if ctx.distributed else replace(cfg.decode, parallel=False)
     if not (ctx.is_writer or options.parallel):
@@ -299,6 +308,7 @@ def execute(
             if item_id not in (decided or {}):  # not those this command already made in an earlier launch
                 observer.message(f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)")
     todo = [item for item in cfg.items if item.id not in records]
+    weights: dict = {"shard_degree": 1}  # the transformers' and text encoder's, on this rank
 
     def write_report(rank_peaks: list[int] | None = None) -> dict:
         peak, source = peak_memory(placement.device)
@@ -307,13 +317,18 @@ def execute(
             cfg, ordered, placement.device, placement.dtype_name, started, time.perf_counter() - wall_start,
             attention_backend=backend, rank_peaks=rank_peaks or [peak], peak_source=source,
         )  # fmt: skip
+        report["weights"] = weights
         write_json(cfg.out_dir / report_name, report)
         return report
 
     observer.run_started(len(todo))
     if todo:
         resolved = resolve_model(cfg.model if cfg.model_path is None else str(cfg.model_path))
-        components = load_components(resolved, placement)
+        shard = cfg.shard_weights and ctx.distributed
+        components = load_components(resolved, placement, on_cpu=SHARDED if shard else ())
+        if shard:
+            weights["shard_degree"] = shard_weights(components, ctx.mesh, placement.device)
+        weights["param_bytes_per_rank"] = sum(local_param_bytes(components[n]) for n in SHARDED if n in components)
         if resolved.spec.family == "hunyuanvideo":
             denoiser = HunyuanDenoiser(components, placement, cfg.max_text_len)
         else:

@@ -15,7 +15,8 @@ ADAPTERS: dict[str, ModuleType] = {wan.TRANSFORMER_CLASS: wan, hunyuan.TRANSFORM
 
 
 def adapter_for(transformer) -> ModuleType:
-    name = type(transformer).__name__
-    if name not in ADAPTERS:
-        raise TypeError(f"no model adapter for {name}; known: {', '.join(ADAPTERS)}")
-    return ADAPTERS[name]
+    # By the class or a base of it: FSDP2 (--shard-weights) makes an FSDP<Name> subclass.
+    for cls in type(transformer).__mro__:
+        if cls.__name__ in ADAPTERS:
+            return ADAPTERS[cls.__name__]
+    raise TypeError(f"no model adapter for {type(transformer).__name__}; known: {', '.join(ADAPTERS)}")

@@ -53,7 +53,7 @@ def _dtype_kwarg() -> str:
         return "torch_dtype"
 
 
-def load_components(model: ResolvedModel, placement: Placement) -> dict:
+def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[str, ...] = ()) -> dict:
     """Return {tokenizer, text_encoder, transformer[, transformer_2], vae, scheduler[,
     image_encoder, image_processor]} ready for inference, through the diffusers pipeline class
     the directory names (the spec's variant).
@@ -62,6 +62,7 @@ def load_components(model: ResolvedModel, placement: Placement) -> dict:
     diffusers' examples do); the text encoder and transformers take `placement.dtype`, with
     the float32 modules diffusers/transformers keep when loading. The built-in model is a
     directory shipped in the package, loaded through the same path as a user checkpoint.
+    `on_cpu`: components left on the CPU (sharded first, then moved: runtime/weights.py).
     """
     import diffusers
 
@@ -77,7 +78,8 @@ def load_components(model: ResolvedModel, placement: Placement) -> dict:
             if name not in components:
                 continue
             # Device only: a dtype cast here would undo the float32 modules kept by from_pretrained.
-            components[name].to(placement.device).eval().requires_grad_(False)
+            device = torch.device("cpu") if name in on_cpu else placement.device
+            components[name].to(device).eval().requires_grad_(False)
     except Exception as exc:  # diffusers/transformers raise many types for a broken directory
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ModelDirError(f"cannot load the model from {path}: {type(exc).__name__}: {first}") from exc
