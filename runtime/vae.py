@@ -172,6 +172,7 @@ def decode_video(vae, z_BCFHW: torch.Tensor, options: DecodeOptions, ctx=None) -
     r, r + R, ... and the writer gathers and blends them. Without it, one process decodes."""
     start = time.perf_counter()
     if not options.tiled:
+        vae.disable_tiling()  # a tiled decode before (of this VAE) left diffusers' tiling on
         video = vae.decode(z_BCFHW, return_dict=False)[0]
         return Decoded(video, {"mode": "untiled", "tiles": 1, "ranks": 1, "per_rank_s": [_elapsed(start, video)]})
     decoder = TiledDecoder(vae, options)

@@ -70,7 +70,8 @@ def test_one_process_equals_diffusers_tiled_decode(family, shape, tile):
     with torch.no_grad():
         untiled = vae.decode(z, return_dict=False)[0]
     assert (untiled - ref).abs().max().item() > 10 * TOL
-    # ...and an untiled decode is the VAE's own.
+    # ...and an untiled decode is the VAE's own, even after a tiled one left tiling on.
+    decode_video(vae, z, options)
     plain = decode_video(vae, z, DecodeOptions())
     assert plain.record["mode"] == "untiled" and torch.equal(plain.video_BCFHW, untiled)
 
@@ -120,3 +121,27 @@ def test_tiles_over_ranks_equal_one_process(world):
         tiles = decoder.grid(latents(shape))
         sent = sum(decoder.decode_tile(latents(shape), t).nbytes for k, t in enumerate(tiles) if k % world)
         assert record["bytes"] == sent, family
+
+
+def test_cli_decodes_tiles_on_two_ranks_and_records_the_cost(runner, tmp_path, saved_model_dir):
+    """generate on 2 ranks decodes in parallel by default; --reference exact records what the
+    tiles cost against the untiled decode (a random VAE: the overlaps differ)."""
+    import json
+
+    from ditango_cli.app import app
+
+    out = tmp_path / "out"
+    args = ["generate", "--model", str(saved_model_dir), "--prompt", "a red ball", "--steps", "2", "--height", "64",
+            "--width", "64", "--frames", "5", "--device", "cpu", "--quiet", "--gpus", "2", "--parallel", "ring",
+            "--vae-tile", "32", "--reference", "exact", "--out", str(out)]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    decode = json.loads((out / "report.json").read_text())["items"][0]["decode"]
+    assert (decode["mode"], decode["tiles"], decode["ranks"], len(decode["per_rank_s"])) == ("tiled", 9, 2, 2)
+    assert decode["bytes"] > 0 and 10 < decode["psnr_vs_untiled"] < 80, decode
+    plain = [a for a in args[:-1] if a not in ("--reference", "exact")]
+    refused = runner.invoke(app, [*args[:-1], str(tmp_path / "one"), "--no-vae-parallel"])
+    assert refused.exit_code == 2 and "--reference only apply" in refused.stderr  # nothing approximated
+    one = runner.invoke(app, [*plain, str(tmp_path / "one"), "--no-vae-parallel"])
+    assert one.exit_code == 0, one.stderr
+    assert json.loads((tmp_path / "one" / "report.json").read_text())["items"][0]["decode"]["mode"] == "untiled"
