@@ -118,8 +118,10 @@ def main() -> None:
     base = rows[1][1]
     print(f"{args.vae} VAE, {args.width}x{args.height}x{args.frames} (latent {list(z.shape)}), tiles of "
           f"{args.tile} px; {os.cpu_count()} CPU cores, torch {torch.__version__}\n")  # fmt: skip
-    print("| decode | tiles | time (s) | vs tiled 1 rank | rank 0 peak RSS + (MB) | other ranks' peak + (MB) "
-          "| max abs vs 1-rank tiled |")
+    print(
+        "| decode | tiles | time (s) | vs tiled 1 rank | rank 0 peak RSS + (MB) | other ranks' peak + (MB) "
+        "| max abs vs 1-rank tiled |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     untiled = rows[0][4]
     for row in rows:

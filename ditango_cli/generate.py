@@ -34,10 +34,10 @@ from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import replica_layout
 from planner.memory import parse_bytes
-from runtime.config import DecodeOptions, RunConfig
+from runtime.config import DecodeOptions, RunConfig, memory_preflight
 from runtime.items import Overrides, build_items
 from runtime.kernels import resolve_backend
-from runtime.models.loading import placement_on
+from runtime.models.loading import human_count, placement_on, quiet_loading_bars
 from runtime.models.registry import REGISTRY, ResolvedModel, model_root, resolve_model
 from runtime.outputs import check_writable
 from slurm.options import SlurmOptions, choose_executor
@@ -86,8 +86,9 @@ def build_run_config(
     from runtime.strategies.selective import check_cache_limit
     from slurm.placement import ranks_device
 
-    resolved = resolve_model(m.model, m.model_root)
-    spec = resolved.spec
+    named = REGISTRY.get(m.model)  # a named model's spec: the memory pre-flight needs no weights
+    resolved = None if named is not None else resolve_model(m.model, m.model_root)
+    spec = named or resolved.spec
     overrides = Overrides(**{k: getattr(i, k) for k in Overrides.__dataclass_fields__})
     items = build_items(i.prompt, i.prompts, overrides, spec.defaults)
     if array > len(items):
@@ -125,7 +126,7 @@ def build_run_config(
         resolve_backend(p.attention_backend.value, placement.device, placement.dtype, where == "local")
     check_writable(o.out, create=create_out)
     cfg = RunConfig(
-        model=m.model, model_path=None if spec.builtin else resolved.path,  # built-in: the running code's copy
+        model=m.model, model_path=None,
         items=items, out_dir=o.out.expanduser(), device=device, dtype=None if m.dtype is None else m.dtype.value,
         save_latents=o.save_latents, overwrite=o.overwrite, max_text_len=spec.defaults.max_text_len,
         fps=spec.defaults.fps, layout=layout, attention_backend=p.attention_backend.value, timeout_s=p.timeout,
@@ -134,7 +135,9 @@ def build_run_config(
         shard_weights=mem.shard_weights,
         options=options or {},
     )  # fmt: skip
-    return cfg, resolved
+    cfg = memory_preflight(cfg, spec.shape, mem.gpu_memory, placement, where == "local", m.dtype is not None)
+    resolved = resolved or resolve_model(m.model, m.model_root)
+    return replace(cfg, model_path=None if spec.builtin else resolved.path), resolved  # built-in: this code's copy
 
 
 @command(*GROUPS, GenerateArgs)
@@ -145,7 +148,7 @@ def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> i
     from slurm.executors import executor_for, own_output_folder
     from slurm.supervise import supervise
 
-    _quiet_libraries()
+    quiet_loading_bars()
     opts = slurm_options(s)
     where = choose_executor(p.executor.value, p.nodes, opts, require_sbatch=not run.dry_run)
     cfg, _ = build_run_config(
@@ -203,6 +206,7 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
                         "task": spec.task, "experts": spec.variant.experts},
         "device": str(placement.device), "dtype": placement.dtype_name, "out_dir": str(cfg.out_dir),
         "layout": cfg.layout.to_json(), "replicas": cfg.replicas, "executor": where, "attention_backend": backend,
+        "gpu_memory": cfg.gpu_memory, "offload": list(cfg.offload),
         "skipped": sorted(skipped),
         "items": [it.to_json() for it in cfg.items],
     }  # fmt: skip
@@ -242,7 +246,7 @@ def models(
     for row in rows:
         d = row["defaults"]
         g = f"{d['guidance']:g}" + ("" if d["guidance_2"] is None else f"/{d['guidance_2']:g}")
-        table.add_row(row["name"], row["task"], _human(row["params"]), str(row["heads"]), str(row["layers"]),
+        table.add_row(row["name"], row["task"], human_count(row["params"]), str(row["heads"]), str(row["layers"]),
                       f"{d['width']}x{d['height']}x{d['frames']}, {d['steps']} steps, cfg {g}", row["resolves_to"])  # fmt: skip
     Console().print(table)
     return 0
@@ -264,19 +268,3 @@ def report_summary(report: dict, report_path: Path, quiet: bool, as_json: bool, 
                    f"(first: {first}; see {report_path})", err=True)  # fmt: skip
         return EXIT_FAILED_ITEMS
     return 0
-
-
-def _quiet_libraries() -> None:
-    """Our progress bar is the only one: hide diffusers'/transformers' loading bars."""
-    import diffusers.utils.logging
-    import transformers.utils.logging
-
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def _human(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)

@@ -168,6 +168,9 @@ class MemoryArgs:
     vae_tiling: Annotated[bool, _o("--vae-tiling", help="Tiled VAE decode (diffusers' tiles) on one rank too.")] = False
     vae_tile: Annotated[int | None, _o("--vae-tile", help="VAE tile side, pixels (stride 3/4) [256].")] = None
     shard_weights: Annotated[bool, _o("--shard-weights", help="FSDP2: weights over the ranks.")] = False
+    gpu_memory: Annotated[
+        str | None, _o("--gpu-memory", help="Pre-flight: memory per GPU, e.g. 80GiB [the GPU's].")
+    ] = None
 
 
 @dataclass

@@ -10,11 +10,12 @@ rank per step (2 for CFG run in turn, 1 per rank with --cfg-parallel).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout, chunk_sizes
+from planner.memory import GIB, MemoryOptions, cfg_branches, estimate_memory, fit_to_memory, usable_bytes
 from planner.models import ModelShape
 from planner.traffic import Topology, predict_traffic
 
@@ -32,17 +33,18 @@ class Hardware:
     inter_gbps: float  # inter-node (NIC) bandwidth per GPU per direction, GB/s
     latency_us: float  # per message, inter-node (intra-node taken as a third of it)
     source: str = ""
+    memory_bytes: int = 0  # per GPU (0: not known); the datasheets' GB are binary-sized HBM stacks
 
 
 # Public datasheet numbers (dense bf16, no sparsity). NVLink "900 GB/s" is bidirectional:
 # 450 GB/s per direction. NICs: the common 8-GPU server build of each generation, one NIC
 # per GPU (400 Gb/s NDR = 50 GB/s; 200 Gb/s HDR = 25 GB/s).
 HARDWARE: dict[str, Hardware] = {
-    "h20": Hardware("h20", 148.0, 4.0, 450.0, 50.0, 10.0, "NVIDIA H20 datasheet: 148 TFLOPS bf16, 4.0 TB/s, NVLink 900 GB/s"),
-    "h100": Hardware("h100", 989.0, 3.35, 450.0, 50.0, 10.0, "NVIDIA H100 SXM datasheet: 989 TFLOPS bf16, 3.35 TB/s, NVLink 900 GB/s"),
-    "h200": Hardware("h200", 989.0, 4.8, 450.0, 50.0, 10.0, "NVIDIA H200 SXM datasheet: 989 TFLOPS bf16, 4.8 TB/s, NVLink 900 GB/s"),
-    "a100": Hardware("a100", 312.0, 2.0, 300.0, 25.0, 10.0, "NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS bf16, 2.0 TB/s, NVLink 600 GB/s"),
-    "l40s": Hardware("l40s", 362.0, 0.864, 32.0, 25.0, 10.0, "NVIDIA L40S datasheet: 362 TFLOPS bf16, 864 GB/s; PCIe Gen4 x16, no NVLink"),
+    "h20": Hardware("h20", 148.0, 4.0, 450.0, 50.0, 10.0, "NVIDIA H20 datasheet: 148 TFLOPS bf16, 4.0 TB/s, NVLink 900 GB/s, 96 GB", 96 * GIB),
+    "h100": Hardware("h100", 989.0, 3.35, 450.0, 50.0, 10.0, "NVIDIA H100 SXM datasheet: 989 TFLOPS bf16, 3.35 TB/s, NVLink 900 GB/s, 80 GB", 80 * GIB),
+    "h200": Hardware("h200", 989.0, 4.8, 450.0, 50.0, 10.0, "NVIDIA H200 SXM datasheet: 989 TFLOPS bf16, 4.8 TB/s, NVLink 900 GB/s, 141 GB", 141 * GIB),
+    "a100": Hardware("a100", 312.0, 2.0, 300.0, 25.0, 10.0, "NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS bf16, 2.0 TB/s, NVLink 600 GB/s", 80 * GIB),
+    "l40s": Hardware("l40s", 362.0, 0.864, 32.0, 25.0, 10.0, "NVIDIA L40S datasheet: 362 TFLOPS bf16, 864 GB/s; PCIe Gen4 x16, no NVLink, 48 GB", 48 * GIB),
 }  # fmt: skip
 
 ASSUMPTIONS = {
@@ -50,7 +52,9 @@ ASSUMPTIONS = {
     "attention_efficiency": 0.5,  # achieved / peak for attention kernels (flash-attn class)
     "link_efficiency": 0.8,  # achieved / nominal bandwidth
     "overlap": "ring/DiTango hops: max(compute, transfer) + latency (next block prefetched)",
-    "not_modelled": "text encoder, VAE decode, scheduler step, kernel launch overheads, stragglers",
+    "not_modelled": "text encoder and VAE decode time, scheduler step, kernel launch overheads, stragglers",
+    "memory": "planner/memory.py: peak bytes per GPU by phase (text_encode, denoise, decode); fits: the peak within "
+    "the GPU's memory less 5% and 1 GiB; the runtime offloads the encoders / transformer only when short",
     "ulysses": "all-to-all time = bytes over the slowest link class in the group, not overlapped",
     "ditango_synthetic": "without a plan: exact warm-up/cool-down, one anchor, then (1 - cache_ratio) of remote cells computed",
     "plan_mapping": "a small run's plan (report.json + its <id>.plan.json) gives a computed fraction per ring "
@@ -235,7 +239,7 @@ def estimate(
         # Per (forward, layer) from a one-layer, one-forward count, then scaled; the rest of the
         # traffic (gather, cfg) is what the all-computed count already holds.
         fractions = offset_fractions(compute_fraction, layout.groups)
-        one = ModelShape(**{**asdict(shape), "layers": 1})
+        one = replace(shape, layers=1)
         units = layout.groups - 1
 
         def one_layer(bits) -> dict:
@@ -307,13 +311,57 @@ def read_plan(path: Path) -> tuple[float, dict | None]:
         raise ConfigError(f"--plan {path}: cannot read ({exc})") from None
 
 
+def plan_fraction(plan: Path | None, cache_ratio: float, steps: int) -> tuple[float, dict | None]:
+    """DiTango's computed fraction (and plan file) from `--plan`, or the synthetic one."""
+    if plan is not None:
+        return read_plan(plan)
+    return synthetic_plan_fraction(cache_ratio, steps), None
+
+
+def simulate_assumptions(hw: Hardware, model: str, tokens: int, steps: int, fraction: float, plan: Path | None,
+                         plan_log: dict | None, cache_ratio: float, notes: list[str]) -> dict:  # fmt: skip
+    """The `assumptions` of `ditango simulate --json`: the profile, ASSUMPTIONS and the run's inputs."""
+    if plan is None:
+        source = f"synthetic, cache ratio {cache_ratio:g}"
+    else:
+        source = f"{plan} (per ring offset from its plan file)" if plan_log is not None else str(plan)
+    return {**report_dict(hw), "model": model, "tokens": tokens, "steps": steps,
+            "ditango_computed_fraction": round(fraction, 4), "ditango_plan": source, "skipped": notes}  # fmt: skip
+
+
+def memory_options(shard_weights: bool, cfg_scale: float, vae_tiling: bool, cache_dtype: str) -> MemoryOptions:
+    """simulate's memory options: bf16 weights, CFG branches in turn on each rank (no cfg-parallel)."""
+    return MemoryOptions(shard_weights=shard_weights, cfg_branches_per_rank=cfg_branches(cfg_scale, 1),
+                         vae_tiling=vae_tiling, cache_bytes=4 if cache_dtype == "float32" else 2)  # fmt: skip
+
+
+def memory_row(shape: ModelShape, layout: ParallelLayout, height: int, width: int, frames: int,
+               options: MemoryOptions, vae_parallel: bool | None, gpu_memory_bytes: int | None) -> dict:  # fmt: skip
+    """`simulate`'s memory columns for one layout (planner/memory.py), with the offloads the
+    runtime turns on when memory is short; `vae_parallel` None: on with more than one rank."""
+    o = replace(options, vae_parallel=layout.world_size > 1 if vae_parallel is None else vae_parallel)
+    if gpu_memory_bytes:
+        o = fit_to_memory(shape, layout, height, width, frames, o, gpu_memory_bytes)
+    est = estimate_memory(shape, layout, height, width, frames, o)
+    return {"peak_memory_bytes": est.peak_bytes, "peak_memory_stage": est.peak_stage,
+            "weights_bytes": est.stages["weights"],
+            "offload": [n for n, on in (("encoders", o.offload_text_encoder), ("transformer", o.offload_transformer)) if on],
+            "fits": est.peak_bytes <= usable_bytes(gpu_memory_bytes) if gpu_memory_bytes else None}  # fmt: skip
+
+
 def compare_layouts(
     hw: Hardware, shape: ModelShape, nodes: int, gpus_per_node: int, strategies: list[str], group_size: str,
     height: int, width: int, frames: int, steps: int, fraction: float, plan_log: dict | None = None,
+    memory: MemoryOptions = MemoryOptions(), vae_parallel: bool | None = None, gpu_memory_bytes: int | None = None,
 ) -> tuple[list[dict], list[str]]:  # fmt: skip
     """`ditango simulate`'s rows: every strategy on 1..`nodes` nodes, with the speedup over the
-    best exact one; and a note per illegal layout. DiTango computes `fraction` of remote
-    attention, or per ring offset as `plan_log` (a plan file) says."""
+    best exact one and the predicted peak memory per GPU; and a note per illegal layout.
+    DiTango computes `fraction` of remote attention, or per ring offset as `plan_log` (a plan
+    file) says. `gpu_memory_bytes` (default: the profile's) decides `fits`."""
+    for s in strategies:
+        if s not in ("ring", "ulysses", "usp", "ditango"):
+            raise ConfigError(f"--parallel {s!r}: simulate knows ring, ulysses, usp, ditango")
+    gpu_memory_bytes = gpu_memory_bytes or hw.memory_bytes or None
     rows, notes = [], []
     for n in range(1, nodes + 1):
         found = []
@@ -332,14 +380,16 @@ def compare_layouts(
                 f = map_plan_offsets(plan_log, layout.groups)  # per ring offset, by relative distance
             est = estimate(hw, layout, shape, height, width, frames, steps,
                            compute_fraction=f if s == "ditango" else 1.0)  # fmt: skip
-            found.append(est)
-        exact = [e.e2e_s for e in found if e.strategy != "ditango"]
+            found.append(
+                (est, memory_row(shape, layout, height, width, frames, memory, vae_parallel, gpu_memory_bytes))
+            )
+        exact = [e.e2e_s for e, _ in found if e.strategy != "ditango"]
         best = min(exact) if exact else None
-        for e in found:
+        for e, mem in found:
             rows.append(
                 {"strategy": e.strategy, "nodes": e.nodes, "gpus_per_node": e.gpus_per_node,
                  "attention_s": round(e.attention_s, 6), "step_s": round(e.step_s, 6), "e2e_s": round(e.e2e_s, 4),
                  "inter_node_bytes": e.inter_node_bytes, "intra_node_bytes": e.intra_node_bytes,
-                 "speedup_vs_best_exact": None if best is None else round(best / e.e2e_s, 4)}
+                 "speedup_vs_best_exact": None if best is None else round(best / e.e2e_s, 4), **mem}
             )  # fmt: skip
     return rows, notes

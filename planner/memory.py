@@ -1,10 +1,50 @@
-"""Memory sizes: what a user writes (8GiB, 500MB) as bytes."""
+"""Memory sizes (8GiB, 500MB) and the per-GPU memory model with its pre-flight.
+
+What one rank holds in each phase of an item, as the runtime runs it (every component is
+loaded onto every GPU at the start; with `shard_weights` the transformers and the text
+encoder are sharded on the CPU first, runtime/weights.py):
+  text_encode  the transformer (or its shard), the text encoder (and the blocks FSDP gathers),
+               the CLIP image encoder, VAE weights;
+  denoise      the same but the text encoder's gathered blocks; the transformer's gathered
+               blocks, the DiTango cache and the transient tensors of the largest block
+               (activations, ring attention states); unsharded text encoders leave with
+               `offload_text_encoder`;
+  decode       what stays (an unsharded transformer leaves with `offload_transformer`), VAE
+               weights and the decoder's working set (rank 0 alone, or each rank's tiles with
+               `vae_parallel`); the DiTango cache is freed before it.
+A phase's peak is what is resident in it plus its largest transient; the peak is the largest
+phase's. The transient terms are derived from the layers diffusers runs (comments below) and
+scaled by factors calibrated on CPU against measured peaks (benchmarks/memory.py, its table):
+transformer forwards within 4.2% (mean 2.2%) in float32 and bfloat16, VAE decodes within
+12.5% (mean 9.5%), weights within 8 MiB. Weights and the DiTango cache are exact counts.
+Not modelled: the text encoders' own activations (under 1% of their weights at 512 tokens),
+allocator fragmentation and the CUDA context (`HEADROOM_*` keeps room for them).
+
+Legend: S tokens (a rank's largest chunk), C transformer width, F FFN width, T text tokens,
+e bytes per element of the transformer dtype; B batch (1), H heads, D head dim.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
+
+from planner.decode_memory import decode_bytes
 from planner.errors import ConfigError
+from planner.layout import ParallelLayout, chunk_sizes
+from planner.models import ModelShape
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+GIB = 2**30
+F32 = 4
+# Measured over derived block bytes on CPU, per dtype (benchmarks/memory.py): bfloat16 forwards
+# allocate what the formulas name; float32 ones about a tenth more (copies they do not name).
+ACTIVATION_FACTOR = {2: 1.0, 4: 1.1}
+# Room the allocator's peak does not show: CUDA context, cuBLAS/NCCL workspaces, fragmentation.
+HEADROOM_BYTES = GIB
+HEADROOM_FRACTION = 0.05
+MAX_SUGGESTED_GPUS = 64
+GPUS_PER_NODE_MAX = 8  # more ranks fill a node to this before adding nodes
+PHASES = ("text_encode", "denoise", "decode")
 
 
 def parse_bytes(text: str, flag: str = "size") -> int:
@@ -16,3 +56,324 @@ def parse_bytes(text: str, flag: str = "size") -> int:
         return int(float(value) * UNITS[suffix.strip()])
     except (KeyError, ValueError):
         raise ConfigError(f"{flag} {text!r}: expected a size like 8GiB, 500MB or 1048576") from None
+
+
+# -- the DiTango cache (runtime/cache.py allocates exactly this) ----------------------------
+
+
+def slot_bytes(B: int, S: int, H: int, D: int, element_bytes: int) -> int:
+    """One cached state: out [B, S, H, D] of `element_bytes` + lse [B, S, H] float32."""
+    return B * S * H * (D * element_bytes + F32)
+
+
+def unit_bytes(B: int, S: int, H: int, D: int, element_bytes: int) -> int:
+    """Per cached unit: its state slot plus the compressed local reference [B, S, H] float32
+    kept for the drift estimate."""
+    return slot_bytes(B, S, H, D, element_bytes) + B * S * H * F32
+
+
+def anchor_bytes(B: int, S: int, H: int) -> int:
+    """Per (branch, layer): the compressed local state [B, S, H] float32 kept at the anchor."""
+    return B * S * H * F32
+
+
+def ditango_cache_bytes(
+    shape: ModelShape, layout: ParallelLayout, tokens: int, branches: int, element_bytes: int
+) -> int:
+    """The whole cache of the rank with the largest chunk, one unit per remote group (compose
+    factor 1: a --cache-memory-limit or the CUDA free-memory limit can compose it smaller)."""
+    if layout.strategy != "ditango":
+        return 0
+    S, H, D = max(chunk_sizes(tokens, layout.cp_degree)), shape.heads, shape.head_dim
+    per_layer = (layout.groups - 1) * unit_bytes(1, S, H, D, element_bytes) + anchor_bytes(1, S, H)
+    return branches * shape.layers * per_layer
+
+
+# -- options and the estimate ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """What decides the bytes besides the model, the video and the layout."""
+
+    dtype_bytes: int = 2  # transformer / text encoder weights and activations (bf16 on CUDA; 4: float32)
+    shard_weights: bool = False  # FSDP2 per block + root, transformers and text encoder, over the cp group
+    hybrid: bool = False  # Hybridiff (the runtime does not shard with it: no --shard-weights suggested)
+    cfg_branches_per_rank: int = 2  # both CFG branches on one rank, in turn; 1: cfg-parallel or guidance <= 1
+    cache_bytes: int = 2  # DiTango cache element size
+    vae_tiling: bool = False
+    vae_parallel: bool = False  # the tiles over the replica's ranks (implies tiling)
+    tile_px: int = 256  # the tile's side in output pixels; stride 3/4 of it, as diffusers' enable_tiling
+    offload_text_encoder: bool = False  # the (unsharded) text encoders go to the CPU after encoding
+    offload_transformer: bool = False  # the (unsharded) transformer goes to the CPU before the decode
+
+    def __post_init__(self) -> None:
+        for name in ("dtype_bytes", "cache_bytes"):
+            if getattr(self, name) not in (2, 4):
+                raise ConfigError(
+                    f"memory model: {name} must be 2 (bfloat16) or 4 (float32), got {getattr(self, name)}"
+                )
+        if self.cfg_branches_per_rank not in (1, 2):
+            raise ConfigError(f"memory model: cfg_branches_per_rank must be 1 or 2, got {self.cfg_branches_per_rank}")
+        if self.tile_px < 8:
+            raise ConfigError(f"--vae-tile must be >= 8 pixels, got {self.tile_px}")
+
+
+def cfg_branches(guidance: float, cfg_degree: int) -> int:
+    """CFG branches one rank runs per step: 2 with guidance > 1 unless cfg-parallel splits them."""
+    return 2 if guidance > 1 and cfg_degree == 1 else 1
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes per GPU (the busiest rank).
+
+    `stages`: each component's own bytes ("weights" the transformer(s), all experts, or this
+    rank's shard; "weights_gathered" what FSDP holds unsharded: the root and two blocks;
+    "text_encoder" and "text_encoder_gathered" the same for the text encoders; "image_encoder";
+    "activations" the largest block's tensors and the forward's full-length inputs,
+    "attention_states" ring states and KV blocks in flight, "ditango_cache", "vae_weights",
+    "vae_decode" the decoder's working set and outputs). `phases`: the peak of each phase
+    (not always a sum of components: the attention states and the FFN's tensors never
+    coexist). `peak_stage` is the phase that peaks; `peak_component` its largest component.
+    """
+
+    stages: dict[str, int]
+    phases: dict[str, int]
+    peak_bytes: int
+    peak_stage: str
+    resident: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)  # phase -> component -> bytes
+
+    @property
+    def peak_component(self) -> str:
+        parts = self.resident.get(self.peak_stage) or {}
+        return max(parts, key=lambda k: parts[k]) if parts else ""
+
+    def to_json(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "peak_stage": self.peak_stage, "peak_component": self.peak_component,
+                "phases": dict(self.phases), "stages": dict(self.stages)}  # fmt: skip
+
+
+def shard_degree(layout: ParallelLayout, options: MemoryOptions) -> int:
+    """Ranks `shard_weights` shards over: the cp group, whose ranks run the same blocks at the
+    same time under every strategy (each CFG branch's group under cfg-parallel; the runtime
+    refuses Hybridiff with sharding, runtime/weights.py)."""
+    return layout.cp_degree if options.shard_weights else 1
+
+
+def weight_parts(shape: ModelShape, layout: ParallelLayout, options: MemoryOptions) -> dict[str, int]:
+    """Transformer and text encoder bytes on one rank. Sharded (FSDP2 per block, the rest the
+    root unit): the shard; the root's parameters, gathered at the first forward and left
+    gathered (FSDP2 does not reshard a root after its forward); and two blocks in flight (the
+    one computing, the next prefetched). The float32 pieces the runtime keeps whole (norms,
+    modulation tables) are a small share, counted as sharded."""
+    e, n = options.dtype_bytes, shard_degree(layout, options)
+    te, whole = shape.text_encoder_params, shape.text_encoder_whole_params
+    if n == 1:
+        return {"weights": shape.params * e, "weights_root": 0, "weights_blocks": 0, "text_encoder": te * e,
+                "text_encoder_root": 0, "text_encoder_blocks": 0, "offload_text": te * e,
+                "offload_transformer": shape.params * e}  # fmt: skip
+    sharded_te = te - whole - shape.text_encoder_root_params
+    return {
+        "weights": -(-(shape.params - shape.root_params) // n) * e, "weights_root": shape.root_params * e,
+        "weights_blocks": 2 * shape.block_params * e, "text_encoder": (-(-sharded_te // n) + whole) * e,
+        "text_encoder_root": shape.text_encoder_root_params * e, "text_encoder_blocks": 2 * shape.text_encoder_block_params * e,
+        "offload_text": whole * e, "offload_transformer": 0,  # sharded modules stay where FSDP put them
+    }  # fmt: skip
+
+
+def block_bytes(shape: ModelShape, layout: ParallelLayout, tokens: int, options: MemoryOptions) -> tuple[int, int, int]:
+    """(activations, attention_states, denoise transient) of the largest block's forward on the
+    rank with the largest chunk; batch 1 per branch (CFG branches on one rank run in turn)."""
+    e, C, F = options.dtype_bytes, shape.hidden, shape.ffn
+    s = max(chunk_sizes(tokens, layout.cp_degree))
+    # Rotary temporaries per element of C: diffusers' processor (strategy none, and HunyuanVideo)
+    # multiplies by float64/float32 tables (three [S, C/2] float64 at once); ours by float32.
+    rot = 12 if layout.strategy == "none" or shape.joint_text else 8
+    if shape.joint_text:  # HunyuanVideo: the text rows run with the video ones in every block
+        s += shape.text_len
+        attention = C * (6 * e + rot)  # hidden, normed, q, k, v, rotated copy + temporaries
+        # single-stream block: linear1 out [S, 3C + F], GELU [S, F], cat [S, C + F], hidden, normed, out
+        others = [(6 * C + 3 * F) * e, 4 * C * e]
+    else:
+        attention = C * (6 * e + rot)
+        # residual update `h.float() + ff.float() * gate`: three float32 [S, C] at once below
+        # float32 (two when .float() is a no-op), beside hidden, normed, cross-attn and FFN outputs
+        residual = C * (4 * e + (3 if e < F32 else 2) * F32)
+        ffn = 3 * C * e + 2 * F * e  # hidden, normed, cross-attention output, up projection, GELU
+        others = [residual, ffn]
+        if shape.per_token_time:  # the block's float32 [S, 6, C] modulation (+ its .float() copy)
+            others.append(C * (e + 6 * F32 * (2 if e < F32 else 1)))
+    if layout.ulysses > 1:
+        attention += 6 * C * e  # all-to-all send and receive buffers of q, k, v and the output
+    states = 0
+    if layout.ring > 1 or (layout.strategy == "ditango" and layout.cp_degree > 1):
+        # running and partial out fp32 and the merge's result, their lse; two KV blocks [2, S, H, D]
+        states = s * (3 * C * F32 + 3 * shape.heads * F32 + 4 * C * e)
+    # The forward's full-length tensors: the patch-embedded input [S_full, C] lives through the
+    # first block; per-token time projections [S_full, 7C] (a narrow view keeps them whole);
+    # latents, noise predictions and their float32 copies; cross-attention keys and values.
+    full = tokens * C * e + (tokens * 7 * C * e if shape.per_token_time else 0)
+    full += 4 * tokens * shape.out_channels * F32
+    if not shape.joint_text:
+        full += 2 * (shape.text_len + shape.image_tokens) * C * e
+    largest, factor = max(attention, *others), ACTIVATION_FACTOR[e]
+    activations = round(factor * s * largest) + full
+    transient = max(round(factor * s * attention) + states, round(factor * s * max(others)))
+    return activations, states, transient + full
+
+
+def estimate_memory(
+    shape: ModelShape, layout: ParallelLayout, height: int, width: int, frames: int,
+    options: MemoryOptions = MemoryOptions(),
+) -> MemoryEstimate:  # fmt: skip
+    """Peak bytes per GPU by phase and component for one item of this size on `layout` (one
+    replica's layout)."""
+    o = options
+    tokens = shape.tokens(height, width, frames)
+    w = weight_parts(shape, layout, o)
+    activations, states, transient = block_bytes(shape, layout, tokens, o)
+    branches = min(o.cfg_branches_per_rank, 1 if layout.cfg_degree == 2 else 2)
+    cache = ditango_cache_bytes(shape, layout, tokens, branches, o.cache_bytes)
+    vae = shape.vae
+    vae_weights = vae.params * F32 if vae else 0
+    decode = 0
+    if vae is not None:
+        ranks = layout.world_size if o.vae_parallel else 1
+        decode = decode_bytes(vae, shape.latent_shape(height, width, frames), o.vae_tiling or o.vae_parallel,
+                              o.tile_px, ranks)  # fmt: skip
+    image = shape.image_encoder_params * F32  # CLIP stays on the GPU (the runtime offloads text encoders only)
+    stages = {
+        "weights": w["weights"], "weights_gathered": w["weights_root"] + w["weights_blocks"],
+        "text_encoder": w["text_encoder"], "text_encoder_gathered": w["text_encoder_root"] + w["text_encoder_blocks"],
+        "image_encoder": image, "activations": activations, "attention_states": states, "ditango_cache": cache,
+        "vae_weights": vae_weights, "vae_decode": decode,
+    }  # fmt: skip
+    # What stays between phases; the roots stay gathered once they have run (later items).
+    text = w["text_encoder"] - (w["offload_text"] if o.offload_text_encoder else 0)
+    transformer = w["weights"] - (w["offload_transformer"] if o.offload_transformer else 0)
+    base = {"image_encoder": image, "vae_weights": vae_weights, "text_encoder_root": w["text_encoder_root"]}
+    resident = {
+        "text_encode": {"weights": w["weights"] + w["weights_root"], "text_encoder": w["text_encoder"],
+                        "text_encoder_blocks": w["text_encoder_blocks"], **base},
+        "denoise": {"weights": w["weights"] + w["weights_root"], "weights_blocks": w["weights_blocks"],
+                    "text_encoder": text, **base, "ditango_cache": cache, "block_transient": transient},
+        "decode": {"weights": transformer + (w["weights_root"] if transformer else 0), "text_encoder": text, **base,
+                   "vae_decode": decode},
+    }  # fmt: skip
+    phases = {p: sum(resident[p].values()) for p in PHASES}
+    peak = max(PHASES, key=lambda p: phases[p])
+    return MemoryEstimate(stages, phases, phases[peak], peak, resident)
+
+
+# -- fitting and the pre-flight --------------------------------------------------------------
+
+
+def usable_bytes(gpu_memory_bytes: int) -> int:
+    """What of a GPU's memory the allocator's peak may reach (see HEADROOM_*)."""
+    return int(gpu_memory_bytes * (1 - HEADROOM_FRACTION)) - HEADROOM_BYTES
+
+
+def fit_to_memory(shape, layout, height, width, frames, options, gpu_memory_bytes) -> MemoryOptions:
+    """`options` with offload_text_encoder / offload_transformer turned on only where needed to
+    fit (the runtime offloads only when memory is short): the first of none, the encoders, the
+    transformer, both that fits; both when none does. Unchanged when everything fits."""
+    usable = usable_bytes(gpu_memory_bytes)
+    tries = [options] + [replace(options, offload_text_encoder=t or options.offload_text_encoder,
+                                 offload_transformer=m or options.offload_transformer)
+                         for t, m in ((True, False), (False, True), (True, True))]  # fmt: skip
+    for o in tries:
+        if estimate_memory(shape, layout, height, width, frames, o).peak_bytes <= usable:
+            return o
+    return tries[-1]
+
+
+def scaled_layout(layout: ParallelLayout, factor: int, heads: int) -> ParallelLayout:
+    """`layout` on `factor` x its ranks: GPUs per node doubled up to GPUS_PER_NODE_MAX, then nodes."""
+    nodes, gpus = layout.nodes, layout.gpus_per_node
+    while factor > 1:
+        if gpus * 2 <= max(GPUS_PER_NODE_MAX, layout.gpus_per_node):
+            gpus *= 2
+        else:
+            nodes *= 2
+        factor //= 2
+    strategy = "ring" if layout.strategy == "none" else layout.strategy
+    cp = nodes * gpus // layout.cfg_degree
+    group = layout.group_size if layout.group_size and cp % layout.group_size == 0 else None
+    scaled = ParallelLayout(nodes, gpus, layout.cfg_degree, strategy, None, group).with_default_ulysses(heads)
+    scaled.check_model(heads)
+    return scaled
+
+
+def _fixes(layout: ParallelLayout, o: MemoryOptions) -> list[tuple[str, dict]]:
+    """The options that can lower the peak, as (flag, options change)."""
+    fixes = []
+    if not o.shard_weights and not o.hybrid and layout.cp_degree > 1:
+        fixes.append(("--shard-weights", {"shard_weights": True}))
+    if not o.vae_parallel and layout.world_size > 1:
+        fixes.append(("--vae-parallel", {"vae_parallel": True}))
+    elif not o.vae_tiling and not o.vae_parallel:
+        fixes.append(("--vae-tiling", {"vae_tiling": True}))
+    if layout.strategy == "ditango" and o.cache_bytes == 4:
+        fixes.append(("--cache-dtype bfloat16", {"cache_bytes": 2}))
+    return fixes
+
+
+def find_fix(shape, layout, height, width, frames, options, gpu_memory_bytes) -> str | None:
+    """The fewest options, on the fewest ranks (doubling), that make the item fit; None if
+    nothing up to MAX_SUGGESTED_GPUS does."""
+    usable, factor = usable_bytes(gpu_memory_bytes), 1
+    while layout.world_size * factor <= MAX_SUGGESTED_GPUS:
+        try:
+            big = layout if factor == 1 else scaled_layout(layout, factor, shape.heads)
+        except (ConfigError, ValueError):
+            factor *= 2
+            continue
+        fixes = _fixes(big, options)
+        subsets = sorted(range(1 << len(fixes)), key=lambda m: (bin(m).count("1"), m))
+        for mask in subsets:
+            chosen = [fixes[i] for i in range(len(fixes)) if mask >> i & 1]
+            if factor == 1 and not chosen:
+                continue  # the caller's own options: known not to fit
+            o = replace(options, **{k: v for _, change in chosen for k, v in change.items()})
+            o = fit_to_memory(shape, big, height, width, frames, o, gpu_memory_bytes)
+            if estimate_memory(shape, big, height, width, frames, o).peak_bytes <= usable:
+                words = [flag for flag, _ in chosen]
+                if factor > 1:
+                    where = f"--gpus-per-node {big.gpus_per_node}"
+                    if big.nodes != layout.nodes:
+                        where = f"--nodes {big.nodes} {where}"
+                    words.append(f"{big.world_size} GPUs ({where})")
+                return " and ".join(words)
+        factor *= 2
+    return None
+
+
+def preflight(shape, layout, height, width, frames, options, gpu_memory_bytes, what: str) -> MemoryOptions:
+    """`fit_to_memory`, and when even that does not fit raise a one-line ConfigError: the
+    predicted peak (GiB, phase) against the GPU's memory and the options that would make it
+    fit, found by trying them on the model. Returns the fitted options otherwise."""
+    fitted = fit_to_memory(shape, layout, height, width, frames, options, gpu_memory_bytes)
+    est = estimate_memory(shape, layout, height, width, frames, fitted)
+    usable = usable_bytes(gpu_memory_bytes)
+    if est.peak_bytes <= usable:
+        return fitted
+    fix = find_fix(shape, layout, height, width, frames, options, gpu_memory_bytes)
+    # what neither sharding nor offloading shrinks: the text encoders' embeddings and CLIP, the image encoder, the VAE
+    unshrunk = shape.text_encoder_root_params + shape.text_encoder_whole_params
+    floor = unshrunk * options.dtype_bytes + est.stages["image_encoder"] + est.stages["vae_weights"]
+    if fix:
+        advice = f"fits with {fix}"
+    elif floor > usable:
+        advice = f"no option makes it fit: the encoders' embeddings and the VAE alone need {floor / GIB:.1f} GiB"
+    else:
+        advice = f"nothing up to {MAX_SUGGESTED_GPUS} GPUs fits: lower --height/--width/--frames"
+    offloaded = ""
+    if est.peak_stage != "text_encode" and (fitted.offload_text_encoder or fitted.offload_transformer):
+        offloaded = " with " + " and ".join(n for n, on in (("the encoders", fitted.offload_text_encoder),
+                    ("the transformer", fitted.offload_transformer)) if on) + " offloaded"  # fmt: skip
+    raise ConfigError(
+        f"{what} needs {est.peak_bytes / GIB:.1f} GiB per GPU at its peak ({est.peak_stage}, mostly "
+        f"{est.peak_component.replace('_', ' ')}){offloaded}, the GPU has {gpu_memory_bytes / GIB:.1f} GiB "
+        f"({usable / GIB:.1f} GiB usable); {advice}"
+    )

@@ -1,8 +1,9 @@
-"""The shape of a transformer as the planner sees it (cost model, layout checks).
+"""The shape of a model as the planner sees it (cost model, memory model, layout checks).
 
-Shapes are made by each model family's adapter from the transformer's config
-(runtime/models/wan.py `shape_of`) and kept with the registry entries
-(runtime/models/registry.py): the one source for the registry, `check` and the cost model.
+Shapes are made by each model family's adapter from the components' configs
+(runtime/models/wan.py `shape_of`, `vae_shape_of`) and kept with the registry entries
+(runtime/models/registry.py): the one source for the registry, `check`, the cost model and
+the memory model (planner/memory.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,56 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from planner.errors import ConfigError
 from planner.layout import token_count
+
+VAE_FAMILIES = ("wan", "hunyuanvideo")
+
+
+@dataclass(frozen=True)
+class VaeShape:
+    """What the memory model needs of a video VAE's decoder (weights are float32).
+
+    The decoder works at `len(widths)` resolutions, the latent's first, each twice the one
+    before (the last is the output, `patch` x `patch` pixel blocks as channels for Wan2.2's VAE).
+    Per resolution: `widths` the widest channel count there, `cached` the summed input
+    channels of its causal convolutions (Wan keeps the last 2 frames of each input between
+    frame chunks; 0 for HunyuanVideo, which pads instead), `time_up` whether the frames grow
+    on leaving it. `chunk_frames` latent frames go through the decoder per call (Wan: 1, its
+    caches carry the rest; HunyuanVideo: diffusers' frame chunks of 4 + 1, every `chunk_stride`).
+    `masked_attention`: the mid block's attention takes a dense causal mask over all the
+    chunk's latent tokens (HunyuanVideo).
+    """
+
+    family: str = "wan"
+    params: int = 0
+    z_dim: int = 16
+    spatial: int = 8  # output pixels per latent pixel, per side
+    temporal: int = 4
+    patch: int = 1
+    widths: tuple[int, ...] = (384, 384, 192, 96)
+    cached: tuple[int, ...] = (0, 0, 0, 0)
+    time_up: tuple[bool, ...] = (True, True, False, False)
+    chunk_frames: int = 1
+    chunk_stride: int = 1
+    masked_attention: bool = False
+
+    def __post_init__(self) -> None:
+        if self.family not in VAE_FAMILIES:
+            raise ConfigError(f"VAE family {self.family!r}: expected one of {', '.join(VAE_FAMILIES)}")
+        n = len(self.widths)
+        if n < 1 or len(self.cached) != n or len(self.time_up) != n:
+            raise ConfigError(
+                f"VAE shape: widths, cached and time_up need one entry per decoder resolution, got "
+                f"{len(self.widths)}, {len(self.cached)} and {len(self.time_up)}"
+            )
+        if self.spatial != self.patch * 2 ** (n - 1):
+            raise ConfigError(
+                f"VAE shape: {n} decoder resolutions and patch {self.patch} make a spatial ratio of "
+                f"{self.patch * 2 ** (n - 1)}, not {self.spatial}"
+            )
+        if min(self.chunk_frames, self.chunk_stride, self.temporal) < 1:
+            raise ConfigError("VAE shape: chunk_frames, chunk_stride and temporal must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -29,6 +79,17 @@ class ModelShape:
     # Text tokens take part in every self-attention (HunyuanVideo's joint attention), instead
     # of a cross-attention: `text_len` rows and keys held whole on every rank.
     joint_text: bool = False
+    # For the memory model (planner/memory.py); 0 / None: not known, not counted.
+    block_params: int = 0  # the largest transformer block (what FSDP gathers at once)
+    root_params: int = 0  # one transformer's parameters outside its blocks (embeddings, head)
+    text_encoder_params: int = 0  # all text encoders together, in the transformer's dtype
+    text_encoder_block_params: int = 0  # its largest block (what FSDP gathers at once)
+    text_encoder_root_params: int = 0  # its parameters outside the blocks (token embeddings, final norm)
+    text_encoder_whole_params: int = 0  # text encoders --shard-weights leaves whole (HunyuanVideo's CLIP)
+    image_encoder_params: int = 0  # CLIP image encoder (float32)
+    image_tokens: int = 0  # its tokens in every cross-attention (Wan2.1 I2V: 257)
+    per_token_time: bool = False  # per-token timestep embeddings [B, S, 6C] (Wan2.2 TI2V)
+    vae: VaeShape | None = None
 
     @property
     def hidden(self) -> int:

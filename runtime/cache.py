@@ -17,24 +17,24 @@ import math
 
 import torch
 
+from planner import memory
 from planner.errors import ConfigError
+from planner.memory import anchor_bytes as anchor_bytes  # re-exported for the runtime
 from runtime.state import AttentionState
 
 
+# The byte counts are the memory model's (planner/memory.py): what `StateCache.allocate` and
+# `SelectiveRuntime.begin_run` allocate is exactly what the pre-flight predicts. Here they take
+# a torch dtype, as the runtime holds one.
 def slot_bytes(B: int, S: int, H: int, D: int, dtype: torch.dtype) -> int:
     """Bytes of one cached state: out [B, S, H, D] in `dtype` + lse [B, S, H] in float32."""
-    return B * S * H * (D * torch.empty((), dtype=dtype).element_size() + 4)
+    return memory.slot_bytes(B, S, H, D, torch.empty((), dtype=dtype).element_size())
 
 
 def unit_bytes(B: int, S: int, H: int, D: int, dtype: torch.dtype) -> int:
     """Per cached unit: its state slot plus the compressed local reference [B, S, H] float32
     kept for the drift estimate."""
-    return slot_bytes(B, S, H, D, dtype) + B * S * H * 4
-
-
-def anchor_bytes(B: int, S: int, H: int) -> int:
-    """Per (branch, layer): the compressed local state [B, S, H] float32 kept at the anchor."""
-    return B * S * H * 4
+    return memory.unit_bytes(B, S, H, D, torch.empty((), dtype=dtype).element_size())
 
 
 def compose_factor(

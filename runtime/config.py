@@ -7,7 +7,7 @@ the launcher, and never mutated.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -160,6 +160,7 @@ class RunConfig:
     # when the GPU is short (planner/memory.py): "text_encoder" after encoding, "transformer"
     # before the decode (back for the next item).
     offload: tuple[str, ...] = ()
+    gpu_memory: int | None = None  # --gpu-memory: the pre-flight's bytes per GPU (None: the device's)
     retries: int = 1  # a failed item is tried again this many times before it is given up
     # Data parallelism: `replicas` independent copies of `layout` (each its own process group)
     # take the items round-robin. The allocation is replicas x layout.world_size ranks on
@@ -219,3 +220,43 @@ class RunConfig:
             if item.id in seen:
                 raise ConfigError(f"{item.source}: duplicate id {item.id!r} (first at {seen[item.id]})")
             seen[item.id] = item.source
+
+
+def plan_memory(cfg: RunConfig, shape, gpu_bytes: int, dtype_bytes: int, what: str) -> RunConfig:
+    """The memory pre-flight (planner/memory.py) of every item size of `cfg` on GPUs of
+    `gpu_bytes`: a ConfigError naming what would make it fit when it cannot; else `cfg` with
+    the offloads it needs (none when everything fits)."""
+    from planner.memory import MemoryOptions, cfg_branches, preflight
+
+    offload: set[str] = set()
+    cache_bytes = 4 if cfg.ditango is not None and cfg.ditango.cache_dtype == "float32" else 2
+    for h, w, f, scale in sorted({(i.height, i.width, i.frames, i.cfg_scale) for i in cfg.items}):
+        options = MemoryOptions(
+            dtype_bytes=dtype_bytes, shard_weights=cfg.shard_weights, hybrid=cfg.hybrid is not None,
+            cfg_branches_per_rank=cfg_branches(scale, cfg.layout.cfg_degree), cache_bytes=cache_bytes,
+            vae_tiling=cfg.decode.tiled, vae_parallel=cfg.decode.parallel, tile_px=cfg.decode.tile_px or 256,
+        )  # fmt: skip
+        where = f"{what} {w}x{h}x{f} on {cfg.layout.world_size} GPU(s) per replica"
+        fitted = preflight(shape, cfg.layout, h, w, f, options, gpu_bytes, where)
+        offload |= {"text_encoder"} if fitted.offload_text_encoder else set()
+        offload |= {"transformer"} if fitted.offload_transformer else set()
+    return replace(cfg, offload=tuple(sorted(offload)), gpu_memory=gpu_bytes)
+
+
+def memory_preflight(cfg: RunConfig, shape, gpu_memory: str | None, placement, local: bool, dtype_given: bool):
+    """`plan_memory` against `--gpu-memory` (a size), else this machine's GPU for a local CUDA
+    run; neither: `cfg` as it is (the ranks then check against their own GPUs). The element
+    size is the run's dtype on a GPU (bfloat16 unless --dtype says otherwise)."""
+    import torch
+
+    from planner.memory import parse_bytes
+
+    gpu_bytes = None if gpu_memory is None else parse_bytes(gpu_memory, "--gpu-memory")
+    if gpu_bytes is not None and gpu_bytes < 2**31:
+        raise ConfigError(f"--gpu-memory {gpu_memory}: below 2 GiB, less than the runtime itself needs")
+    if gpu_bytes is None and placement.device.type == "cuda" and local:
+        gpu_bytes = torch.cuda.get_device_properties(placement.device).total_memory
+    if gpu_bytes is None:
+        return cfg
+    element = placement.dtype.itemsize if dtype_given or placement.device.type == "cuda" else 2
+    return plan_memory(cfg, shape, gpu_bytes, element, cfg.model)

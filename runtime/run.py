@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from runtime.comm import Comm
-from runtime.config import Item, RunConfig
+from runtime.config import Item, RunConfig, plan_memory
 from runtime.guidance import CfgParallel, Hybrid
 from runtime.items import load_image
 from runtime.kernels import resolve_backend
@@ -324,6 +324,9 @@ def execute(
     observer.run_started(len(todo))
     if todo:
         resolved = resolve_model(cfg.model if cfg.model_path is None else str(cfg.model_path))
+        if placement.device.type == "cuda" and cfg.gpu_memory is None:  # submitted without a GPU to ask
+            total = torch.cuda.get_device_properties(placement.device).total_memory
+            cfg = plan_memory(cfg, resolved.spec.shape, total, placement.dtype.itemsize, cfg.model)
         shard = cfg.shard_weights and ctx.distributed
         components = load_components(resolved, placement, on_cpu=SHARDED if shard else ())
         if shard:

@@ -26,6 +26,8 @@ import contextlib
 
 import torch
 
+from planner.models import VaeShape
+
 TRANSFORMER_CLASS = "HunyuanVideoTransformer3DModel"
 
 
@@ -169,6 +171,43 @@ def shape_of(name: str, config: dict, params: int, text_len: int, vae_stride: tu
         vae_stride=vae_stride,
         joint_text=True,
     )
+
+
+def block_params(config: dict) -> int:
+    """Parameters of the largest block, a dual-stream `HunyuanVideoTransformerBlock` (checked
+    against the meta-device block by `tests/test_memory.py`)."""
+    c = int(config.get("num_attention_heads", 24)) * int(config.get("attention_head_dim", 128))
+    m = float(config.get("mlp_ratio", 4.0))
+    d = int(config.get("attention_head_dim", 128))
+    # per stream: 6C modulation, q/k/v + out projections, MLP; four RMS norms of the head dim
+    return int(20 * c * c + 20 * c + 2 * (2 * m * c * c + (m + 1) * c)) + 4 * d
+
+
+def blocks_params(config: dict) -> int:
+    """All dual- and single-stream blocks together (the rest is the root: embedders, refiner, head)."""
+    c = int(config.get("num_attention_heads", 24)) * int(config.get("attention_head_dim", 128))
+    m, d = float(config.get("mlp_ratio", 4.0)), int(config.get("attention_head_dim", 128))
+    mlp = int(m * c)
+    single = c * (3 * c + mlp) + (3 * c + mlp) + (c + mlp) * c + c + 3 * c * c + 3 * c + 2 * d
+    return int(config.get("num_layers", 20)) * block_params(config) + int(config.get("num_single_layers", 40)) * single
+
+
+def vae_shape_of(config: dict, params: int) -> VaeShape:
+    """The decoder of an `AutoencoderKLHunyuanVideo` config, as diffusers builds and runs it:
+    up blocks from the widest, spatial upsampling in the first log2(spatial) of them, temporal
+    in the two before the last; frame chunks of 16 sample frames (4 + 1 latent) every 12."""
+    widths = [int(w) for w in config.get("block_out_channels", (128, 256, 512, 512))][::-1]
+    spatial, temporal = (
+        int(config.get("spatial_compression_ratio", 8)),
+        int(config.get("temporal_compression_ratio", 4)),
+    )
+    n = len(widths)
+    levels = [max(widths[max(i - 1, 0)], w) for i, w in enumerate(widths)]
+    time_up = tuple(n - 1 - 2 <= i < n - 1 for i in range(n))
+    return VaeShape(
+        "hunyuanvideo", params, int(config.get("latent_channels", 16)), spatial, temporal, 1, tuple(levels),
+        (0,) * n, time_up, chunk_frames=16 // temporal + 1, chunk_stride=12 // temporal, masked_attention=True,
+    )  # fmt: skip
 
 
 def count_params(config: dict) -> int:

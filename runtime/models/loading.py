@@ -84,3 +84,20 @@ def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[st
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ModelDirError(f"cannot load the model from {path}: {type(exc).__name__}: {first}") from exc
     return components
+
+
+def quiet_loading_bars() -> None:
+    """The CLI's progress bar is the only one: hide diffusers'/transformers' loading bars."""
+    import diffusers.utils.logging
+    import transformers.utils.logging
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def human_count(n: int) -> str:
+    """14288491584 -> '14.3B' (parameter counts in tables)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)

@@ -15,7 +15,7 @@ from planner.errors import ConfigError
 from planner.models import ModelShape
 from runtime.errors import ModelDirError
 from runtime.models import hunyuan, wan
-from runtime.models.checkpoint import ModelDirInfo, inspect_model_dir
+from runtime.models.checkpoint import ModelDirInfo, count_params, inspect_model_dir
 
 MODEL_ROOT_ENV = "DITANGO_MODEL_ROOT"
 BUILTIN_DIR = Path(__file__).resolve().parent / "tiny" / "weights"  # tiny-wan, a diffusers directory
@@ -45,6 +45,11 @@ class Defaults:
     # guidance is this scale (diffusers' true_cfg_scale; two branches only when > 1). None: a
     # family whose `guidance` is the CFG scale itself (Wan).
     true_cfg: float | None = None
+
+    @property
+    def cfg_scale(self) -> float:
+        """The classifier-free guidance scale: two branches per step when > 1."""
+        return self.guidance if self.true_cfg is None else self.true_cfg
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,28 @@ TINY_CONFIG = {
     "out_channels": 12, "text_dim": 32, "patch_size": [1, 2, 2], "rope_max_seq_len": 256,
 }  # fmt: skip
 
+# The other components, for the memory model (planner/memory.py). VAE configs: the checkpoints'
+# vae/config.json (Wan2.1 and the A14B models use AutoencoderKLWan's defaults; the tiny one is
+# runtime/models/tiny/weights/vae/config.json). Parameter counts: each class built from its
+# config on the meta device (tests/test_memory.py rebuilds them).
+WAN22_VAE = {"base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "is_residual": True, "patch_size": 2,
+             "scale_factor_spatial": 16, "in_channels": 12, "out_channels": 12}  # fmt: skip
+TINY_VAE = {"base_dim": 32, "z_dim": 12, "dim_mult": [1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [True, True],
+            "scale_factor_spatial": 4}  # fmt: skip
+VAE_CONFIGS = {"wan": {}, "wan2.2-ti2v-5b": WAN22_VAE, "tiny-wan": TINY_VAE, "hunyuanvideo": {}}
+VAE_PARAMS = {"wan": 126_892_531, "wan2.2-ti2v-5b": 704_688_668, "tiny-wan": 785_999, "hunyuanvideo": 246_478_803}
+# Text encoders: (all parameters, the largest block, the root: embeddings and final norm, those
+# --shard-weights leaves whole). UMT5-XXL encoder (d_model 4096, d_ff 10240, 24 layers, 64 heads,
+# vocab 256384); HunyuanVideo: its Llama-3-8B-class LlamaModel (vocab 128320, 32 layers) and
+# CLIP-L text (123,060,480, not sharded); the tiny UMT5.
+TEXT_ENCODERS = {
+    "wan": (5_680_910_336, 192_948_224, 1_050_152_960, 0),
+    "hunyuanvideo": (7_505_186_816 + 123_060_480, 218_112_000, 525_602_816, 123_060_480),
+    "tiny-wan": (22_176, 10_336, 1_504, 0),
+}
+CLIP_VIT_H_PARAMS = 630_766_080  # Wan2.1 I2V's CLIPVisionModel (ViT-H/14, 1280 wide, 32 layers)
+CLIP_IMAGE_TOKENS = 257  # 16 x 16 patches + the class token
+
 
 def _spec(
     name: str, description: str, config_key: str, dir_name: str | None, variant: wan.WanVariant, vae_stride: int = 8,
@@ -150,12 +177,37 @@ def _spec(
     n = PARAMS.get(config_key, 0) if params is None else params
     adapter = hunyuan if config_key == "hunyuanvideo" else wan
     shape = adapter.shape_of(name, config, n * variant.experts, text_len, (4, vae_stride, vae_stride))
+    family_key = config_key if config_key in ("tiny-wan", "hunyuanvideo") else "wan"
+    vae_key = config_key if config_key in VAE_CONFIGS else family_key
+    shape = with_components(
+        shape, adapter, config, variant, TEXT_ENCODERS[family_key],
+        CLIP_VIT_H_PARAMS if variant.image_encoder else 0, VAE_CONFIGS[vae_key], VAE_PARAMS[vae_key],
+    )  # fmt: skip
     geometry = Defaults(
         vae_stride=vae_stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
         max_text_len=text_len, image=variant.image, experts=variant.experts,
     )  # fmt: skip
     family = "hunyuanvideo" if adapter is hunyuan else "wan"
     return ModelSpec(name, description, shape, replace(geometry, **defaults), dir_name, builtin, variant, family)
+
+
+def with_components(
+    shape: ModelShape, adapter, config: dict, variant: wan.WanVariant, text: tuple[int, int, int, int],
+    image_params: int, vae_config: dict, vae_params: int,
+) -> ModelShape:  # fmt: skip
+    """`shape` with what the memory model needs of the transformer's blocks and the other components."""
+    per_expert = shape.params // max(1, variant.experts)
+    blocks = hunyuan.blocks_params(config) if adapter is hunyuan else shape.layers * wan.block_params(config)
+    try:
+        vae = adapter.vae_shape_of(vae_config, vae_params)
+    except ConfigError:  # a VAE whose scale factor disagrees with its decoder: its decode is not modelled
+        vae = None
+    return replace(
+        shape, block_params=adapter.block_params(config), root_params=max(0, per_expert - blocks),
+        text_encoder_params=text[0], text_encoder_block_params=text[1], text_encoder_root_params=text[2],
+        text_encoder_whole_params=text[3], image_encoder_params=image_params,
+        image_tokens=CLIP_IMAGE_TOKENS if image_params else 0, per_token_time=variant.expand_timesteps, vae=vae,
+    )  # fmt: skip
 
 
 T2V, I2V = wan.WanVariant(), wan.WanVariant(pipeline="WanImageToVideoPipeline", image_encoder=True)
@@ -258,15 +310,27 @@ def spec_from_dir(path: Path, info: ModelDirInfo) -> ModelSpec:
     transformer config (through the adapter), what it asks for from its model_index.json."""
     config, variant = info.transformer_config, info.variant
     stride = vae_stride(path)
+    adapter = hunyuan if info.family == "hunyuanvideo" else wan
+
+    def components(shape: ModelShape) -> ModelShape:
+        counts = {n: count_params(sorted((path / n).glob("*.safetensors"))) if (path / n).is_dir() else 0
+                  for n in ("text_encoder", "text_encoder_2", "image_encoder", "vae")}  # fmt: skip
+        text = counts["text_encoder"] + counts["text_encoder_2"]  # a known encoder's blocks, or only its size
+        known = next((t for t in TEXT_ENCODERS.values() if t[0] == text), (text, 0, 0, counts["text_encoder_2"]))
+        return with_components(shape, adapter, config, variant, known, counts["image_encoder"], _vae_config(path),
+                               counts["vae"])  # fmt: skip
+
     if info.family == "hunyuanvideo":  # HunyuanVideoPipeline's defaults
-        shape = hunyuan.shape_of(str(path), config, info.transformer_params, 256, (4, stride, stride))
+        shape = components(hunyuan.shape_of(str(path), config, info.transformer_params, 256, (4, stride, stride)))
         defaults = Defaults(
             guidance=6.0, height=720, width=1280, frames=129, fps=24, max_text_len=256, vae_stride=stride,
             patch=shape.patch, true_cfg=1.0,
         )  # fmt: skip
         return ModelSpec(str(path), "local diffusers-format directory", shape, defaults, variant=variant,
                          family="hunyuanvideo")  # fmt: skip
-    shape = wan.shape_of(str(path), config, info.transformer_params, Defaults.max_text_len, (4, stride, stride))
+    shape = components(
+        wan.shape_of(str(path), config, info.transformer_params, Defaults.max_text_len, (4, stride, stride))
+    )
     defaults = Defaults(
         vae_stride=stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
         image=variant.image, experts=variant.experts,
@@ -274,13 +338,17 @@ def spec_from_dir(path: Path, info: ModelDirInfo) -> ModelSpec:
     return ModelSpec(str(path), "local diffusers-format directory", shape, defaults, variant=variant)
 
 
-def vae_stride(path: Path) -> int:
-    """Spatial compression of a directory's Wan VAE (diffusers' `scale_factor_spatial`, default 8)."""
+def _vae_config(path: Path) -> dict:
     import json
 
     try:
         config = json.loads((path / "vae" / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return Defaults.vae_stride
-    stride = config.get("scale_factor_spatial")  # what WanPipeline sizes its latents by
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def vae_stride(path: Path) -> int:
+    """Spatial compression of a directory's Wan VAE (diffusers' `scale_factor_spatial`, default 8)."""
+    stride = _vae_config(path).get("scale_factor_spatial")  # what WanPipeline sizes its latents by
     return int(stride) if isinstance(stride, int) and stride > 0 else Defaults.vae_stride

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from planner.models import ModelShape
+from planner.models import ModelShape, VaeShape
 
 PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
 TRANSFORMER_CLASS = "WanTransformer3DModel"
@@ -86,6 +86,50 @@ def shape_of(name: str, config: dict, params: int, text_len: int, vae_stride: tu
         patch=patch,  # type: ignore[arg-type]
         vae_stride=vae_stride,
     )
+
+
+def block_params(config: dict) -> int:
+    """Parameters of one `WanTransformerBlock` (diffusers' layers, biases and norms included;
+    `tests/test_memory.py` checks it against the meta-device block)."""
+    c = int(config.get("num_attention_heads", 0)) * int(config.get("attention_head_dim", 0))
+    f = int(config.get("ffn_dim", 0))
+    # two attentions (q, k, v, out with biases; q/k RMS norms), FFN up/down, norm2 affine,
+    # the 6C modulation table
+    n = 8 * c * c + 2 * c * f + 21 * c + f
+    added = config.get("added_kv_proj_dim")
+    if added:  # I2V: the image's own k/v projections and k norm in the cross-attention
+        n += 2 * (int(added) * c + c) + c
+    return n
+
+
+def vae_shape_of(config: dict, params: int) -> VaeShape:
+    """The decoder's resolutions, widths and causal caches from an `AutoencoderKLWan` config,
+    following the layers diffusers' `WanDecoder3d` builds from it."""
+    base = int(config.get("decoder_base_dim") or config.get("base_dim", 96))
+    mult = [int(m) for m in config.get("dim_mult", [1, 2, 4, 4])]
+    res_blocks = int(config.get("num_res_blocks", 2))
+    residual = bool(config.get("is_residual", False))
+    time_up = list(config.get("temperal_downsample", [False, True, True]))[::-1]
+    z = int(config.get("z_dim", 16))
+    dims = [base * m for m in [mult[-1], *mult[::-1]]]
+    n = len(mult)
+    widths, cached, grows = [0] * n, [0] * n, [False] * n
+    widths[0] = dims[0]
+    cached[0] = z + 4 * dims[0]  # conv_in, then the mid block's two residual blocks
+    for i, (c_in, c_out) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+        if i > 0 and not residual:
+            c_in //= 2  # Wan2.1's resample halves the channels it passes on
+        widths[i] = max(widths[i], c_in, c_out)
+        cached[i] += c_in + c_out + 2 * res_blocks * c_out  # res_blocks + 1 residual blocks, two convs each
+        if i != n - 1 and time_up[i]:
+            cached[i] += c_out  # the temporal upsampler's causal conv
+            grows[i] = True
+    cached[-1] += dims[-1]  # conv_out
+    patch = int(config.get("patch_size") or 1)
+    return VaeShape(
+        "wan", params, z, int(config.get("scale_factor_spatial", 8)), int(config.get("scale_factor_temporal", 4)),
+        patch, tuple(widths), tuple(cached), tuple(grows),
+    )  # fmt: skip
 
 
 def count_params(config: dict) -> int:
