@@ -18,6 +18,7 @@ names it then (a heartbeat alone ends nothing: a debugger stops a process too).
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import re
 import signal
@@ -146,7 +147,9 @@ def _bootstrap(rank, world, replicas, rdzv, device, timeout_s, threads, log_dir,
             rank_device, rank=local, world_size=size, timeout_s=timeout_s, init_method=f"file://{rdzv}/store-{replica}"
         )
         result = target(local, size, EventSink(rank, q, replica, leader=local == 0), *args)
-        q.put(("result", rank, result))
+        # By value (plain pickle): the queue's own pickler would share a tensor's memory by a file
+        # descriptor, which the supervisor can no longer fetch once this process has exited.
+        q.put(("result", rank, pickle.dumps(result)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt, then exit non-zero
         failed_at = time.monotonic()
         traceback.print_exc()
@@ -239,7 +242,7 @@ class _Watch:
                 if self.on_event is not None:
                     self.on_event(rest[0], rest[1])
             elif kind == "result":
-                self.results[rank] = rest[0]
+                self.results[rank] = pickle.loads(rest[0])
             elif rank not in self.failures:
                 message, at = _first_line(rest[0]), rest[1]
                 self.failures[rank] = Failure(rank, "peer" if is_peer_failure(message) else "error", message, at)
