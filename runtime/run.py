@@ -287,8 +287,9 @@ def execute(
 
     A failure raises, on one rank as on many (the peers are inside collectives of the same
     item): the supervisor (slurm/supervise.py) blames the item whose sidecar says it was
-    running, and relaunches for what is left, retrying it up to `cfg.retries` times. Non-finite latents are the exception: every rank sees them at the same point, so the item
-    is recorded failed for good (no retry: it would happen again) and all ranks go on.
+    running, and relaunches for what is left, retrying it up to `cfg.retries` times.
+    Non-finite latents are the exception: every rank sees them at the same point, so the
+    item is recorded failed for good (no retry: it would happen again) and all ranks go on.
     """
     observer = observer or SilentObserver()
     ctx = ctx or RankContext.single(cfg)

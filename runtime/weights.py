@@ -59,12 +59,14 @@ def block_stacks(module: nn.Module) -> list[nn.Module]:
 def place(modules: list[nn.Module], device: torch.device) -> None:
     """Move whole modules (not sharded ones) to `device` when they are elsewhere: the offload
     of a component a stage does not need when memory is short (RunConfig.offload)."""
+    moved = False
     for module in modules:
         first = next(module.parameters(), None)
         if first is not None and first.device != device and not hasattr(module, "unshard"):
             module.to(device)
-    if device.type == "cpu" and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+            moved = True
+    if moved and device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the allocator gives the freed blocks back to the GPU
 
 
 def local_param_bytes(module: nn.Module) -> int:

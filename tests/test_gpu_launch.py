@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -241,7 +242,8 @@ def test_local_rank_bootstrap_binds_the_global_rank_gpu(monkeypatch, tmp_path):
     q = _Queue()
     beats = [0.0] * 4  # the heartbeat slots (a shared array in real runs)
     local._bootstrap(3, 4, 2, str(tmp_path), "cuda", 1800.0, 1, tmp_path / "out" / "logs", q, beats, target, ())
-    assert q.items == [("result", 3, "ok")]
+    ((kind, rank, payload),) = q.items
+    assert (kind, rank, pickle.loads(payload)) == ("result", 3, "ok")  # results travel by value
     assert cuda.current == 3 and seen == {"rank": 1, "size": 2, "device": torch.device("cuda", 3), "replica": 1}
     assert calls["args"] == ("nccl",) and calls["kwargs"]["device_id"] == torch.device("cuda", 3)
     assert calls["kwargs"]["timeout"].total_seconds() == 1800.0 and calls["kwargs"]["rank"] == 1
