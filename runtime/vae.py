@@ -207,15 +207,13 @@ def gather_tiles(comm: Comm, mesh, mine: dict[int, torch.Tensor], count: int):
     out: list[torch.Tensor | None] = [None] * count
     for k, t in mine.items():
         out[k] = t
-    sample = next(iter(mine.values())) if mine else None
+    sample = mine[0]  # the writer decodes tile 0 itself: the tiles' dtype and device
     for src in range(1, mesh.world_size):
         theirs = shapes[src]
         if not theirs:
             continue
         sizes = [torch.Size(theirs[k]).numel() for k in sorted(theirs)]
-        dtype = sample.dtype if sample is not None else torch.float32
-        device = sample.device if sample is not None else mesh.device
-        flat = comm.one_way(None, src, 0, (sum(sizes),), dtype, device, mesh.world_group, "vae")
+        flat = comm.one_way(None, src, 0, (sum(sizes),), sample.dtype, sample.device, mesh.world_group, "vae")
         for k, part in zip(sorted(theirs), flat.split(sizes), strict=True):
             out[k] = part.view(theirs[k])
     assert all(t is not None for t in out), "a tile was decoded by no rank"
