@@ -61,6 +61,20 @@ def cancel(out: OutArg) -> int:
     return 0 if any(outcome in ("cancelled", "ending") for _, outcome, _ in outcomes) else 1
 
 
+def calibration_line(c: dict) -> str:
+    """What --target-psnr chose, in one line."""
+    measured = c["calibrated_psnr"]
+    if c["cache_ratio"] == 0:
+        found = "exact attention: no trial reached the target"
+    else:
+        found = ("identical frames" if measured is None else f"{measured:.2f} dB") + f" on {c['item']}"
+    again = len(c.get("recalibrated", []))
+    return (
+        f"--target-psnr {c['target_psnr']:g}: cache ratio {c['cache_ratio']:g} ({c['planner']} planner), "
+        f"{found} ({len(c['trials'])} trials" + (f"; lowered {again} time(s) for items below it)" if again else ")")
+    )
+
+
 def report(out: OutArg, as_json: JsonOpt = False) -> int:
     """Aggregate a batch's task reports and sidecars into OUT/report.json and print a table."""
     from runtime.outputs import require_output_folder
@@ -70,15 +84,21 @@ def report(out: OutArg, as_json: JsonOpt = False) -> int:
     if as_json:
         print(out / "report.json")
         return 0
-    table = Table("id", "status", "total (s)", "inter-node MB", "intra-node MB")
+    table = Table("id", "status", "total (s)", "inter-node MB", "intra-node MB", "computed (all steps)", "PSNR (dB)")
     for item in merged["items"]:
         timing, comm = item.get("timing") or {}, item.get("comm") or {}
+        computed = (item.get("attention") or {}).get("computed_fraction_all_steps")
+        quality = item.get("quality") or {}
         table.add_row(
             item["id"], item["status"], f"{timing.get('total_s', 0):.2f}",
             f"{comm.get('inter_node_bytes', 0) / 1e6:.2f}", f"{comm.get('intra_node_bytes', 0) / 1e6:.2f}",
+            "-" if computed is None else f"{computed:.3f}",
+            "-" if not quality else ("identical" if quality.get("psnr") is None else f"{quality['psnr']:.2f}"),
         )  # fmt: skip
     console = Console()
     console.print(table)
+    if merged.get("calibration"):
+        console.print(calibration_line(merged["calibration"]))
     c = merged["counts"]
     console.print(f"{c['done']} done, {c['skipped']} skipped, {c['failed']} failed -> {out / 'report.json'}")
     return 0

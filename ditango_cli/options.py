@@ -127,13 +127,30 @@ class ParallelArgs:
 
 @dataclass
 class DiTangoArgs:
-    cache_ratio: Annotated[float | None, _o("--cache-ratio", help="DiTango: remote attention reused [0.4].")] = None
+    planner: Annotated[
+        str | None,
+        _o("--planner", help="DiTango: 'hpdc' (the authors' threshold) or 'budget' (a quota per step) [hpdc]."),
+    ] = None
+    cache_ratio: Annotated[
+        float | None, _o("--cache-ratio", help="DiTango: attention cells reused on selective steps [0.4].")
+    ] = None
+    target_psnr: Annotated[
+        float | None, _o("--target-psnr", help="DiTango: choose --cache-ratio for this PSNR (dB) vs exact, on item 1.")
+    ] = None
     warmup: Annotated[int | None, _o("--warmup", help="DiTango: exact steps at the start [5].")] = None
     cooldown: Annotated[int | None, _o("--cooldown", help="DiTango: exact steps at the end [5].")] = None
     group_size: Annotated[str | None, _o("--group-size", help="DiTango: ranks per group, or 'node' [2].")] = None
     tau_max: Annotated[int | None, _o("--tau-max", help="DiTango: recompute a cache this many steps old.")] = None
     anchor_interval: Annotated[int | None, _o("--anchor-interval", help="DiTango: an anchor step this often.")] = None
     alpha: Annotated[bool | None, _o("--alpha/--no-alpha", help="DiTango: norm-ratio drift factor [off].")] = None
+    own_group: Annotated[
+        str | None,
+        _o("--own-group", help="DiTango: the own group's other ranks 'decide'd like remote ones, or 'fresh' [decide]."),
+    ] = None
+    anchor_when_all: Annotated[
+        bool | None,
+        _o("--anchor-when-all/--no-anchor-when-all", help="DiTango: all cells computed makes an anchor [off]."),
+    ] = None
     cache_dtype: Annotated[
         str | None, _o("--cache-dtype", help="DiTango: float32 or bfloat16 [bfloat16 on CUDA, float32 on CPU].")
     ] = None

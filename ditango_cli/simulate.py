@@ -17,9 +17,12 @@ NodesOpt = Annotated[int, typer.Option("--nodes", help="Nodes of the cluster to 
 GpusOpt = Annotated[int, typer.Option("--gpus-per-node", "--gpus", help="GPUs per node.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 ParallelOpt = Annotated[str, typer.Option("--parallel", help="Comma-separated strategies.")]
-ParallelOpt = Annotated[str, typer.Option("--parallel", help="Comma-separated strategies.")]
 HwFileOpt = Annotated[Path | None, typer.Option("--hardware-file", help="JSON profile overriding --hardware.")]
-PlanOpt = Annotated[Path | None, typer.Option("--plan", help="report.json of a DiTango run: its computed fraction.")]
+PlanOpt = Annotated[Path | None, typer.Option("--plan", help="report.json of a DiTango run: replay its plan's shape.")]
+PlannerOpt = Annotated[str | None, typer.Option("--planner", help="DiTango: hpdc or budget [hpdc; --plan: the run's].")]
+OwnOpt = Annotated[str | None, typer.Option("--own-group", help="DiTango: decide or fresh [decide].")]
+WarmOpt = Annotated[int | None, typer.Option("--warmup", help="DiTango: exact steps at the start [as recorded: 5].")]
+CoolOpt = Annotated[int | None, typer.Option("--cooldown", help="DiTango: exact steps at the end [as recorded].")]
 ShardOpt = Annotated[bool, typer.Option("--shard-weights", help="FSDP-shard the transformer over the ranks.")]
 VaeParOpt = Annotated[bool | None, typer.Option("--vae-parallel/--no-vae-parallel", help="Default: with >1 rank.")]
 TilingOpt = Annotated[bool, typer.Option("--vae-tiling", help="Tiled VAE decode (one process).")]
@@ -37,6 +40,10 @@ def simulate(
     parallel: ParallelOpt = "ring,ulysses,usp,ditango",
     plan: PlanOpt = None,
     cache_ratio: Annotated[float, typer.Option("--cache-ratio", help="DiTango without --plan.")] = 0.4,
+    planner: PlannerOpt = None,
+    own_group: OwnOpt = None,
+    warmup: WarmOpt = None,
+    cooldown: CoolOpt = None,
     group_size: Annotated[str, typer.Option("--group-size", help="DiTango group: ranks or 'node'.")] = "node",
     height: Annotated[int, typer.Option("--height")] = 720,
     width: Annotated[int, typer.Option("--width")] = 1280,
@@ -50,7 +57,7 @@ def simulate(
     gpu_memory: GpuMemOpt = None,
 ) -> int:
     """Price strategies on a hardware profile: per-step attention, step and end-to-end time, bytes, peak memory."""
-    from planner.cost_model import compare_layouts, load_hardware, memory_options, plan_fraction, simulate_assumptions
+    from planner.cost_model import compare_layouts, load_hardware, memory_options, simulate_assumptions
     from planner.memory import parse_bytes
     from runtime.models.registry import REGISTRY
 
@@ -58,29 +65,54 @@ def simulate(
         raise ConfigError(f"unknown model {model!r} for simulate: use one of {', '.join(REGISTRY)}")
     spec = REGISTRY[model]  # one expert runs at a time: per-step costs are one transformer's (memory: all)
     hw = load_hardware(str(hardware_file) if hardware_file else hardware)
-    fraction, plan_log = plan_fraction(plan, cache_ratio, steps)
+    if steps < 1:
+        raise ConfigError(f"--steps {steps}: must be >= 1")
+    source = plan_source(plan, planner, own_group, cache_ratio, warmup, cooldown)
     memory = memory_options(shard_weights, spec.defaults.cfg_scale, vae_tiling, cache_dtype.value)
     rows, notes = compare_layouts(hw, spec.shape, nodes, gpus_per_node, [s.strip() for s in parallel.split(",") if s.strip()],
-                                  group_size, height, width, frames, steps, fraction, plan_log, memory, vae_parallel,
+                                  group_size, height, width, frames, steps, source, memory, vae_parallel,
                                   parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None)  # fmt: skip
-    assumptions = simulate_assumptions(hw, model, spec.shape.tokens(height, width, frames), steps, fraction, plan,
-                                       plan_log, cache_ratio, notes)  # fmt: skip
+    assumptions = simulate_assumptions(hw, model, spec.shape.tokens(height, width, frames), steps, source, notes)
     if as_json:
         print(json.dumps({"schema": 1, "assumptions": assumptions, "rows": rows}, indent=2))
         return 0
     Console().print(f"{model}, {width}x{height}x{frames} ({assumptions['tokens']} tokens), {steps} steps, {hw.name} x "
-                    f"{gpus_per_node} per node; DiTango computes {fraction:.0%} of remote attention "
-                    f"({assumptions['ditango_plan']}). Bytes are exact counts; times and memory are modelled (see "
+                    f"{gpus_per_node} per node; DiTango from {source.description} (\"computed\": its share of "
+                    "attention units fetched, all steps). Bytes are exact counts; times and memory are modelled (see "
                     "--json assumptions).", highlight=False)  # fmt: skip
     table = Table("strategy", "nodes", "attention/step (s)", "step (s)", "e2e (s)", "inter-node GB", "intra-node GB",
-                  "vs best exact")  # fmt: skip
+                  "vs best exact", "computed")  # fmt: skip
     memory = Table("strategy", "nodes", "weights GiB/GPU", "peak GiB/GPU", "peak phase", "offloaded", "fits")
     for r in rows:
         table.add_row(r["strategy"], str(r["nodes"]), f"{r['attention_s']:.3f}", f"{r['step_s']:.3f}",
                       f"{r['e2e_s']:.1f}", f"{r['inter_node_bytes'] / 1e9:.1f}", f"{r['intra_node_bytes'] / 1e9:.1f}",
-                      "-" if r["speedup_vs_best_exact"] is None else f"{r['speedup_vs_best_exact']:.2f}x")  # fmt: skip
+                      "-" if r["speedup_vs_best_exact"] is None else f"{r['speedup_vs_best_exact']:.2f}x",
+                      f"{r['ditango']['computed_fraction_all_steps']:.0%}" if "ditango" in r else "-")  # fmt: skip
         memory.add_row(r["strategy"], str(r["nodes"]), f"{r['weights_bytes'] / 2**30:.1f}",
                        f"{r['peak_memory_bytes'] / 2**30:.1f}", r["peak_memory_stage"], ", ".join(r["offload"]) or "-",
                        {None: "-", True: "yes", False: "no"}[r["fits"]])  # fmt: skip
-    Console().print(table, memory, *(f"skipped: {note}" for note in notes), sep="\n", highlight=False)
+    plan_notes = dict.fromkeys(n for r in rows for n in r.get("ditango", {}).get("notes", []))
+    Console().print(table, memory, *(f"skipped: {note}" for note in notes), *(f"note: {n}" for n in plan_notes),
+                    sep="\n", highlight=False)  # fmt: skip
     return 0
+
+
+def plan_source(plan: Path | None, planner: str | None, own_group: str | None, cache_ratio: float,
+                warmup: int | None, cooldown: int | None):  # fmt: skip
+    """DiTango's plan for simulate: the recorded shapes of --planner at --cache-ratio, or the
+    --plan run's (its planner, own-group mode, warm-up and cool-down unless given; a different
+    --planner is an error). Warm-up and cool-down default to the recorded runs' (generate's
+    defaults for that planner)."""
+    from planner.ditango import PlannerConfig
+    from planner.plan_shape import recorded_source, report_source
+
+    PlannerConfig(cache_ratio=cache_ratio, warmup=5 if warmup is None else warmup,
+                  cooldown=5 if cooldown is None else cooldown, planner=planner or "hpdc",
+                  own_group=own_group or "decide")  # validates: one-line ConfigError  # fmt: skip
+    if plan is None:
+        return recorded_source(planner or "hpdc", cache_ratio, own_group or "decide", warmup, cooldown)
+    recorded = report_source(plan, own_group, warmup, cooldown)
+    run_planner = recorded.shapes[0].planner if recorded.shapes else None
+    if planner is not None and run_planner is not None and planner != run_planner:
+        raise ConfigError(f"--planner {planner}: the --plan run used the {run_planner} planner; drop one of them")
+    return recorded

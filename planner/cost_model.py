@@ -1,6 +1,8 @@
 """Topology/hardware cost model: the exact byte counts of planner/traffic.py priced, with
 the FLOPs, on a hardware profile. Its assumptions are listed in `ASSUMPTIONS` and printed by
-`ditango simulate`.
+`ditango simulate`. DiTango is priced from a plan its planners make: a recorded plan shape
+(planner/plan_shapes.json, or one run's plan file) replayed on the layout and step count
+by planner/plan_shape.py.
 
 Notation: P cp ranks with chunk sizes s_j (uneven, planner/layout.py), H heads,
 D head dim, e bytes per element of the transformer dtype, B batch (1), F forwards per
@@ -17,7 +19,8 @@ from planner.errors import ConfigError
 from planner.layout import ParallelLayout, chunk_sizes
 from planner.memory import GIB, MemoryOptions, cfg_branches, estimate_memory, fit_to_memory, usable_bytes
 from planner.models import ModelShape
-from planner.traffic import Topology, predict_traffic
+from planner.plan_shape import PlanReplay, PlanSource, recorded_source
+from planner.traffic import Topology, ditango_units, predict_traffic
 
 # -- hardware -----------------------------------------------------------------------------
 
@@ -56,10 +59,19 @@ ASSUMPTIONS = {
     "memory": "planner/memory.py: peak bytes per GPU by phase (text_encode, denoise, decode); fits: the peak within "
     "the GPU's memory less 5% and 1 GiB; the runtime offloads the encoders / transformer only when short",
     "ulysses": "all-to-all time = bytes over the slowest link class in the group, not overlapped",
-    "ditango_synthetic": "without a plan: exact warm-up/cool-down, one anchor, then (1 - cache_ratio) of remote cells computed",
-    "plan_mapping": "a small run's plan (report.json + its <id>.plan.json) gives a computed fraction per ring "
-    "offset over all steps and layers; big offset d takes small unit round((d-1)*(U_small-1)/(G_big-2)); "
-    "a report without a plan file falls back to its mean computed fraction for every offset",
+    "ditango_synthetic": "without --plan: the recorded plan shapes (planner/plan_shapes.json, from real runs by "
+    "benchmarks/plan_shapes.py) of --planner, replayed: exact = min(steps, warmup + cooldown) (default: as the "
+    "recorded runs, generate's defaults for the planner), anchors = max(1, "
+    "round(recorded anchor share x non-exact steps)), the rest selective with each unit's recorded computed "
+    "fraction, linear between recorded cache ratios (the nearest outside them); the budget planner's selective "
+    "total is the planner's own quota (DiTangoPlanner.budget_cells: (1 - cache_ratio) x layers x units cells a "
+    "step on average, as the planner schedules them), spread over units as recorded; no anchors where the recording had none; a recording without "
+    "an own-group unit lends unit 0 its nearest remote offset's fraction; compose factor 1",
+    "plan_mapping": "shapes map onto a layout by relative ring distance: its remote offset d takes the recorded "
+    "offset round((d-1)*(n-1)/(G-2)) + 1 of n (nearest to nearest, farthest to farthest), unit 0 (own-group "
+    "partner) takes the recorded unit 0; --plan report.json replays that run's plan file the same way (its "
+    "planner, cache ratio, unit_offsets); a report without a plan file gives its all-steps computed fraction to "
+    "every unit; bytes scale exactly per unit, times take each offset's slowest rank's link",
 }
 
 
@@ -109,8 +121,10 @@ def _attn_s(hw: Hardware, q: int, k: int, heads: int, d: int) -> float:
     return 4.0 * q * k * heads * d / (hw.bf16_tflops * 1e12 * ASSUMPTIONS["attention_efficiency"])
 
 
-def _ring_time(hw, topo: Topology, ranks, q: int, blocks: list[int], heads: int, d: int, e: int) -> float:
-    """Slowest member of a ring: own block, then P-1 hops of max(compute, transfer) + latency."""
+def _ring_time(hw, topo: Topology, ranks, q: int, blocks: list[int], heads: int, d: int, e: int,
+               hops: float = 1.0) -> float:  # fmt: skip
+    """Slowest member of a ring: own block, then P-1 hops of max(compute, transfer) + latency,
+    the hops weighted by `hops` (the share of forwards that make them)."""
     worst = 0.0
     P = len(ranks)
     for me in range(P):
@@ -118,16 +132,17 @@ def _ring_time(hw, topo: Topology, ranks, q: int, blocks: list[int], heads: int,
         total = _attn_s(hw, q, blocks[me], heads, d)
         for k in range(P - 1):
             s = blocks[(me - k - 1) % P]
-            total += max(_attn_s(hw, q, s, heads, d), 2 * s * heads * d * e / _bw(hw, link)) + _lat(hw, link)
+            total += hops * (max(_attn_s(hw, q, s, heads, d), 2 * s * heads * d * e / _bw(hw, link)) + _lat(hw, link))
         worst = max(worst, total)
     return worst
 
 
-def attention_time(
-    hw: Hardware, topo: Topology, shape: ModelShape, tokens: int, e: int, compute_fraction: float
-) -> float:
-    """One layer's self-attention for one forward on the slowest rank."""
-    return _video_attention_time(hw, topo, shape, tokens, e, compute_fraction) + _joint_text_time(
+def attention_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: int, e: int,
+                   compute_fraction: float | list[float], own_group: str = "decide") -> float:  # fmt: skip
+    """One layer's self-attention for one forward on the slowest rank. DiTango computes
+    `compute_fraction` of each decision unit (a scalar: of every unit; a list: per unit of
+    `traffic.ditango_units(layout, own_group)`)."""
+    return _video_attention_time(hw, topo, shape, tokens, e, compute_fraction, own_group) + _joint_text_time(
         hw, topo, shape, tokens
     )
 
@@ -149,13 +164,11 @@ def _joint_text_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: in
     return t
 
 
-def _video_attention_time(
-    hw: Hardware, topo: Topology, shape: ModelShape, tokens: int, e: int, compute_fraction: float
-) -> float:
+def _video_attention_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: int, e: int,
+                          compute_fraction: float | list[float], own_group: str = "decide") -> float:  # fmt: skip
     layout = topo.layout
     H, D = shape.heads, shape.head_dim
     sizes = chunk_sizes(tokens, layout.cp_degree)
-    cp_ranks = topo.groups["cp"][0]
     q = max(sizes)
     if layout.strategy == "none":
         return _attn_s(hw, tokens, tokens, H, D)
@@ -170,20 +183,46 @@ def _video_attention_time(
         spans = [sum(sizes[i * u : (i + 1) * u]) for i in range(layout.ring)]
         ring = topo.groups["ring"][0]
         return t + _ring_time(hw, topo, ring, max(spans), spans, h, D, e)
-    # ditango: own group ring always; remote group at offset d computed with probability f_d
-    fractions = offset_fractions(compute_fraction, layout.groups)
-    size, G = layout.group, layout.groups
-    own = _ring_time(hw, topo, cp_ranks[:size], q, sizes[:size], H, D, e)
-    remote = 0.0
+    return _ditango_time(hw, topo, shape, sizes, e, unit_fractions(compute_fraction, layout, own_group), own_group)
+
+
+def _ditango_time(hw: Hardware, topo: Topology, shape: ModelShape, sizes: list[int], e: int,
+                  fractions: list[float], own_group: str) -> float:  # fmt: skip
+    """DiTango on the slowest rank: each rank's own chunk, the ring over its group's other
+    members (every forward, or as unit 0 decides), and per remote offset d, computed with
+    its unit's fraction, the direct fetch from I*d ahead (the slowest rank's link: ranks at
+    a group boundary may cross a node where rank 0 does not) overlapped with the ring of the
+    remote group's chunks around the own group. A reused unit is merged from the cache (free)."""
+    layout = topo.layout
+    cp_ranks = topo.groups["cp"][0]
+    H, D, size, G, P = shape.heads, shape.head_dim, layout.group, layout.groups, layout.cp_degree
+    q = max(sizes)
+    units = ditango_units(layout, own_group)
+    per_offset = {d: f for f, offs in zip(fractions, units, strict=True) for d in offs}
+    groups = [cp_ranks[g * size : (g + 1) * size] for g in range(G)]
+
+    def group_ring(d: int, hops: float = 1.0) -> float:  # every group rotating the chunks of the group d ahead
+        return max(_ring_time(hw, topo, groups[g], q, sizes[((g + d) % G) * size :][:size], H, D, e, hops)
+                   for g in range(G))  # fmt: skip
+
+    def fetch(c: int, d: int) -> float:  # rank c's direct fetch of its source's K, V
+        src = (c + size * d) % P
+        link = topo.link(cp_ranks[c], cp_ranks[src])
+        return 2 * sizes[src] * H * D * e / _bw(hw, link) + _lat(hw, link)
+
+    total = group_ring(0, per_offset.get(0, 1.0))
     for d in range(1, G):
-        src = cp_ranks[(size * d) % layout.cp_degree]
-        link = topo.link(cp_ranks[0], src)
-        fetch = 2 * q * H * D * e / _bw(hw, link) + _lat(hw, link)
-        group = _ring_time(hw, topo, cp_ranks[:size], q, sizes[:size], H, D, e)
-        computed = max(fetch, group)
-        reused = 0.0  # merged from the cache
-        remote += fractions[d - 1] * computed + (1 - fractions[d - 1]) * reused
-    return own + remote
+        total += per_offset[d] * max(max(fetch(c, d) for c in range(P)), group_ring(d))
+    return total
+
+
+def unit_fractions(compute_fraction: float | list[float], layout: ParallelLayout, own_group: str) -> list[float]:
+    """Computed fraction per decision unit of `layout` (a scalar applies to every unit)."""
+    units = ditango_units(layout, own_group)
+    if isinstance(compute_fraction, (int, float)):
+        return [float(compute_fraction)] * len(units)
+    assert len(compute_fraction) == len(units), (len(compute_fraction), units)
+    return [float(f) for f in compute_fraction]
 
 
 def rest_of_block_time(hw: Hardware, shape: ModelShape, local_tokens: int) -> float:
@@ -210,15 +249,21 @@ def estimate(
     frames: int,
     steps: int,
     *,
-    compute_fraction: float = 1.0,
+    compute_fraction: float | list[float] = 1.0,
     plan_bits=None,
     element_bytes: int = 2,
+    own_group: str = "decide",
+    plan_kinds: list[str] | None = None,
+    planner: str = "hpdc",
 ) -> Estimate:
+    """Time and bytes of one item. DiTango computes `compute_fraction` of each decision unit
+    over all steps (see `attention_time`), or exactly `plan_bits`; `plan_kinds` (each step's
+    kind) adds the planner's control bytes."""
     topo = Topology(layout)
     tokens = shape.tokens(height, width, frames)
     sizes = chunk_sizes(tokens, layout.cp_degree)
     forwards = 1 if layout.cfg_degree == 2 else 2
-    attn = attention_time(hw, topo, shape, tokens, element_bytes, compute_fraction)
+    attn = attention_time(hw, topo, shape, tokens, element_bytes, compute_fraction, own_group)
     rest = rest_of_block_time(hw, shape, max(sizes))
     gather = 0.0
     if layout.cp_degree > 1:
@@ -231,102 +276,50 @@ def estimate(
         link = topo.link(pair[0], pair[1])
         f, h, w = shape.latent_shape(height, width, frames)
         step += f * h * w * shape.latent_channels * element_bytes / _bw(hw, link) + _lat(hw, link)
-    traffic = predict_traffic(
-        layout, shape, height, width, frames, steps, element_bytes=element_bytes, plan_bits=plan_bits
-    )
-    if layout.strategy == "ditango" and plan_bits is None and layout.groups > 1:
-        # Synthetic or mapped plan: each offset's remote bytes scale with its computed fraction.
-        # Per (forward, layer) from a one-layer, one-forward count, then scaled; the rest of the
-        # traffic (gather, cfg) is what the all-computed count already holds.
-        fractions = offset_fractions(compute_fraction, layout.groups)
-        one = replace(shape, layers=1)
-        units = layout.groups - 1
-
-        def one_layer(bits) -> dict:
-            return predict_traffic(layout, one, height, width, frames, 1, guidance=False,
-                                   element_bytes=element_bytes, plan_bits=[[bits]])  # fmt: skip
-
-        local, full = one_layer([False] * units), one_layer([True] * units)
-        only = [one_layer([u == d for u in range(units)]) for d in range(units)]
-        cells = steps * forwards * shape.layers
-        for key in ("inter_node_bytes", "intra_node_bytes"):
-            expected = local[key] + sum(f * (o[key] - local[key]) for f, o in zip(fractions, only, strict=True))
-            traffic[key] = round(traffic[key] - cells * (full[key] - expected))
+    traffic = predict_traffic(layout, shape, height, width, frames, steps, element_bytes=element_bytes,
+                              plan_bits=plan_bits, plan_kinds=plan_kinds, own_group=own_group, planner=planner)  # fmt: skip
+    if layout.strategy == "ditango" and plan_bits is None:
+        fractions = unit_fractions(compute_fraction, layout, own_group)
+        for key, n in _fractional_attention_bytes(layout, shape, height, width, frames, element_bytes, fractions,
+                                                  own_group).items():  # fmt: skip
+            traffic[key] -= round(steps * forwards * shape.layers * n)
     return Estimate(
         layout.strategy, layout.nodes, layout.gpus_per_node, forwards * shape.layers * attn, step, steps * step,
         traffic["inter_node_bytes"], traffic["intra_node_bytes"],
     )  # fmt: skip
 
 
-def offset_fractions(compute_fraction: float | list[float], groups: int) -> list[float]:
-    """Computed fraction per remote offset 1..groups-1 (a scalar applies to all)."""
-    if isinstance(compute_fraction, (int, float)):
-        return [float(compute_fraction)] * max(0, groups - 1)
-    assert len(compute_fraction) == groups - 1
-    return list(compute_fraction)
+def _fractional_attention_bytes(layout: ParallelLayout, shape: ModelShape, height: int, width: int, frames: int,
+                                e: int, fractions: list[float], own_group: str) -> dict:  # fmt: skip
+    """Bytes per (forward, layer) that units computed only `fractions` of the time do not
+    move, against computing all: each unit's bytes are those of a one-layer, one-forward
+    plan computing only it, less those of a plan computing none (exact counts, weighted)."""
+    one = replace(shape, layers=1)
+    n = len(fractions)
+    if n == 0:
+        return {"inter_node_bytes": 0, "intra_node_bytes": 0}
+
+    def one_layer(bits: list[bool]) -> dict:
+        return predict_traffic(layout, one, height, width, frames, 1, guidance=False, element_bytes=e,
+                               plan_bits=[[bits]], own_group=own_group)  # fmt: skip
+
+    local, full = one_layer([False] * n), one_layer([True] * n)
+    only = [one_layer([u == v for u in range(n)]) for v in range(n)]
+    saved = {}
+    for key in ("inter_node_bytes", "intra_node_bytes"):
+        expected = local[key] + sum(f * (o[key] - local[key]) for f, o in zip(fractions, only, strict=True))
+        saved[key] = full[key] - expected
+    return saved
 
 
-def map_plan_offsets(plan_log: dict, groups: int) -> list[float]:
-    """A small run's plan onto a layout with `groups` groups, by relative ring distance.
-
-    The small run's unit u (offset u+1 of its G_small - 1) has computed fraction f_u over
-    all its steps and layers; the big layout's offset d takes f at u = round((d - 1) *
-    (U_small - 1) / (G_big - 2)): nearest offsets map to nearest, farthest to farthest."""
-    rows = [row for step in plan_log["steps"] for row in step["compute"]]
-    units = len(rows[0]) if rows else 0
-    if units == 0 or groups < 2:
-        return [1.0] * max(0, groups - 1)
-    small = [sum(row[u] == "1" for row in rows) / len(rows) for u in range(units)]
-    span = max(1, groups - 2)
-    return [small[round((d - 1) * (units - 1) / span)] for d in range(1, groups)]
-
-
-def synthetic_plan_fraction(cache_ratio: float, steps: int, warmup: int = 5, cooldown: int = 5) -> float:
-    """Share of remote cells computed over a run: exact warm-up/cool-down and one anchor,
-    then (1 - cache_ratio) on the remaining steps (see ASSUMPTIONS)."""
-    exact = min(steps, warmup + cooldown + 1)
-    return (exact + (steps - exact) * (1.0 - cache_ratio)) / steps
-
-
-def plan_fraction_from_report(report: dict) -> float:
-    """Mean share of remote cells computed per step, from a DiTango report.json item."""
-    for item in report.get("items", []):
-        per_step = (item.get("attention") or {}).get("per_step")
-        if per_step:
-            return sum(per_step) / len(per_step)
-    raise ConfigError("--plan: the report has no DiTango item (attention.per_step); run with --parallel ditango")
-
-
-def read_plan(path: Path) -> tuple[float, dict | None]:
-    """A DiTango run's report.json -> (mean computed fraction, its first plan file or None)."""
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-        fraction = plan_fraction_from_report(report)
-        plan_files = [(i.get("attention") or {}).get("plan_file") for i in report.get("items", [])]
-        plan_file = next((path.parent / f for f in plan_files if f), None)
-        if plan_file is None or not plan_file.is_file():
-            return fraction, None
-        return fraction, json.loads(plan_file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, AttributeError) as exc:
-        raise ConfigError(f"--plan {path}: cannot read ({exc})") from None
-
-
-def plan_fraction(plan: Path | None, cache_ratio: float, steps: int) -> tuple[float, dict | None]:
-    """DiTango's computed fraction (and plan file) from `--plan`, or the synthetic one."""
-    if plan is not None:
-        return read_plan(plan)
-    return synthetic_plan_fraction(cache_ratio, steps), None
-
-
-def simulate_assumptions(hw: Hardware, model: str, tokens: int, steps: int, fraction: float, plan: Path | None,
-                         plan_log: dict | None, cache_ratio: float, notes: list[str]) -> dict:  # fmt: skip
+def simulate_assumptions(hw: Hardware, model: str, tokens: int, steps: int, source: PlanSource,
+                         notes: list[str]) -> dict:  # fmt: skip
     """The `assumptions` of `ditango simulate --json`: the profile, ASSUMPTIONS and the run's inputs."""
-    if plan is None:
-        source = f"synthetic, cache ratio {cache_ratio:g}"
-    else:
-        source = f"{plan} (per ring offset from its plan file)" if plan_log is not None else str(plan)
-    return {**report_dict(hw), "model": model, "tokens": tokens, "steps": steps,
-            "ditango_computed_fraction": round(fraction, 4), "ditango_plan": source, "skipped": notes}  # fmt: skip
+    planner = source.shapes[0].planner if source.shapes else None
+    return {**report_dict(hw), "model": model, "tokens": tokens, "steps": steps, "ditango_plan": source.description,
+            "ditango_planner": planner, "ditango_cache_ratio": source.cache_ratio if source.shapes else None,
+            "ditango_own_group": source.own_group, "ditango_warmup": source.warmup,
+            "ditango_cooldown": source.cooldown, "skipped": notes}  # fmt: skip
 
 
 def memory_options(shard_weights: bool, cfg_scale: float, vae_tiling: bool, cache_dtype: str) -> MemoryOptions:
@@ -351,16 +344,19 @@ def memory_row(shape: ModelShape, layout: ParallelLayout, height: int, width: in
 
 def compare_layouts(
     hw: Hardware, shape: ModelShape, nodes: int, gpus_per_node: int, strategies: list[str], group_size: str,
-    height: int, width: int, frames: int, steps: int, fraction: float, plan_log: dict | None = None,
+    height: int, width: int, frames: int, steps: int, source: PlanSource | None = None,
     memory: MemoryOptions = MemoryOptions(), vae_parallel: bool | None = None, gpu_memory_bytes: int | None = None,
 ) -> tuple[list[dict], list[str]]:  # fmt: skip
     """`ditango simulate`'s rows: every strategy on 1..`nodes` nodes, with the speedup over the
     best exact one and the predicted peak memory per GPU; and a note per illegal layout.
-    DiTango computes `fraction` of remote attention, or per ring offset as `plan_log` (a plan
-    file) says. `gpu_memory_bytes` (default: the profile's) decides `fits`."""
+    DiTango replays `source`'s plan on each layout (default: the recorded
+    hpdc shapes at cache ratio 0.4); its row's `ditango` says what the replay computed, with
+    notes where the recording did not cover the layout or ratio.
+    `gpu_memory_bytes` (default: the profile's) decides `fits`."""
     for s in strategies:
         if s not in ("ring", "ulysses", "usp", "ditango"):
             raise ConfigError(f"--parallel {s!r}: simulate knows ring, ulysses, usp, ditango")
+    source = source or recorded_source("hpdc", 0.4)
     gpu_memory_bytes = gpu_memory_bytes or hw.memory_bytes or None
     rows, notes = [], []
     for n in range(1, nodes + 1):
@@ -375,21 +371,40 @@ def compare_layouts(
             except (ConfigError, ValueError) as exc:
                 notes.append(f"{s} on {n} node(s): {exc}")
                 continue
-            f = fraction
-            if s == "ditango" and plan_log is not None:
-                f = map_plan_offsets(plan_log, layout.groups)  # per ring offset, by relative distance
-            est = estimate(hw, layout, shape, height, width, frames, steps,
-                           compute_fraction=f if s == "ditango" else 1.0)  # fmt: skip
-            found.append(
-                (est, memory_row(shape, layout, height, width, frames, memory, vae_parallel, gpu_memory_bytes))
-            )
-        exact = [e.e2e_s for e, _ in found if e.strategy != "ditango"]
+            est, plan = _priced(hw, layout, shape, height, width, frames, steps, source)
+            mem = memory_row(shape, layout, height, width, frames, memory, vae_parallel, gpu_memory_bytes)
+            found.append((est, mem, _plan_summary(plan)))
+        exact = [e.e2e_s for e, _, _ in found if e.strategy != "ditango"]
         best = min(exact) if exact else None
-        for e, mem in found:
+        for e, mem, plan in found:
             rows.append(
                 {"strategy": e.strategy, "nodes": e.nodes, "gpus_per_node": e.gpus_per_node,
                  "attention_s": round(e.attention_s, 6), "step_s": round(e.step_s, 6), "e2e_s": round(e.e2e_s, 4),
                  "inter_node_bytes": e.inter_node_bytes, "intra_node_bytes": e.intra_node_bytes,
-                 "speedup_vs_best_exact": None if best is None else round(best / e.e2e_s, 4), **mem}
+                 "speedup_vs_best_exact": None if best is None else round(best / e.e2e_s, 4), **mem,
+                 **({"ditango": plan} if plan else {})}
             )  # fmt: skip
     return rows, notes
+
+
+def _priced(hw: Hardware, layout: ParallelLayout, shape: ModelShape, height: int, width: int, frames: int,
+            steps: int, source: PlanSource) -> tuple[Estimate, PlanReplay | float | None]:  # fmt: skip
+    """One layout's estimate; for DiTango, with the plan replayed on it."""
+    if layout.strategy != "ditango":
+        return estimate(hw, layout, shape, height, width, frames, steps), None
+    plan = source.replay(layout, shape.layers, steps)
+    if not isinstance(plan, PlanReplay):  # a flat fraction: no step kinds, no control bytes
+        return estimate(hw, layout, shape, height, width, frames, steps, compute_fraction=plan,
+                        own_group=source.own_group), plan  # fmt: skip
+    est = estimate(hw, layout, shape, height, width, frames, steps, compute_fraction=plan.unit_fractions,
+                   own_group=source.own_group, plan_kinds=plan.kinds, planner=plan.planner)  # fmt: skip
+    return est, plan
+
+
+def _plan_summary(plan: PlanReplay | float | None) -> dict | None:
+    if plan is None:
+        return None
+    if isinstance(plan, PlanReplay):
+        return {**plan.summary(), "notes": list(plan.notes)}
+    return {"computed_fraction_all_steps": round(plan, 4), "computed_fraction_selective": None, "steps": None,
+            "notes": []}  # fmt: skip

@@ -66,10 +66,10 @@ def slot_bytes(B: int, S: int, H: int, D: int, element_bytes: int) -> int:
     return B * S * H * (D * element_bytes + F32)
 
 
-def unit_bytes(B: int, S: int, H: int, D: int, element_bytes: int) -> int:
-    """Per cached unit: its state slot plus the compressed local reference [B, S, H] float32
-    kept for the drift estimate."""
-    return slot_bytes(B, S, H, D, element_bytes) + B * S * H * F32
+def unit_bytes(B: int, S: int, H: int, D: int, element_bytes: int, reference: bool = True) -> int:
+    """Per cached unit: its state slot plus (`reference`: the hpdc planner) the compressed local
+    reference [B, S, H] float32 kept for the drift estimate."""
+    return slot_bytes(B, S, H, D, element_bytes) + (B * S * H * F32 if reference else 0)
 
 
 def anchor_bytes(B: int, S: int, H: int) -> int:
@@ -78,14 +78,19 @@ def anchor_bytes(B: int, S: int, H: int) -> int:
 
 
 def ditango_cache_bytes(
-    shape: ModelShape, layout: ParallelLayout, tokens: int, branches: int, element_bytes: int
-) -> int:
+    shape: ModelShape, layout: ParallelLayout, tokens: int, branches: int, element_bytes: int,
+    own_group: str = "decide", planner: str = "hpdc",
+) -> int:  # fmt: skip
     """The whole cache of the rank with the largest chunk, one unit per remote group (compose
-    factor 1: a --cache-memory-limit or the CUDA free-memory limit can compose it smaller)."""
+    factor 1: a --cache-memory-limit or the CUDA free-memory limit can compose it smaller),
+    one more for the own group's other members (own_group "decide"), and the compressed local
+    state kept per (branch, layer): the anchor's (hpdc), the previous step's (budget)."""
     if layout.strategy != "ditango":
         return 0
     S, H, D = max(chunk_sizes(tokens, layout.cp_degree)), shape.heads, shape.head_dim
-    per_layer = (layout.groups - 1) * unit_bytes(1, S, H, D, element_bytes) + anchor_bytes(1, S, H)
+    units = layout.groups - 1 + int(own_group == "decide" and layout.group > 1)
+    per_unit = unit_bytes(1, S, H, D, element_bytes, reference=planner != "budget")
+    per_layer = units * per_unit + anchor_bytes(1, S, H)
     return branches * shape.layers * per_layer
 
 
@@ -101,6 +106,8 @@ class MemoryOptions:
     hybrid: bool = False  # Hybridiff (the runtime does not shard with it: no --shard-weights suggested)
     cfg_branches_per_rank: int = 2  # both CFG branches on one rank, in turn; 1: cfg-parallel or guidance <= 1
     cache_bytes: int = 2  # DiTango cache element size
+    own_group: str = "decide"  # DiTango's decision units (planner/ditango.py unit_offsets)
+    planner: str = "hpdc"  # DiTango's planner: "budget" keeps one more compressed reference
     vae_tiling: bool = False
     vae_parallel: bool = False  # the tiles over the replica's ranks (implies tiling)
     tile_px: int = 256  # the tile's side in output pixels; stride 3/4 of it, as diffusers' enable_tiling
@@ -234,7 +241,7 @@ def estimate_memory(
     w = weight_parts(shape, layout, o)
     activations, states, transient = block_bytes(shape, layout, tokens, o)
     branches = min(o.cfg_branches_per_rank, 1 if layout.cfg_degree == 2 else 2)
-    cache = ditango_cache_bytes(shape, layout, tokens, branches, o.cache_bytes)
+    cache = ditango_cache_bytes(shape, layout, tokens, branches, o.cache_bytes, o.own_group, o.planner)
     vae = shape.vae
     vae_weights = vae.params * F32 if vae else 0
     decode = 0

@@ -48,6 +48,12 @@ def _fraction(compute: torch.Tensor) -> float:
     return round(float(compute.float().mean()), 6)
 
 
+def _mean_fraction(computes: list[torch.Tensor]) -> float:
+    """Computed cells / all cells over several steps; 1.0 for no cells (everything exact)."""
+    cells = sum(c.numel() for c in computes)
+    return round(sum(int(c.sum()) for c in computes) / cells, 6) if cells else 1.0
+
+
 def _bits(compute_LU: torch.Tensor) -> list[str]:
     """One '0'/'1' string per layer, unit 0 first."""
     return ["".join("1" if b else "0" for b in row) for row in compute_LU.tolist()]
@@ -70,7 +76,10 @@ class PlanLog:
 
         epsilon: one entry per anchor window, the threshold that governed its selective
         plans (None when no plan of the window used one, e.g. the gate fired right away).
-        computed_fraction: fresh remote cells / all remote cells over selective steps only.
+        computed_fraction_all_steps: computed cells / all cells over every step, exact,
+        anchor and selective (what the bytes follow); computed_fraction_selective: the same
+        over selective steps only (None without one). computed_fraction_by_unit: the
+        all-steps figure per unit. steps: how many steps of each kind.
         """
         anchors = [p.step for p in self.steps if p.kind == "anchor"]
         windows: list[dict] = []
@@ -80,15 +89,20 @@ class PlanLog:
             elif p.kind == "selective" and p.epsilon is not None and windows and windows[-1]["epsilon"] is None:
                 windows[-1]["epsilon"] = p.epsilon
         selective = [p.compute_LU for p in self.steps if p.kind == "selective"]
-        cells = sum(c.numel() for c in selective)
-        fresh = sum(int(c.sum()) for c in selective)
+        every = [p.compute_LU for p in self.steps]
+        by_unit = None
+        if every and every[0].numel():
+            by_unit = [round(float(u), 6) for u in torch.stack(every).float().mean(dim=(0, 1))]
         return {
             "anchors": anchors,
             "epsilon": windows,
             "kinds": [p.kind for p in self.steps],
+            "steps": {kind: sum(p.kind == kind for p in self.steps) for kind in KINDS},
             "compute_map": [[_fraction(row) for row in p.compute_LU] for p in self.steps],
             "per_step": [_fraction(p.compute_LU) for p in self.steps],
-            "computed_fraction": round(fresh / cells, 6) if cells else 1.0,
+            "computed_fraction_all_steps": _mean_fraction(every) if every else 1.0,
+            "computed_fraction_selective": _mean_fraction(selective) if selective else None,
+            "computed_fraction_by_unit": by_unit,
         }
 
     def to_json(self) -> dict:

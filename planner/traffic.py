@@ -11,6 +11,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from planner.ditango import unit_offsets
 from planner.layout import ParallelLayout, chunk_sizes, rank_groups, virtual_node_map
 from planner.models import ModelShape
 
@@ -55,11 +56,13 @@ def _ring_hops(t: Traffic, topo: Topology, ranks, block_bytes: list[int], purpos
 
 
 def attention_traffic(
-    t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int, plan_bits=None
-) -> None:
+    t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int, plan_bits=None,
+    own_group: str = "decide",
+) -> None:  # fmt: skip
     """Self-attention bytes of every rank for `forwards` forward passes of all layers.
 
-    `plan_bits` (DiTango only): list over forwards of [layers][units] compute booleans.
+    `plan_bits` (DiTango only): list over forwards of [layers][units] compute booleans, the
+    units as `planner.ditango.unit_offsets` lists them for `own_group`.
     """
     layout = topo.layout
     H, D, L = shape.heads, shape.head_dim, shape.layers
@@ -79,32 +82,49 @@ def attention_traffic(
                     spans = [sum(sizes[(cp_ranks.index(r) // u) * u : (cp_ranks.index(r) // u + 1) * u]) for r in ring]
                     _ring_hops(t, topo, ring, [2 * s * h * D * e for s in spans], "attention", forwards * L)
         elif layout.strategy == "ditango":
-            _ditango_traffic(t, topo, cp_ranks, sizes, shape, e, forwards, plan_bits)
+            _ditango_traffic(t, topo, cp_ranks, sizes, shape, e, forwards, plan_bits, own_group)
 
 
-def _ditango_traffic(t, topo: Topology, cp_ranks, sizes, shape: ModelShape, e: int, forwards: int, plan_bits) -> None:
+def ditango_units(layout: ParallelLayout, own_group: str, plan_units: int | None = None) -> list[tuple[int, ...]]:
+    """The decision units of a plan with `plan_units` columns (None: compose factor 1)."""
+    own = int(own_group == "decide" and layout.group > 1)
+    remote = layout.groups - 1 if plan_units is None else plan_units - own
+    k = math.ceil((layout.groups - 1) / remote) if remote > 0 else 1
+    return unit_offsets(layout.groups, layout.group, own_group, k)
+
+
+def _ditango_traffic(
+    t, topo: Topology, cp_ranks, sizes, shape: ModelShape, e: int, forwards: int, plan_bits, own_group: str
+) -> None:
     layout = topo.layout
     size, G, P = layout.group, layout.groups, layout.cp_degree
     H, D, L = shape.heads, shape.head_dim, shape.layers
     kv = [2 * s * H * D * e for s in sizes]
     groups = [cp_ranks[g * size : (g + 1) * size] for g in range(G)]
-    # Own group, every forward and layer: a ring inside the group.
-    for g in range(G):
-        _ring_hops(t, topo, groups[g], kv[g * size : (g + 1) * size], "attention", forwards * L)
-    units = 0 if plan_bits is None or not plan_bits else len(plan_bits[0][0])
-    k = math.ceil((G - 1) / units) if units else 1
+    units = ditango_units(layout, own_group, len(plan_bits[0][0]) if plan_bits else None)
+    own_unit = bool(units) and units[0] == (0,)
+
+    def own_ring(times: int) -> None:  # a ring inside each group over its own chunks
+        for g in range(G):
+            _ring_hops(t, topo, groups[g], kv[g * size : (g + 1) * size], "attention", times)
+
+    if not own_unit:
+        own_ring(forwards * L)  # the whole own group is computed every forward and layer
     for f in range(forwards):
         for layer in range(L):
-            for d in range(1, G):
-                unit = (d - 1) // k
-                if plan_bits is not None and not plan_bits[f][layer][unit]:
+            for u, offsets in enumerate(units):
+                if plan_bits is not None and not plan_bits[f][layer][u]:
                     continue  # reused: nothing moves
-                for c in range(P):  # direct fetch from I*d ahead
-                    src = (c + size * d) % P
-                    t.add("attention", topo.link(cp_ranks[c], cp_ranks[src]), kv[src])
-                for g in range(G):  # then around the group ring: the remote group's other chunks
-                    remote = ((g + d) % G) * size
-                    _ring_hops(t, topo, groups[g], kv[remote : remote + size], "attention", 1)
+                for d in offsets:
+                    if d == 0:
+                        own_ring(1)
+                        continue
+                    for c in range(P):  # direct fetch from I*d ahead
+                        src = (c + size * d) % P
+                        t.add("attention", topo.link(cp_ranks[c], cp_ranks[src]), kv[src])
+                    for g in range(G):  # then around the group ring: the remote group's other chunks
+                        remote = ((g + d) % G) * size
+                        _ring_hops(t, topo, groups[g], kv[remote : remote + size], "attention", 1)
 
 
 def gather_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int) -> None:
@@ -141,13 +161,17 @@ def cfg_traffic(t: Traffic, topo: Topology, latent_numel: int, e: int, steps: in
             t.add("cfg", topo.link(a, b), 2 * steps * latent_numel * e)
 
 
-def control_traffic(t: Traffic, topo: Topology, layers: int, units: int, kinds: list[str]) -> None:
+def control_traffic(
+    t: Traffic, topo: Topology, layers: int, units: int, kinds: list[str], planner: str = "hpdc"
+) -> None:
     """DiTango's control plane (runtime/comm.py's convention: an all-reduce counts the tensor
-    once per peer): the plan check every step (2 int64) and, on selective steps, the planner's
-    statistics (layers x units + 1 float32), over the plan group (the world with cfg 2)."""
+    once per peer): the plan check every step (2 int64) and, on the steps the planner
+    observes (selective; anchors too for the budget planner), its statistics (layers x units
+    + 1 float32), over the plan group (the world with cfg 2)."""
     layout = topo.layout
     plan_groups = topo.groups["cp"] if layout.cfg_degree == 1 else [tuple(range(layout.world_size))]
-    per_step = [16 + ((layers * units + 1) * 4 if kind == "selective" else 0) for kind in kinds]
+    observed = ("selective", "anchor") if planner == "budget" else ("selective",)
+    per_step = [16 + ((layers * units + 1) * 4 if kind in observed else 0) for kind in kinds]
     for group in plan_groups:
         for a in group:
             for b in group:
@@ -168,6 +192,8 @@ def predict_traffic(
     plan_bits=None,
     plan_kinds: list[str] | None = None,
     node_of: tuple[int, ...] | None = None,
+    own_group: str = "decide",
+    planner: str = "hpdc",
 ) -> dict:
     """Bytes of one item, summed over ranks, in the report's `comm` format. With DiTango's
     `plan_kinds` (each step's kind, from its plan file) the control plane is counted too."""
@@ -176,15 +202,15 @@ def predict_traffic(
     branches = 2 if guidance else 1
     forwards = steps * (1 if layout.cfg_degree == 2 else branches)
     t = Traffic()
-    attention_traffic(t, topo, shape, tokens, element_bytes, forwards, plan_bits)
+    attention_traffic(t, topo, shape, tokens, element_bytes, forwards, plan_bits, own_group)
     gather_traffic(t, topo, shape, tokens, element_bytes, forwards)
     joint_traffic(t, topo, shape, forwards)
     if layout.cfg_degree == 2:
         cfg_traffic(t, topo, math.prod(shape.latent_shape(height, width, frames)) * shape.latent_channels,
                     element_bytes, steps)  # fmt: skip
     if layout.strategy == "ditango" and plan_kinds is not None and layout.groups > 1:
-        units = len(plan_bits[0][0]) if plan_bits else layout.groups - 1
-        control_traffic(t, topo, shape.layers, units, plan_kinds)
+        units = len(plan_bits[0][0]) if plan_bits else len(ditango_units(layout, own_group))
+        control_traffic(t, topo, shape.layers, units, plan_kinds, planner)
     return t.totals()
 
 

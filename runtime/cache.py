@@ -31,10 +31,10 @@ def slot_bytes(B: int, S: int, H: int, D: int, dtype: torch.dtype) -> int:
     return memory.slot_bytes(B, S, H, D, torch.empty((), dtype=dtype).element_size())
 
 
-def unit_bytes(B: int, S: int, H: int, D: int, dtype: torch.dtype) -> int:
-    """Per cached unit: its state slot plus the compressed local reference [B, S, H] float32
-    kept for the drift estimate."""
-    return memory.unit_bytes(B, S, H, D, torch.empty((), dtype=dtype).element_size())
+def unit_bytes(B: int, S: int, H: int, D: int, dtype: torch.dtype, reference: bool = True) -> int:
+    """Per cached unit: its state slot plus (`reference`: the hpdc planner) the compressed local
+    reference [B, S, H] float32 kept for the drift estimate."""
+    return memory.unit_bytes(B, S, H, D, torch.empty((), dtype=dtype).element_size(), reference)
 
 
 def compose_factor(

@@ -230,11 +230,14 @@ def plan_memory(cfg: RunConfig, shape, gpu_bytes: int, dtype_bytes: int, what: s
 
     offload: set[str] = set()
     cache_bytes = 4 if cfg.ditango is not None and cfg.ditango.cache_dtype == "float32" else 2
+    planner = cfg.ditango.planner if cfg.ditango is not None else None
+    ditango = {"own_group": planner.own_group, "planner": planner.planner} if planner is not None else {}
     for h, w, f, scale in sorted({(i.height, i.width, i.frames, i.cfg_scale) for i in cfg.items}):
         options = MemoryOptions(
             dtype_bytes=dtype_bytes, shard_weights=cfg.shard_weights, hybrid=cfg.hybrid is not None,
             cfg_branches_per_rank=cfg_branches(scale, cfg.layout.cfg_degree), cache_bytes=cache_bytes,
             vae_tiling=cfg.decode.tiled, vae_parallel=cfg.decode.parallel, tile_px=cfg.decode.tile_px or 256,
+            **ditango,
         )  # fmt: skip
         where = f"{what} {w}x{h}x{f} on {cfg.layout.world_size} GPU(s) per replica"
         fitted = preflight(shape, cfg.layout, h, w, f, options, gpu_bytes, where)

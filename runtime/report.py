@@ -87,7 +87,7 @@ def item_record(
         # Bytes summed over ranks, by the link class they crossed (see runtime/comm.py).
         "comm": comm or {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}},
         # Exact strategies compute every attention partition fresh; DiTango reports its plan.
-        "attention": attention or {"computed_fraction": 1.0},
+        "attention": attention or {"computed_fraction_all_steps": 1.0},
         "quality": quality,  # with --reference exact: psnr, ssim, latent_rel_err vs the exact run
         "hybrid": hybrid,  # with --hybrid: tau1, tau2, rel_mae and stage per step, block evals, bytes per stage
         # mode (tiled/untiled), tiles, ranks, per_rank_s (decode time of each rank), bytes (tiles

@@ -17,10 +17,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from runtime.calibrate import hold_target, target_quality
 from runtime.comm import Comm
 from runtime.config import Item, RunConfig, plan_memory
 from runtime.guidance import CfgParallel, Hybrid
-from runtime.items import load_image
+from runtime.inputs import exact_reference, item_inputs
 from runtime.kernels import resolve_backend
 from runtime.mesh import Mesh, build_mesh
 from runtime.models.loading import load_components, placement_on, resolve_placement
@@ -117,19 +118,6 @@ def attention_record(denoiser: WanDenoiser, ctx: RankContext) -> dict | None:
     return record
 
 
-def exact_reference(denoiser: WanDenoiser, latents, text, item: Item, condition=None) -> torch.Tensor:
-    """The same item through the exact ring path (DiTango's runtime switched off for one run)."""
-    listener = denoiser.listener
-    saved = listener.ctx.selective
-    listener.ctx.selective = None  # ShardContext falls back to ring over the cp group
-    try:
-        return denoiser.denoise(
-            latents, text, item.steps, item.cfg_scale, condition=condition, guidance_2=item.guidance_2
-        ).latents_BCFHW
-    finally:
-        listener.ctx.selective = saved
-
-
 def release_device_memory(device: torch.device) -> None:
     """Return the allocator's unused blocks to the GPU (the VAE decode at 720p needs them)."""
     if device.type == "cuda":
@@ -155,7 +143,10 @@ def check_finite(result: DenoiseResult, item: Item, ctx: RankContext) -> None:
     )
 
 
-def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer) -> dict:
+def generate_item(
+    denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer, reference=None
+) -> dict:
+    """One item on this rank; `reference`: its exact final latents when already computed."""
     paths = output_paths(cfg.out_dir, item.id)
     timing = ItemTiming()
     device = denoiser.device
@@ -167,25 +158,8 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
     # not be blamed on that one.
     ctx.from_writer(None)
 
+    text, latents, condition = item_inputs(denoiser, item, cfg, timing)
     start = time.perf_counter()
-    if item.true_cfg is not None:  # HunyuanVideo: --guidance is the embedded guidance
-        denoiser.embedded_guidance = item.guidance
-    encoders = [getattr(denoiser.pipe, n, None) for n in ("text_encoder", "text_encoder_2")]
-    encoders = [e for e in encoders if e is not None] if "text_encoder" in cfg.offload else []
-    place(encoders, device)
-    text = denoiser.encode_text(item.prompt, item.negative_prompt, item.cfg_scale)
-    place(encoders, torch.device("cpu"))  # encoded once per item; the encoder waits on the CPU
-    if "transformer" in cfg.offload:
-        place(denoiser.transformers, device)  # back from the previous item's decode
-    synchronize(device)
-    timing.text_encode_s = time.perf_counter() - start
-
-    start = time.perf_counter()
-    latents = denoiser.initial_latents(item.seed, item.height, item.width, item.frames)
-    condition = None
-    if item.image is not None:
-        image = load_image(item.image)
-        condition = denoiser.encode_image(image, latents, item.height, item.width, item.frames)
     result = denoiser.denoise(
         latents, text, item.steps, item.cfg_scale, on_step=observer.step_done, condition=condition,
         guidance_2=item.guidance_2,
@@ -202,8 +176,9 @@ def generate_item(denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankCo
         hybrid["bytes_per_stage"] = {
             s: sum(r.get(s, 0) for r in stage_bytes) for s in sorted(set().union(*stage_bytes))
         }
-    reference = None
-    if cfg.reference == "exact" and cfg.ditango is not None:
+    if cfg.reference != "exact" or cfg.ditango is None:
+        reference = None
+    elif reference is None:
         start = time.perf_counter()
         reference = exact_reference(denoiser, latents, text, item, condition)
         timing.reference_s = time.perf_counter() - start
@@ -310,6 +285,7 @@ def execute(
                 observer.message(f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)")
     todo = [item for item in cfg.items if item.id not in records]
     weights: dict = {"shard_degree": 1}  # the transformers' and text encoder's, on this rank
+    calibration = None  # --target-psnr: the chosen cache ratio and its trials
 
     def write_report(rank_peaks: list[int] | None = None) -> dict:
         peak, source = peak_memory(placement.device)
@@ -319,6 +295,8 @@ def execute(
             attention_backend=backend, rank_peaks=rank_peaks or [peak], peak_source=source,
         )  # fmt: skip
         report["weights"] = weights
+        if calibration is not None:
+            report["calibration"] = calibration
         write_json(cfg.out_dir / report_name, report)
         return report
 
@@ -343,10 +321,22 @@ def execute(
             denoiser.guidance = Hybrid(ctx.mesh, ctx.comm, cfg.hybrid, denoiser.transformers)
         elif cfg.layout.cfg_degree == 2:
             denoiser.guidance = CfgParallel(ctx.mesh, ctx.comm)
+        first_reference = None
+        if cfg.ditango is not None and cfg.ditango.target_psnr is not None:
+            cfg, calibration, first_reference = target_quality(
+                denoiser, todo[0], cfg, ctx, observer.message, report_name
+            )
         for item in todo:
             observer.item_started(item)
+            reference, first_reference = first_reference, None
             try:
-                record = generate_item(denoiser, item, cfg, ctx, observer)
+                record = generate_item(denoiser, item, cfg, ctx, observer, reference)
+                if calibration is not None and cfg.reference == "exact":  # measured: below the target, recalibrate
+                    cfg, redo = hold_target(
+                        denoiser, item, cfg, ctx, observer.message, report_name, calibration, record
+                    )
+                    if redo is not None:
+                        record = generate_item(denoiser, item, cfg, ctx, observer, redo)
             except NonFiniteLatents as exc:
                 # Deterministic, so final at once. Every rank raised it at the same point
                 # (check_finite agrees first), so the ranks go on to the next item together.

@@ -42,7 +42,10 @@ def aggregate(out_dir: Path) -> dict:
     items = {k: v[0] for k, v in items.items()}
     ordered = [items[k] for k in sorted(items)]
     counts = {s: sum(i.get("status") == s for i in ordered) for s in ("done", "skipped", "failed")}
-    base = reports[-1][0] if reports else {}
+    # The run-level keys (model, layout, options, calibration...) come from the newest task
+    # report; a folder aggregated before keeps those of its previous aggregate.
+    previous = [r for r, p in loaded if p == target and r is not None and "aggregated_from" in r]
+    base = reports[-1][0] if reports else (previous[0] if previous else {})
     merged = {
         **{k: v for k, v in base.items() if k not in ("items", "counts")},
         "schema": SCHEMA,

@@ -52,7 +52,7 @@ def _target(rank, world, events, runs):
         plan = None
         if handle and handle.ctx.selective:
             report = handle.ctx.selective.item_report()
-            plan = (report["plan_hash"], report["computed_fraction"])
+            plan = (report["plan_hash"], report["computed_fraction_all_steps"])
         if handle:
             handle.remove()
         out[name] = (latents, comm.totals(), record, plan)

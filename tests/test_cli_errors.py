@@ -364,6 +364,18 @@ def test_byte_order_mark_in_prompt_files(tmp_path):
         (["--gpus", "4", "--parallel", "ditango", "--cache-memory-limit", "lots"], ["expected a size like 8GiB"]),
         (["--gpus", "4", "--parallel", "ditango", "--reference", "approx"], ["--reference must be 'exact'"]),
         (["--gpus", "4", "--parallel", "ditango", "--tau-max", "0"], ["tau_max"]),
+        (["--gpus", "4", "--parallel", "ditango", "--planner", "greedy"], ["planner='greedy'", "hpdc or budget"]),
+        (["--gpus", "4", "--parallel", "ditango", "--own-group", "never"], ["own_group='never'", "decide or fresh"]),
+        (["--gpus", "4", "--parallel", "ditango", "--target-psnr", "-3"], ["--target-psnr must be a PSNR"]),
+        (["--gpus", "4", "--parallel", "ditango", "--target-psnr", "nan"], ["--target-psnr must be a PSNR"]),
+        (
+            ["--gpus", "4", "--parallel", "ditango", "--target-psnr", "40", "--cache-ratio", "0.5"],
+            ["give it or --cache-ratio, not both"],
+        ),
+        (
+            ["--gpus", "2", "--parallel", "ring", "--target-psnr", "40"],
+            ["--target-psnr only apply to --parallel ditango"],
+        ),
     ],
 )
 def test_illegal_ditango_options(runner, out, extra, needles):

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from planner.ditango import DiTangoOptions, PlannerConfig, StepPlan
+from planner.ditango import DiTangoOptions, PlannerConfig, StepPlan, unit_offsets
 from planner.layout import ParallelLayout, chunk_bounds, chunk_sizes, virtual_node_map
 from runtime.comm import Comm
 from runtime.kernels import reference_attention
@@ -30,7 +30,7 @@ def kv_bytes(tokens: int) -> int:
     return 2 * B * tokens * H * D * 4
 
 
-def _gap_target(rank, world, events, group_size):
+def _gap_target(rank, world, events, group_size, own_group):
     layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, strategy="ditango", group_size=group_size)
     mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
     comm = Comm(mesh)
@@ -39,7 +39,8 @@ def _gap_target(rank, world, events, group_size):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
     ref = reference_attention(q, k, v, D**-0.5)[0][:, a:b]
-    rt = SelectiveRuntime(mesh, comm, "torch", PlannerConfig(warmup=0, cooldown=0), layers=1, heads=H, head_dim=D)
+    cfg = PlannerConfig(warmup=0, cooldown=0, own_group=own_group)
+    rt = SelectiveRuntime(mesh, comm, "torch", cfg, layers=1, heads=H, head_dim=D)
     rt.begin_run(b - a, B, steps=4, branches=1)
     units = rt.units
     rt.step_plan = StepPlan(0, "anchor", torch.ones(1, units, dtype=torch.bool), None)
@@ -57,30 +58,39 @@ def _gap_target(rank, world, events, group_size):
     return results
 
 
-@pytest.mark.parametrize("group_size", [1, 2])
-def test_every_plan_gives_exact_attention_and_reuse_moves_nothing(group_size):
+@pytest.mark.parametrize(("group_size", "own_group"), [(1, "decide"), (2, "decide"), (2, "fresh")])
+def test_every_plan_gives_exact_attention_and_reuse_moves_nothing(group_size, own_group):
     """All 2^U compute/reuse patterns, gaps included (group size 1: offsets 1, 2, 3). Guards
     the authors' snapshot bug: a skip counter not reset after a computed group fetched the
-    wrong KV block after a gap."""
+    wrong KV block after a gap. With own_group "decide" the group partner is unit 0: reused,
+    not even the intra-node ring runs."""
     world = 4
-    per_rank = run_ranks(_gap_target, world, (group_size,), timeout_s=TIMEOUT_S)
+    per_rank = run_ranks(_gap_target, world, (group_size, own_group), timeout_s=TIMEOUT_S)
     sizes = chunk_sizes(S, world)
+    groups = world // group_size
+    units = unit_offsets(groups, group_size, own_group)
     for rank, results in enumerate(per_rank):
         group = rank // group_size
+        mates = [group * group_size + j for j in range(group_size) if group * group_size + j != rank]
+        assert len(results) == 2 ** len(units)
         for bits, totals in results:
-            # Own group: the group ring brings the I-1 mates' chunks (intra-node here).
-            mates = [group * group_size + j for j in range(group_size) if group * group_size + j != rank]
-            expected = sum(kv_bytes(sizes[m]) for m in mates)
-            groups = world // group_size
+            expected = 0 if units and units[0] == (0,) else sum(kv_bytes(sizes[m]) for m in mates)
             for u, computed in enumerate(bits):
-                if computed:  # all chunks of group (g + d), d = u + 1; nothing for a reused one
-                    other = (group + u + 1) % groups
-                    expected += sum(kv_bytes(sizes[other * group_size + j]) for j in range(group_size))
+                if not computed:
+                    continue  # nothing moves for a reused unit
+                for d in units[u]:  # offset 0: the group ring brings the mates' chunks (intra-node here)
+                    if d == 0:
+                        expected += sum(kv_bytes(sizes[m]) for m in mates)
+                    else:  # all chunks of group (g + d)
+                        other = (group + d) % groups
+                        expected += sum(kv_bytes(sizes[other * group_size + j]) for j in range(group_size))
             attention_bytes = sum(totals["by_purpose"].get("attention", {}).values())
             assert attention_bytes == expected, (rank, bits)
+            if not any(bits):
+                assert totals["intra_node_bytes"] == (0 if own_group == "decide" else expected)
         if group_size == 2:  # groups = nodes: reuse of the one remote group crosses no node
-            all_reuse = dict(results)[(False,)]
-            assert all_reuse["inter_node_bytes"] == 0
+            remote_reused = [t for bits, t in results if not bits[-1]]
+            assert remote_reused and all(t["inter_node_bytes"] == 0 for t in remote_reused)
 
 
 STEPS = 10
@@ -114,6 +124,9 @@ RUNS = [
     ("ratio0", {"strategy": "ditango", "group_size": 2}, DiTangoOptions(planner(0.0))),
     ("ratio05", {"strategy": "ditango", "group_size": 2}, DiTangoOptions(planner(0.5))),
     ("g1", {"strategy": "ditango", "group_size": 1}, DiTangoOptions(planner(0.5))),
+    ("fresh05", {"strategy": "ditango", "group_size": 2}, DiTangoOptions(planner(0.5, own_group="fresh"))),
+    ("budget0", {"strategy": "ditango", "group_size": 2}, DiTangoOptions(planner(0.0, planner="budget"))),
+    ("budget05", {"strategy": "ditango", "group_size": 1}, DiTangoOptions(planner(0.5, planner="budget"))),
     ("g1_capped", {"strategy": "ditango", "group_size": 1}, None),  # filled in below
 ]
 
@@ -137,25 +150,49 @@ def pipeline_runs():
     return run_ranks(_pipeline_target, 4, (runs,), timeout_s=TIMEOUT_S), cap
 
 
-def test_cache_ratio_zero_reproduces_ring(pipeline_runs):
+@pytest.mark.parametrize("name", ["ratio0", "budget0"])
+def test_cache_ratio_zero_reproduces_ring(pipeline_runs, name):
     per_rank, _ = pipeline_runs
     for rank in range(4):
-        ring, ditango = per_rank[rank]["ring"][0], per_rank[rank]["ratio0"][0]
+        ring, ditango = per_rank[rank]["ring"][0], per_rank[rank][name][0]
         assert (ring - ditango).abs().max().item() <= 1e-4
-        assert per_rank[rank]["ratio0"][2]["computed_fraction"] == 1.0
+        report = per_rank[rank][name][2]
+        assert report["computed_fraction_all_steps"] == 1.0 and report["steps"]["exact"] == STEPS
 
 
 def test_plans_agree_on_every_rank(pipeline_runs):
     per_rank, _ = pipeline_runs
-    for name in ("ratio0", "ratio05", "g1", "g1_capped", "bf16_cache"):
+    for name in ("ratio0", "ratio05", "g1", "g1_capped", "bf16_cache", "fresh05", "budget0", "budget05"):
         assert len({per_rank[r][name][2]["plan_hash"] for r in range(4)}) == 1, name
+
+
+def test_decision_units_follow_the_own_group_mode(pipeline_runs):
+    per_rank, _ = pipeline_runs
+    assert per_rank[0]["ratio05"][2]["unit_offsets"] == [[0], [1]]  # the partner, then the other group
+    assert per_rank[0]["fresh05"][2]["unit_offsets"] == [[1]]
+    assert per_rank[0]["g1"][2]["unit_offsets"] == [[1], [2], [3]]
+    # the partner is reused on some selective steps: its cells are decided, not always fresh
+    by_unit = per_rank[0]["ratio05"][2]["plan"]["computed_fraction_by_unit"]
+    assert by_unit[0] < 1.0, by_unit
+
+
+def test_budget_planner_computes_its_quota_on_every_selective_step(pipeline_runs):
+    per_rank, _ = pipeline_runs
+    report = per_rank[0]["budget05"][2]
+    cells = CP_MODEL.layers * 3
+    selective = [f for f, k in zip(report["per_step"], report["plan"]["kinds"], strict=True) if k == "selective"]
+    # front-loaded: more cells early, the mean quota over the run's selective steps
+    counts = [round(f * cells) for f in selective]
+    assert sum(counts) == round(0.5 * cells * len(counts)) and counts[0] > counts[-1], counts
+    assert report["planner"] == "budget" and report["steps"] == {"exact": 2, "anchor": 1, "selective": STEPS - 3}
 
 
 def test_reuse_cuts_inter_node_bytes(pipeline_runs):
     per_rank, _ = pipeline_runs
-    for name in ("ratio05", "g1"):
+    for name in ("ratio05", "g1", "fresh05", "budget05"):
         reports = [per_rank[r][name][2] for r in range(4)]
-        assert 0.0 < reports[0]["computed_fraction"] < 1.0, name  # reuse happened
+        assert 0.0 < reports[0]["computed_fraction_all_steps"] < 1.0, name  # reuse happened
+        assert reports[0]["computed_fraction_selective"] < reports[0]["computed_fraction_all_steps"], name
         inter = sum(per_rank[r][name][1]["inter_node_bytes"] for r in range(4))
         ring_inter = sum(per_rank[r]["ring"][1]["inter_node_bytes"] for r in range(4))
         assert inter < ring_inter, name
@@ -199,7 +236,8 @@ def test_cli_ditango_run_reports_plan_quality_and_heatmap(runner, tmp_path):
     item = report["items"][0]
     attention = item["attention"]
     assert len(attention["plan_hashes"]) == 4 and len(set(attention["plan_hashes"])) == 1
-    assert 0.0 < attention["computed_fraction"] < 1.0
+    assert 0.0 < attention["computed_fraction_all_steps"] < 1.0
+    assert attention["steps"]["exact"] == 2 and attention["steps"]["anchor"] == len(attention["plan"]["anchors"])
     assert len(attention["per_step"]) == 12 and attention["plan"]["kinds"][0] == "exact"
     assert attention["plan"]["anchors"] and attention["cache_peak_bytes"] > 0
     assert (out / attention["plan_png"]).stat().st_size > 0
@@ -217,8 +255,9 @@ def test_bf16_cache_halves_memory_and_stays_close(pipeline_runs):
     sizes = chunk_sizes(30, 4)
     for r in range(4):
         fp32, bf16 = per_rank[r]["ratio05"][2], per_rank[r]["bf16_cache"][2]
-        # `out` [N=2, L, U=1, B=1, S, H, D] in 2 bytes instead of 4; lse and references unchanged.
-        saved = 2 * CP_MODEL.layers * 1 * sizes[r] * CP_MODEL.heads * CP_MODEL.head_dim * 2
+        # `out` [N=2, L, U=2, B=1, S, H, D] in 2 bytes instead of 4; lse and references unchanged.
+        assert fp32["units"] == 2  # the group partner and the other group
+        saved = 2 * CP_MODEL.layers * 2 * sizes[r] * CP_MODEL.heads * CP_MODEL.head_dim * 2
         assert fp32["cache_peak_bytes"] - bf16["cache_peak_bytes"] == saved
     exact = per_rank[0]["ratio0"][0]
     err = ((per_rank[0]["bf16_cache"][0] - exact).norm() / exact.norm()).item()

@@ -72,7 +72,7 @@ def test_batch_writes_videos_sidecars_latents_and_report(batch_run):
         parts = sum(timing[k] for k in ("text_encode_s", "denoise_s", "decode_s", "write_s"))
         assert timing["total_s"] == pytest.approx(parts, abs=1e-5)
         assert item["comm"] == {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}}
-        assert item["attention"] == {"computed_fraction": 1.0}
+        assert item["attention"] == {"computed_fraction_all_steps": 1.0}
         sidecar = json.loads((out / f"{item['id']}.json").read_text())
         assert sidecar == item
         latents = load_file(out / item["latents"])["latents"]

@@ -32,8 +32,16 @@ P720 = (720, 1280, 81)
 ONE = ParallelLayout()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ditango_cache_bytes_are_what_the_runtime_allocates(dtype):
+@pytest.mark.parametrize(
+    ("dtype", "group", "own_group", "planner"),
+    [
+        (torch.float32, 1, "decide", "hpdc"),
+        (torch.bfloat16, 1, "decide", "hpdc"),
+        (torch.float32, 2, "decide", "hpdc"),  # the own group's partner is one more unit
+        (torch.float32, 2, "fresh", "budget"),  # no partner unit; the previous step's reference
+    ],
+)
+def test_ditango_cache_bytes_are_what_the_runtime_allocates(dtype, group, own_group, planner):
     """The pre-flight's cache is the runtime's: same formula, same buffers (cache + references)."""
     from planner.ditango import PlannerConfig
     from runtime import cache
@@ -42,14 +50,20 @@ def test_ditango_cache_bytes_are_what_the_runtime_allocates(dtype):
     from runtime.strategies.selective import SelectiveRuntime
 
     heads, head_dim, layers, tokens = 3, 8, 2, 41
-    layout = ParallelLayout(1, 4, strategy="ditango", group_size=1)  # 4 groups: 3 cached units
+    layout = ParallelLayout(1, 4 * group, strategy="ditango", group_size=group)  # 4 groups: 3 remote units
     mesh = build_mesh(ParallelLayout(strategy="ditango"), 0, (0,))
-    rt = SelectiveRuntime(mesh, Comm(mesh), "torch", PlannerConfig(), layers, heads, head_dim, cache_dtype=dtype)
-    rt.groups = layout.groups  # the one-rank mesh sized as the 4-group layout (as test_ditango_runtime does)
+    cfg = PlannerConfig(own_group=own_group, planner=planner)
+    rt = SelectiveRuntime(mesh, Comm(mesh), "torch", cfg, layers, heads, head_dim, cache_dtype=dtype)
+    rt.groups, rt.group_size = (
+        layout.groups,
+        group,
+    )  # the one-rank mesh sized as the layout (as test_ditango_runtime does)
+    tokens = 41 if group == 1 else 81  # the largest chunk is 11 either way
     rt.begin_run(11, 1, steps=6, branches=2)  # 41 tokens over 4 ranks: the largest chunk is 11
     shape = replace(WAN14, layers=layers, heads=heads, head_dim=head_dim)
     element = torch.empty((), dtype=dtype).element_size()
-    assert rt.cache_peak_bytes == ditango_cache_bytes(shape, layout, tokens, 2, element) > 0
+    assert rt.cache_peak_bytes == ditango_cache_bytes(shape, layout, tokens, 2, element, own_group, planner) > 0
+    assert rt.units == 3 + (group > 1 and own_group == "decide")
     for B, S, H, D in ((1, 11, 3, 8), (2, 4096, 40, 128)):
         assert cache.unit_bytes(B, S, H, D, dtype) == unit_bytes(B, S, H, D, element)
 

@@ -232,6 +232,26 @@ def test_report_refuses_a_folder_that_is_not_an_output_of_this_tool(runner, tmp_
     assert theirs.read_text() == '{"my": "own report"}'
 
 
+def test_report_twice_keeps_the_run_and_prints_a_calibration(runner, tmp_path):
+    """A second `report` reads its own earlier aggregate for the run's keys (model, layout,
+    options, calibration), which no task report holds for a local run."""
+    from ditango_cli.app import app
+
+    out = tmp_path / "out"
+    assert _generate(runner, "--prompt", "a red ball", "--out", str(out), *TINY).exit_code == 0
+    report = json.loads((out / "report.json").read_text())
+    calibration = {"target_psnr": 40.0, "item": report["items"][0]["id"], "planner": "budget", "cache_ratio": 0.81,
+                   "calibrated_psnr": 40.7, "trials": [{"cache_ratio": 0.81, "psnr": 40.7}] * 5, "seconds": 1.0}  # fmt: skip
+    (out / "report.json").write_text(json.dumps({**report, "calibration": calibration}))
+    for _ in range(2):
+        result = runner.invoke(app, ["report", str(out)])
+        assert result.exit_code == 0, result.stderr
+        assert "--target-psnr 40: cache ratio 0.81 (budget planner), 40.70 dB on" in " ".join(result.stdout.split())
+        merged = json.loads((out / "report.json").read_text())
+        assert merged["layout"] == report["layout"] and merged["options"] == report["options"]
+        assert merged["calibration"] == calibration
+
+
 def test_a_report_json_this_tool_did_not_write_is_never_replaced(runner, tmp_path):
     from ditango_cli.app import app
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,12 +17,16 @@ from planner.ditango import (
     PlannerConfig,
     alpha_factors,
     ase,
+    budget_scores,
     compressed_state,
     drift,
     importance_weights,
     relative_drift,
+    softmax_mass,
+    unit_offsets,
 )
 from planner.plan import PlanLog, StepPlan
+from runtime.state import AttentionState, merge_all
 
 FP32_RTOL = 1e-6
 
@@ -197,10 +202,21 @@ def test_anchor_gate(gate, anchor):
         assert p.kind == "selective" and p.compute_LU.tolist() == [[True, True, False, False]]
 
 
-def test_every_cell_compute_means_anchor():
-    planner = DiTangoPlanner(PlannerConfig(cache_ratio=0.5, warmup=0, cooldown=0), steps=5, layers=2, units=3)
+@pytest.mark.parametrize(
+    ("rule", "kinds"),
+    [
+        (True, ["anchor", "selective", "anchor", "selective", "anchor"]),
+        (False, ["anchor", "selective", "selective", "selective", "selective"]),  # the authors' code
+    ],
+)
+def test_every_cell_computed_is_an_anchor_only_with_the_rule(rule, kinds):
+    cfg = PlannerConfig(cache_ratio=0.5, warmup=0, cooldown=0, anchor_when_all=rule)
+    planner = DiTangoPlanner(cfg, steps=5, layers=2, units=3)
     plans = drive_fixed(planner, lambda step: torch.full((2, 3), 0.7))  # quantile = 0.7, all >= 0.7
-    assert [p.kind for p in plans] == ["anchor", "selective", "anchor", "selective", "anchor"]
+    assert [p.kind for p in plans] == kinds
+    # the same cells computed either way: everything on steps 2 and 4, but only the anchor refreshes importance
+    assert plans[2].compute_LU.all() and plans[4].compute_LU.all()
+    assert planner.log().summary()["anchors"] == [i for i, k in enumerate(kinds) if k == "anchor"]
 
 
 def stale_ase(step: int) -> torch.Tensor:
@@ -221,7 +237,10 @@ def test_tau_max_recomputes_stale_cell(tau_max, step4):
 def test_tau_max_anchor_when_every_cell_is_stale():
     cfg = PlannerConfig(cache_ratio=0.5, warmup=1, cooldown=1, tau_max=2)
     plans = drive_fixed(DiTangoPlanner(cfg, steps=8, layers=1, units=4), stale_ase)
-    # every cell was reused at step 2, so all are 2 steps old at step 3: anchor
+    # every cell was reused at step 2, so all are 2 steps old at step 3: all computed, no anchor
+    assert [p.kind for p in plans] == ["exact", "anchor"] + ["selective"] * 5 + ["exact"]
+    assert plans[3].compute_LU.all()
+    plans = drive_fixed(DiTangoPlanner(replace(cfg, anchor_when_all=True), steps=8, layers=1, units=4), stale_ase)
     assert [p.kind for p in plans] == [
         "exact",
         "anchor",
@@ -280,7 +299,9 @@ def test_exact_everywhere(cfg, units):
     assert [p.kind for p in plans] == ["exact"] * 6
     assert all(p.compute_LU.shape == (2, units) and p.compute_LU.all() for p in plans)
     summary = planner.log().summary()
-    assert summary["computed_fraction"] == 1.0 and summary["per_step"] == [1.0] * 6 and summary["anchors"] == []
+    assert summary["computed_fraction_all_steps"] == 1.0 and summary["computed_fraction_selective"] is None
+    assert summary["per_step"] == [1.0] * 6 and summary["anchors"] == []
+    assert summary["steps"] == {"exact": 6, "anchor": 0, "selective": 0}
 
 
 # --- epsilon ---------------------------------------------------------------------------
@@ -313,7 +334,7 @@ def test_protocol_violations_raise():
         planner.observe(0, torch.zeros(1, 2), 0.0)  # exact step: nothing to observe
     planner.plan(1)
     planner.plan(2)
-    with pytest.raises(AssertionError, match="observe\\(\\) was not called after selective step 2"):
+    with pytest.raises(AssertionError, match="observe\\(\\) was not called after step 2"):
         planner.plan(3)
     with pytest.raises(AssertionError):
         planner.observe(2, torch.zeros(2, 2), 0.0)  # wrong shape
@@ -369,7 +390,10 @@ def test_plan_log_summary():
     assert s["kinds"] == ["exact", "anchor", "selective", "selective", "selective", "anchor", "selective", "exact"]
     assert s["compute_map"] == [[1, 1], [1, 1], [0, 0], [0.5, 0], [1, 0.5], [1, 1], [0, 0], [1, 1]]
     assert s["per_step"] == [1, 1, 0, 0.25, 0.75, 1, 0, 1]
-    assert s["computed_fraction"] == 0.25  # 4 fresh of 16 selective cells
+    assert s["computed_fraction_selective"] == 0.25  # 4 fresh of 16 selective cells
+    assert s["computed_fraction_all_steps"] == 0.625  # 20 of 32: exact and anchor steps compute everything
+    assert s["computed_fraction_by_unit"] == [0.6875, 0.5625]  # 11 and 9 of 16
+    assert s["steps"] == {"exact": 2, "anchor": 2, "selective": 4}
     assert json.loads(json.dumps(s)) == s
 
 
@@ -401,3 +425,139 @@ def test_plan_log_round_trip_from_planner_and_no_units():
     assert back.steps[0].compute_LU.shape == (3, 0) and back.hash() == empty.log().hash()
     with pytest.raises(ValueError, match="format"):
         PlanLog.from_json({"steps": []})
+
+
+# --- decision units ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("groups", "size", "mode", "compose", "units"),
+    [
+        (4, 2, "decide", 1, [(0,), (1,), (2,), (3,)]),  # the authors': the own group's others are unit 0
+        (4, 2, "fresh", 1, [(1,), (2,), (3,)]),  # the whole own group always fresh
+        (4, 1, "decide", 1, [(1,), (2,), (3,)]),  # a group of one: nothing but the own chunk
+        (6, 4, "decide", 2, [(0,), (1, 2), (3, 4), (5,)]),  # composition takes remote groups only
+        (1, 2, "decide", 1, [(0,)]),  # one group of two: the partner is the only unit
+        (1, 1, "fresh", 1, []),
+    ],
+)
+def test_unit_offsets(groups, size, mode, compose, units):
+    assert unit_offsets(groups, size, mode, compose) == units
+
+
+def test_two_entry_importance_is_data_independent_three_entries_are_not():
+    """Why the own group's partner is a decision unit: with one remote unit and the local
+    entry the std-temperature softmax is 0.119 / 0.881 whatever the norms; one more entry
+    (the partner) and the weights follow the data."""
+    for norms in ([1.0, 2.0], [5.0, 300.0], [40.0, 41.0]):
+        assert torch.allclose(importance_weights(torch.tensor(norms)), torch.tensor([0.119203, 0.880797]), atol=1e-6)
+    a = importance_weights(torch.tensor([1.0, 2.0, 3.0]))
+    b = importance_weights(torch.tensor([1.0, 2.9, 3.0]))
+    assert not torch.allclose(a, b, atol=1e-2)
+
+
+def test_softmax_mass_is_each_partition_share_of_the_merged_output():
+    g = torch.Generator().manual_seed(4)
+    states = [
+        AttentionState(torch.randn(1, 6, 2, 4, generator=g), torch.randn(1, 6, 2, generator=g) * 3) for _ in range(3)
+    ]
+    total = merge_all(states)
+    mass = torch.stack([softmax_mass(s.lse_BSH, total.lse_BSH) for s in states])
+    assert mass.sum().item() == pytest.approx(1.0, rel=1e-5)
+    share = torch.softmax(torch.stack([s.lse_BSH for s in states]), dim=0).mean(dim=(1, 2, 3))
+    assert torch.allclose(mass, share, rtol=1e-5)
+    assert torch.equal(budget_scores(torch.tensor([0.5, 0.25]), torch.tensor([1, 3])), torch.tensor([0.5, 0.75]))
+
+
+# --- the budget planner ----------------------------------------------------------------
+
+
+def drive_budget(planner: DiTangoPlanner, score_fn) -> list[StepPlan]:
+    plans = []
+    for step in range(planner.steps):
+        p = planner.plan(step)
+        if planner.observes(p.kind):
+            planner.observe(step, score_fn(step), 1.0)  # a gate that would always fire under hpdc
+        plans.append(p)
+    return plans
+
+
+@pytest.mark.parametrize(("ratio", "quota"), [(0.5, 6.0), (0.75, 3.0), (0.9, 1.2), (0.99, 0.12)])
+def test_budget_computes_its_quota_of_the_largest_scores(ratio, quota):
+    """(1 - ratio) x 12 cells per selective step, a fraction carried over: any first n steps
+    compute round(n x quota) cells; one anchor after the warm-up, no gate."""
+    layers, units = 3, 4
+    g = torch.Generator().manual_seed(7)
+    scores = {s: torch.rand(layers, units, generator=g) for s in range(12)}
+    cfg = PlannerConfig(cache_ratio=ratio, warmup=2, cooldown=2, planner="budget", front_load=1.0)
+    planner = DiTangoPlanner(cfg, steps=12, layers=layers, units=units)
+    plans = drive_budget(planner, scores.__getitem__)
+    assert [p.kind for p in plans] == ["exact"] * 2 + ["anchor"] + ["selective"] * 7 + ["exact"] * 2
+    counts = [int(p.compute_LU.sum()) for p in plans[3:10]]
+    assert [sum(counts[: n + 1]) for n in range(7)] == [round((n + 1) * quota) for n in range(7)]
+    for p in plans[3:10]:
+        if p.compute_LU.any():  # the chosen cells are the previous step's largest scores
+            prev = scores[p.step - 1].flatten()
+            chosen, rest = prev[p.compute_LU.flatten()], prev[~p.compute_LU.flatten()]
+            assert chosen.min() >= (rest.max() if rest.numel() else -1)
+            assert p.epsilon == pytest.approx(float(chosen.min()))
+    summary = planner.log().summary()
+    assert summary["computed_fraction_selective"] == round(sum(counts) / (7 * 12), 6)
+    assert summary["computed_fraction_all_steps"] == pytest.approx((5 * 12 + sum(counts)) / (12 * 12), abs=1e-6)
+    assert summary["anchors"] == [2]
+
+
+@pytest.mark.parametrize("front", [1.0, 1.6, 2.0, 0.5])
+def test_budget_front_load_keeps_the_mean_quota(front):
+    """The quota falls linearly from front x mean to (2 - front) x mean; the run's total is the
+    flat one's (round(n x quota) over the n selective steps)."""
+    cfg = PlannerConfig(cache_ratio=0.75, warmup=5, cooldown=0, planner="budget", front_load=front)
+    planner = DiTangoPlanner(cfg, steps=50, layers=4, units=3)
+    counts = [planner.budget_cells(i) for i in range(44)]
+    assert sum(counts) == 44 * 3 and all(c >= 0 for c in counts)
+    first, last = sum(counts[:11]), sum(counts[-11:])
+    if front == 1.0:
+        assert counts == [3] * 44
+    else:  # first quarter minus last quarter of the linear rate: 132 x 0.375 x (front - 1) cells
+        assert abs((first - last) - 132 * 0.375 * (front - 1)) <= 2, (first, last)
+
+
+def test_budget_plans_the_step_after_an_anchor_and_ignores_the_gate():
+    cfg = PlannerConfig(cache_ratio=0.5, warmup=1, cooldown=1, planner="budget", front_load=1.0)
+    planner = DiTangoPlanner(cfg, steps=8, layers=1, units=4)
+    assert planner.observes("anchor") and planner.observes("selective") and not planner.observes("exact")
+    assert planner.plan(0).kind == "exact" and planner.plan(1).kind == "anchor"
+    with pytest.raises(AssertionError, match="observe\\(\\) was not called after step 1"):
+        planner.plan(2)
+    planner.observe(1, torch.tensor([[0.1, 0.4, 0.3, 0.2]]), 1.0)  # a gate that fires under hpdc
+    assert planner.plan(2).compute_LU.tolist() == [[False, True, True, False]]
+    hpdc = DiTangoPlanner(replace(cfg, planner="hpdc"), steps=8, layers=1, units=4)
+    assert not hpdc.observes("anchor")
+
+
+def test_budget_anchors_come_only_from_tau_max_and_the_interval():
+    score = lambda step: torch.tensor([[0.4, 0.3, 0.2, 0.1]])  # noqa: E731 - units 2, 3 never win
+    base = PlannerConfig(cache_ratio=0.5, warmup=1, cooldown=1, planner="budget", front_load=1.0)
+    plans = drive_budget(DiTangoPlanner(base, steps=12, layers=1, units=4), score)
+    assert [p.kind for p in plans].count("anchor") == 1
+    assert all(p.compute_LU.tolist() == [[True, True, False, False]] for p in plans[2:11])
+    plans = drive_budget(DiTangoPlanner(replace(base, tau_max=4), steps=12, layers=1, units=4), score)
+    # units 2, 3 last computed at the anchor (step 1): forced at steps 5 and 9, on top of the budget
+    assert [t for t, p in enumerate(plans) if p.kind == "selective" and p.compute_LU.all()] == [5, 9]
+    planner = DiTangoPlanner(replace(base, anchor_interval=4), steps=12, layers=1, units=4)
+    drive_budget(planner, score)
+    assert planner.log().summary()["anchors"] == [1, 5, 9]
+
+
+def test_budget_plans_are_rank_invariant_and_zero_ratio_is_exact():
+    cfg = PlannerConfig(cache_ratio=0.7, warmup=2, cooldown=2, planner="budget", tau_max=5)
+    hashes = []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(11)
+        scores = {s: torch.rand(3, 4, generator=g) for s in range(20)}
+        planner = DiTangoPlanner(cfg, steps=20, layers=3, units=4)
+        drive_budget(planner, scores.__getitem__)
+        hashes.append(planner.log().hash())
+    assert hashes[0] == hashes[1]
+    exact = DiTangoPlanner(replace(cfg, cache_ratio=0.0), steps=6, layers=3, units=4)
+    assert [exact.plan(s).kind for s in range(6)] == ["exact"] * 6

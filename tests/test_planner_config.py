@@ -22,6 +22,9 @@ from planner.errors import ConfigError
         ({"gate_factor": 0.0}, "0.0"),
         ({"tau_max": 0}, "tau_max=0"),
         ({"anchor_interval": -2}, "-2"),
+        ({"planner": "greedy"}, "greedy"),
+        ({"own_group": "never"}, "never"),
+        ({"front_load": 2.5}, "2.5"),
         ({"warmup": 2.5}, "2.5"),
     ],
 )

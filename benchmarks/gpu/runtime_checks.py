@@ -130,7 +130,7 @@ CACHE_14B = dict(layers=40, heads=40, head_dim=128, tokens=21 * 45 * 80, cp=16, 
 def cache_rows(device: str = "cuda", shape: dict = CACHE_14B, name: str = "14B 720p CP16") -> list[Row]:
     """On the CPU (the suite: a small `shape`) the buffers are float32 and uncapped, and the
     allocator is not asked: the buffer formula, what the runtime holds and frees are."""
-    from planner.ditango import PlannerConfig
+    from planner.ditango import PlannerConfig, unit_offsets
     from planner.layout import ParallelLayout
     from runtime.cache import anchor_bytes, unit_bytes
     from runtime.comm import Comm
@@ -148,7 +148,7 @@ def cache_rows(device: str = "cuda", shape: dict = CACHE_14B, name: str = "14B 7
         layout=layout, rank=0, node_of=(0,) * cp, cp_ranks=(0,) * cp, ulysses_ranks=(0,), ring_ranks=(0,) * cp,
         near_ranks=(0,) * group, cfg_ranks=(0,), device=device,
     )  # fmt: skip
-    units = layout.groups - 1
+    units = len(unit_offsets(layout.groups, group, PlannerConfig().own_group))  # the own group's others + remote
     expected = branches * layers * (units * unit_bytes(1, local, heads, head_dim, dtype))
     expected += branches * layers * anchor_bytes(1, local, heads)
     rows = []

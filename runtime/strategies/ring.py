@@ -30,8 +30,10 @@ def ring_attention(
     ring_ranks: Sequence[int],
     ring_group,
     kv_sizes: Sequence[int],
+    include_own: bool = True,
 ) -> AttentionState:
-    """Attention of local queries over the union of all ring members' KV blocks."""
+    """Attention of local queries over the union of all ring members' KV blocks (without the
+    rank's own block when not `include_own`: it still travels, for the others)."""
     P = len(ring_ranks)
     me = ring_ranks.index(comm.mesh.rank)
     B, _, H, D = k_BKHD.shape
@@ -48,7 +50,8 @@ def ring_attention(
                 recv_shape=(2, B, kv_sizes[origin], H, D),
                 group=ring_group,
             )
-        state = merge(state, attention(q_BSHD, kv_2BKHD[0], kv_2BKHD[1], scale, backend))
+        if step > 0 or include_own:
+            state = merge(state, attention(q_BSHD, kv_2BKHD[0], kv_2BKHD[1], scale, backend))
         if pending is not None:
             kv_2BKHD = pending.wait()
     assert state is not None

@@ -5,7 +5,10 @@ dim, N cfg branches, L layers, U units.
 
 The cp ranks form G groups of I adjacent ranks. Every rank sees the same plan, indexed
 by ring offset d (group g+d from its own group g), so exchanges are symmetric:
-- offset 0, the rank's own group: always computed fresh, ring over the I members;
+- the rank's own KV chunk: always computed fresh ("local");
+- offset 0, the other I-1 members of its own group: one decision unit (own_group
+  "decide", the authors' behaviour), computed by a ring over the group when its unit is
+  COMPUTE; with own_group "fresh" the whole own group is local, computed every step;
 - offset d >= 1 (remote), when its unit is COMPUTE: rank r receives the KV chunk of
   cp rank r + I*d directly (and sends its own to r - I*d), then the I members pass those
   blocks around the group ring, so each rank sees all I chunks of group g+d. Every
@@ -18,10 +21,14 @@ Remote groups are cached in units of k adjacent groups (k = 1 unless the memory 
 forces composition; a composed unit's state is the exact merge of its groups').
 
 Per layer the rank also measures what the planner needs (ALGORITHMS.md 2.3): the
-compressed local state C = mean_D(out of own group), lse norms at anchors
-(importance), drift of C since each unit's last refresh, and the relative drift since
-the anchor (gate). Per step these are averaged over branches, all-reduced (mean) over
-the cp group so every rank plans identically, and handed to the planner.
+compressed local state C = mean_D(local out), lse norms at anchors (importance), drift
+of C since each unit's last refresh, and the relative drift since the anchor (gate). The
+budget planner instead measures each recomputed cell's error rate (the mass-weighted
+change of its state against the cached one, relative to the layer's output, per step of
+age) and scores every cell by rate x the age it would have next step; a cell not measured
+yet takes its softmax mass x the local relative drift of one step. Per step the scores
+are averaged over branches, all-reduced (mean) over the cp group so every rank plans
+identically, and handed to the planner.
 """
 
 from __future__ import annotations
@@ -38,9 +45,12 @@ from planner.ditango import (
     StepPlan,
     alpha_factors,
     ase,
+    budget_scores,
     compressed_state,
     drift,
     importance_weights,
+    softmax_mass,
+    unit_offsets,
 )
 from planner.layout import chunk_sizes
 from runtime.cache import StateCache, anchor_bytes, compose_factor, unit_bytes
@@ -75,9 +85,10 @@ def check_cache_limit(
     for item in items:
         tokens = max(chunk_sizes(item.tokens(), layout.cp_degree))
         branches = 1 if layout.cfg_degree == 2 or item.cfg_scale <= 1 else 2
-        per_unit = unit_bytes(1, tokens, heads, head_dim, dtype)
-        anchors = branches * layers * anchor_bytes(1, tokens, heads)
-        compose_factor(layout.groups - 1, branches, layers, per_unit, opts.cache_limit_bytes, anchors)
+        per_unit = unit_bytes(1, tokens, heads, head_dim, dtype, reference=opts.planner.planner != "budget")
+        own = len(unit_offsets(layout.groups, layout.group, opts.planner.own_group)) - (layout.groups - 1)
+        fixed = branches * layers * (anchor_bytes(1, tokens, heads) + own * per_unit)
+        compose_factor(layout.groups - 1, branches, layers, per_unit, opts.cache_limit_bytes, fixed)
 
 
 def auto_cache_limit(device: torch.device) -> int | None:
@@ -124,11 +135,22 @@ class SelectiveRuntime:
 
     # -- per item ------------------------------------------------------------------------
     @property
-    def units(self) -> int:
-        return -(-(self.groups - 1) // self.compose)
+    def unit_list(self) -> list[tuple[int, ...]]:
+        """Ring offsets of each decision unit (0: the own group's other members)."""
+        return unit_offsets(self.groups, self.group_size, self.planner_cfg.own_group, self.compose)
 
-    def unit_offsets(self, unit: int) -> range:
-        return range(1 + unit * self.compose, min(self.groups, 1 + (unit + 1) * self.compose))
+    @property
+    def units(self) -> int:
+        return len(self.unit_list)
+
+    @property
+    def budget(self) -> bool:
+        return self.planner_cfg.planner == "budget"
+
+    @property
+    def own_unit(self) -> bool:
+        """Whether unit 0 is the own group's other members (else the whole own group is local)."""
+        return self.planner_cfg.own_group == "decide" and self.group_size > 1
 
     def begin_run(
         self,
@@ -153,18 +175,29 @@ class SelectiveRuntime:
         limit = self.cache_limit_bytes
         if limit is None and device.type == "cuda":
             limit = self._agree_min(auto_cache_limit(device))
-        per_unit = unit_bytes(batch, max_tokens, self.heads, self.head_dim, dtype)
-        anchors = branches * self.layers * anchor_bytes(batch, max_tokens, self.heads)
-        self.compose = compose_factor(self.groups - 1, branches, self.layers, per_unit, limit, fixed_bytes=anchors)
+        per_unit = unit_bytes(batch, max_tokens, self.heads, self.head_dim, dtype, reference=not self.budget)
+        fixed = branches * self.layers * (anchor_bytes(batch, max_tokens, self.heads) + int(self.own_unit) * per_unit)
+        self.compose = compose_factor(self.groups - 1, branches, self.layers, per_unit, limit, fixed_bytes=fixed)
         self.branches = branches
         self.planner = DiTangoPlanner(self.planner_cfg, steps, self.layers, self.units, switches)
         U, L, N = self.units, self.layers, branches
         self.cache = StateCache(N, L, U, dtype)
         self.cache.allocate(batch, local_tokens, self.heads, self.head_dim, device)
-        # Compressed local states C [B, S, H] for the drift estimate: the reference of each
-        # unit (its last refresh) and of each layer's anchor. Preallocated with the cache.
-        self.c_ref_NLUBSH = torch.zeros(N, L, U, batch, local_tokens, self.heads, device=device)
-        self.c_anchor_NLBSH = torch.zeros(N, L, batch, local_tokens, self.heads, device=device)
+        # Compressed local states C [B, S, H], preallocated with the cache. The hpdc planner's
+        # drift estimate: the reference of each unit (its last refresh) and of each layer's
+        # anchor; the budget planner's proxy for a rate not measured yet: the previous step's.
+        self.c_ref_NLUBSH = self.c_anchor_NLBSH = self.c_prev_NLBSH = None
+        if self.budget:
+            self.c_prev_NLBSH = torch.zeros(N, L, batch, local_tokens, self.heads, device=device)
+        else:
+            self.c_ref_NLUBSH = torch.zeros(N, L, U, batch, local_tokens, self.heads, device=device)
+            self.c_anchor_NLBSH = torch.zeros(N, L, batch, local_tokens, self.heads, device=device)
+        # The budget planner's error rate of each cell (relative output error per step of age,
+        # measured when the cell is recomputed; < 0: not measured yet) and the step each cell's
+        # cache was last refreshed (replicated: the plans are).
+        self.rate_NLU = torch.full((N, L, U), -1.0, device=device)
+        self.refreshed_LU = torch.full((L, U), -1, dtype=torch.long)
+        self._steps_done = 0
         # Planner statistics stay on the compute device; the host sees them once per step.
         self.weights_NLU = torch.zeros(N, L, U, device=device)
         self.alpha_NLU = torch.ones(N, L, U, device=device)
@@ -175,12 +208,13 @@ class SelectiveRuntime:
         """Free the item's buffers (the caller then returns the memory to the device)."""
         if self.cache is not None:
             self.cache.reset()
-        self.c_ref_NLUBSH = self.c_anchor_NLBSH = None
+        self.c_ref_NLUBSH = self.c_anchor_NLBSH = self.c_prev_NLBSH = None
         self.weights_NLU = self.alpha_NLU = self.ase_NLU = self.gate_NL = None  # planner statistics too
+        self.rate_NLU = self.refreshed_LU = None
 
     def reference_bytes(self) -> int:
         """Compressed local states kept for the drift estimate (per branch, layer, unit + anchors)."""
-        return sum(t.nbytes for t in (self.c_ref_NLUBSH, self.c_anchor_NLBSH) if t is not None)
+        return sum(t.nbytes for t in (self.c_ref_NLUBSH, self.c_anchor_NLBSH, self.c_prev_NLBSH) if t is not None)
 
     def _plan_group(self):
         """Who must follow one plan: the whole world when CFG branches run on different ranks
@@ -206,6 +240,8 @@ class SelectiveRuntime:
         self.step_plan = self.planner.plan(step)
         self._check_plan_agrees(self.step_plan)
         self._reset_step_stats()
+        if self.budget and step in self.planner.switches:
+            self.rate_NLU.fill_(-1.0)  # the cached states are the other expert's: no rate to measure
 
     def _check_plan_agrees(self, plan: StepPlan) -> None:
         """Raise, before any exchange, when this step's plan differs between ranks: mismatched
@@ -232,9 +268,12 @@ class SelectiveRuntime:
         assert plan is not None
         if self.cache is not None:
             self.cache_peak_bytes = max(self.cache_peak_bytes, self.cache.peak_bytes + self.reference_bytes())
-        if plan.kind != "selective":
+        self._steps_done += 1
+        if self.budget:
+            self.refreshed_LU[plan.compute_LU] = step  # exact steps refresh the cache too (below)
+        if not self.planner.observes(plan.kind):
             return
-        # One vector for every rank (and branch): ASE [L, U] then the gate scalar, averaged
+        # One vector for every rank (and branch): scores [L, U] then the gate scalar, averaged
         # over the plan group so that every rank plans the next step identically.
         stats = torch.cat([self.ase_NLU.mean(0).flatten(), self.gate_NL.mean().reshape(1)])
         group, ranks = self._plan_group()
@@ -258,19 +297,17 @@ class SelectiveRuntime:
         def group_sizes(group: int) -> list[int]:
             return [seq_sizes[(group % self.groups) * self.group_size + j] for j in range(self.group_size)]
 
-        def group_state(qk, kk, vv, group: int) -> AttentionState:
+        def group_state(qk, kk, vv, group: int, include_own: bool = True) -> AttentionState:
             if self.group_size == 1:
                 return attention(qk, kk, vv, scale, self.backend)
             return ring_attention(
-                qk, kk, vv, scale=scale, backend=self.backend, comm=self.comm,
-                ring_ranks=mesh.near_ranks, ring_group=mesh.near_group, kv_sizes=group_sizes(group),
+                qk, kk, vv, scale=scale, backend=self.backend, comm=self.comm, ring_ranks=mesh.near_ranks,
+                ring_group=mesh.near_group, kv_sizes=group_sizes(group), include_own=include_own,
             )  # fmt: skip
 
-        if plan.kind == "selective":
-            compute_U = plan.compute_LU[layer].tolist()
-        else:
-            compute_U = [True] * self.units
-        offsets = [d for u in range(self.units) if compute_U[u] for d in self.unit_offsets(u)]
+        units = self.unit_list
+        compute_U = plan.compute_LU[layer].tolist() if plan.kind == "selective" else [True] * len(units)
+        offsets = [d for u, offs in enumerate(units) if compute_U[u] for d in offs if d > 0]
 
         kv_2BKHD = torch.stack([k_BSHD, v_BSHD])
         B, _, H, D = k_BSHD.shape
@@ -292,31 +329,68 @@ class SelectiveRuntime:
         # operations in the same order. Here every rank posts the fetch first, then its group
         # ring, at every offset; both communicators exist since the mesh's warm-up.
         pending = fetch(offsets[0]) if offsets else None  # in flight while the own group computes
-        local = group_state(q_BSHD, k_BSHD, v_BSHD, g)
+        if self.own_unit:
+            local = attention(q_BSHD, k_BSHD, v_BSHD, scale, self.backend)  # the own chunk
+            if compute_U[0]:
+                fresh[0] = group_state(q_BSHD, k_BSHD, v_BSHD, g, include_own=False)
+        else:
+            local = group_state(q_BSHD, k_BSHD, v_BSHD, g)
         for n, d in enumerate(offsets):
             block = pending.wait()
             pending = fetch(offsets[n + 1]) if n + 1 < len(offsets) else None  # prefetch
             fresh[d] = group_state(q_BSHD, block[0], block[1], g + d)
 
-        unit_states: list[AttentionState] = []
-        for u in range(self.units):
-            if compute_U[u]:
-                state = merge_all([fresh[d] for d in self.unit_offsets(u)])
-                if plan.kind != "exact":
-                    self.cache.put(self.branch, layer, u, state)
-            else:
-                state = self.cache.get(self.branch, layer, u)
-            unit_states.append(state)
-        if plan.kind != "exact":
-            self._measure(layer, plan.kind, local, unit_states, compute_U)
+        unit_states = [
+            merge_all([fresh[d] for d in offs]) if compute_U[u] else self.cache.get(self.branch, layer, u)
+            for u, offs in enumerate(units)
+        ]
         out = local
         for state in unit_states:
             out = merge(out, state)
+        if self.budget:
+            self._measure_rates(layer, plan, unit_states, compute_U, out)
+        # The budget planner keeps exact steps' states as well: the anchor after the warm-up
+        # then measures every cell's rate against the step before it.
+        if plan.kind != "exact" or self.budget:
+            for u in range(len(units)):
+                if compute_U[u]:
+                    self.cache.put(self.branch, layer, u, unit_states[u])
+        self._measure(layer, plan.kind, local, unit_states, compute_U, out)
         return out
 
-    def _measure(self, layer: int, kind: str, local: AttentionState, units: list, compute_U: list[bool]) -> None:
+    def _measure_rates(self, layer: int, plan: StepPlan, units: list, compute_U: list[bool], total) -> None:
+        """Each recomputed cell's error had its cached state been reused: mass-weighted output
+        change (first order, ALGORITHMS.md 1) relative to the layer's output, per step of age."""
         n = self.branch
+        if plan.step in self.planner.switches:
+            return
+        total_norm = total.out_BSHD.norm().clamp_min(torch.finfo(torch.float32).tiny)
+        for u, state in enumerate(units):
+            age = plan.step - int(self.refreshed_LU[layer, u])
+            if not compute_U[u] or age < 1 or self.refreshed_LU[layer, u] < 0:
+                continue
+            old = self.cache.get(n, layer, u)
+            weight_BSH1 = torch.exp(state.lse_BSH - total.lse_BSH).unsqueeze(-1)
+            error = (weight_BSH1 * (state.out_BSHD - old.out_BSHD)).norm() / total_norm
+            self.rate_NLU[n, layer, u] = error / age
+
+    def _measure(
+        self, layer: int, kind: str, local: AttentionState, units: list, compute_U: list[bool], total: AttentionState
+    ) -> None:
+        n = self.branch
+        budget = self.planner_cfg.planner == "budget"
+        if kind == "exact" and not budget:
+            return
         c_now = compressed_state(local.out_BSHD)
+        tiny = torch.finfo(torch.float32).tiny
+        if budget:  # one step's relative drift, then this step's C becomes the previous one
+            prev = self.c_prev_NLBSH[n, layer]
+            c_norm = c_now.norm().clamp_min(tiny)
+            step_drift = (c_now - prev).norm() / c_norm if self._steps_done else torch.zeros((), device=c_now.device)
+            prev.copy_(c_now)
+            mass_U = torch.stack([softmax_mass(s.lse_BSH, total.lse_BSH) for s in units])
+            self.ase_NLU[n, layer] = self._budget_scores(layer, compute_U, mass_U, step_drift)
+            return
         c_ref_UBSH = self.c_ref_NLUBSH[n, layer]
         if kind == "anchor":
             norms = torch.stack([s.lse_BSH.norm() for s in units] + [local.lse_BSH.norm()])
@@ -336,7 +410,19 @@ class SelectiveRuntime:
         alpha = self.alpha_NLU[n, layer] if self.planner_cfg.use_alpha else None
         self.ase_NLU[n, layer] = ase(self.weights_NLU[n, layer], drift_U, alpha)
         anchor = self.c_anchor_NLBSH[n, layer]  # relative drift since the anchor (the gate), kept on device
-        self.gate_NL[n, layer] = (c_now - anchor).norm() / anchor.norm().clamp_min(torch.finfo(torch.float32).tiny)
+        self.gate_NL[n, layer] = (c_now - anchor).norm() / anchor.norm().clamp_min(tiny)
+
+    def _budget_scores(self, layer: int, compute_U: list[bool], mass_U, step_drift):
+        """Predicted error of each cell if reused at the next step: its rate times its age then
+        (1 for a cell computed now); a cell whose rate is not measured yet takes its mass times
+        the local relative drift of one step."""
+        rate_U = self.rate_NLU[self.branch, layer]
+        rate_U = torch.where(rate_U >= 0, rate_U, mass_U * step_drift)
+        step = self.step_plan.step
+        age_U = torch.tensor(
+            [1 if c else step + 1 - int(r) for c, r in zip(compute_U, self.refreshed_LU[layer], strict=True)]
+        )
+        return budget_scores(rate_U, age_U.to(rate_U.device))
 
     def item_report(self) -> dict:
         assert self.planner is not None
@@ -345,8 +431,18 @@ class SelectiveRuntime:
         # Steps where the second expert took over: anchors by construction (planner/ditango.py).
         summary["expert_switches"] = list(self.planner.switches)
         return {
-            "plan_log": {**log.to_json(), "expert_switches": list(self.planner.switches)},
-            "computed_fraction": summary["computed_fraction"],
+            "plan_log": {
+                **log.to_json(),
+                "expert_switches": list(self.planner.switches),
+                "unit_offsets": self.unit_list,
+            },
+            "planner": self.planner_cfg.planner,
+            "cache_ratio": self.planner_cfg.cache_ratio,
+            "own_group": self.planner_cfg.own_group if self.group_size > 1 else None,
+            "unit_offsets": [list(offs) for offs in self.unit_list],
+            "computed_fraction_all_steps": summary["computed_fraction_all_steps"],
+            "computed_fraction_selective": summary["computed_fraction_selective"],
+            "steps": summary["steps"],
             "per_step": summary["per_step"],
             "plan": summary,
             "plan_hash": log.hash(),
