@@ -100,7 +100,7 @@ class PlanLog:
             "steps": {kind: sum(p.kind == kind for p in self.steps) for kind in KINDS},
             "compute_map": [[_fraction(row) for row in p.compute_LU] for p in self.steps],
             "per_step": [_fraction(p.compute_LU) for p in self.steps],
-            "computed_fraction_all_steps": _mean_fraction(every) if every else 1.0,
+            "computed_fraction_all_steps": _mean_fraction(every),
             "computed_fraction_selective": _mean_fraction(selective) if selective else None,
             "computed_fraction_by_unit": by_unit,
         }

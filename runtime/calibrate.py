@@ -115,6 +115,13 @@ def save_calibration(path: Path, key: dict, record: dict) -> None:
     write_json(path, {"key": key, **record})
 
 
+def exact_run(denoiser, item, cfg) -> tuple:
+    """(the item's encoded inputs, its exact final latents): what a calibration measures against."""
+    inputs = item_inputs(denoiser, item, cfg)
+    text, latents, condition = inputs
+    return inputs, exact_reference(denoiser, latents, text, item, condition)
+
+
 def target_quality(denoiser, item, cfg, ctx, message, report_name: str):
     """(cfg with the calibrated cache ratio, the calibration record, the exact final latents of
     `item` if computed now, else None). A stored calibration of the same command is reused."""
@@ -123,9 +130,7 @@ def target_quality(denoiser, item, cfg, ctx, message, report_name: str):
     reference = None
     if record is None:
         message(f"calibrating --target-psnr {cfg.ditango.target_psnr:g} on {item.id}")
-        inputs = item_inputs(denoiser, item, cfg)
-        text, latents, condition = inputs
-        reference = exact_reference(denoiser, latents, text, item, condition)
+        inputs, reference = exact_run(denoiser, item, cfg)
         record = calibrate(denoiser, item, cfg, ctx, inputs, reference, message)
         record["recalibrated"] = []
         if ctx.is_writer:
@@ -146,9 +151,7 @@ def hold_target(denoiser, item, cfg, ctx, message, report_name: str, record: dic
     if measured is None or measured >= target - TOLERANCE_DB or ratio == 0:
         return cfg, None
     message(f"{item.id}: {measured:.2f} dB at cache ratio {ratio:g}, below --target-psnr {target:g}: recalibrating")
-    inputs = item_inputs(denoiser, item, cfg)
-    text, latents, condition = inputs
-    reference = exact_reference(denoiser, latents, text, item, condition)
+    inputs, reference = exact_run(denoiser, item, cfg)
     again = calibrate(denoiser, item, cfg, ctx, inputs, reference, message, upper=ratio)
     # The top level says what is in force (ratio, the item it was calibrated on, its PSNR there);
     # the history, what each recalibration saw.

@@ -378,7 +378,7 @@ class SelectiveRuntime:
         self, layer: int, kind: str, local: AttentionState, units: list, compute_U: list[bool], total: AttentionState
     ) -> None:
         n = self.branch
-        budget = self.planner_cfg.planner == "budget"
+        budget = self.budget
         if kind == "exact" and not budget:
             return
         c_now = compressed_state(local.out_BSHD)
