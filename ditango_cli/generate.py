@@ -40,6 +40,7 @@ from runtime.kernels import resolve_backend
 from runtime.models.loading import human_count, placement_on, quiet_loading_bars
 from runtime.models.registry import REGISTRY, ResolvedModel, model_root, resolve_model
 from runtime.outputs import check_writable
+from runtime.step_cache import parse_step_cache
 from slurm.options import SlurmOptions, choose_executor
 
 EXIT_FAILED_ITEMS = 1
@@ -101,19 +102,24 @@ def build_run_config(
     strategy = None if p.parallel is None else p.parallel.value
     layout = replica_layout(
         p.nodes, p.gpus_per_node, p.replicas, spec.heads, strategy=strategy, cfg_parallel=g.cfg_parallel,
-        ulysses_degree=p.ulysses_degree, group_size=d.group_size,
+        ulysses_degree=p.ulysses_degree, group_size=d.group_size, ffn=spec.shape.ffn, joint_text=spec.shape.joint_text,
     )  # fmt: skip
     if g.hybrid and spec.family == "hunyuanvideo" and g.hybrid_first_text != "cond":
         raise ConfigError("--hybrid-first-text uncond does not apply to HunyuanVideo: its text stream runs through "
                           "the blocks, so segment B must continue the conditional one")  # fmt: skip
     if g.hybrid and mem.shard_weights:
         raise ConfigError("--shard-weights does not combine with --hybrid (its segments run different blocks)")
-    if g.hybrid and layout.strategy == "ditango":
-        raise ConfigError("--hybrid does not combine with --parallel ditango; use ring, ulysses or usp")
+    if g.hybrid and layout.strategy in ("ditango", "tp"):
+        raise ConfigError(f"--hybrid does not combine with --parallel {layout.strategy}; use ring, ulysses or usp")
+    if mem.shard_weights and layout.strategy == "tp":
+        raise ConfigError("--shard-weights does not combine with --parallel tp (tp already splits the block weights)")
+    step_cache = None if p.step_cache is None else parse_step_cache(p.step_cache)
+    if step_cache is not None and g.hybrid:
+        raise ConfigError("--step-cache does not combine with --hybrid (its segments run different blocks)")
     parallel_decode = layout.world_size > 1 and mem.vae_parallel is not False
     decode = DecodeOptions(tiling=mem.vae_tiling, parallel=parallel_decode, tile_px=mem.vae_tile)
-    # --reference exact measures what the run approximates: DiTango's reuse, a tiled decode.
-    ditango_only = [f for f in d.given() if f != "--reference" or not decode.tiled]
+    # --reference exact measures what the run approximates: DiTango's reuse, a step cache, a tiled decode.
+    ditango_only = [f for f in d.given() if f != "--reference" or not (decode.tiled or step_cache)]
     if layout.strategy != "ditango" and ditango_only:
         raise ConfigError(f"{', '.join(ditango_only)} only apply to --parallel ditango")
     if d.reference not in (None, "exact"):
@@ -135,7 +141,7 @@ def build_run_config(
         items=items, out_dir=o.out.expanduser(), device=device, dtype=None if m.dtype is None else m.dtype.value,
         save_latents=o.save_latents, overwrite=o.overwrite, max_text_len=spec.defaults.max_text_len,
         fps=spec.defaults.fps, layout=layout, attention_backend=p.attention_backend.value, timeout_s=p.timeout,
-        setup_timeout_s=p.setup_timeout_s, ditango=ditango, reference=d.reference,
+        setup_timeout_s=p.setup_timeout_s, ditango=ditango, reference=d.reference, step_cache=step_cache,
         hybrid=hybrid_config(g, spec.layers), replicas=p.replicas, alloc_gpus_per_node=p.gpus_per_node, decode=decode,
         shard_weights=mem.shard_weights,
         options=options or {},
@@ -224,7 +230,9 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
         f"model {summary['model']} ({summary['model_path'] or 'built-in'}), {spec.layers} layers, {spec.heads} heads; "
         f"device {summary['device']}, dtype {summary['dtype']}; out {summary['out_dir']}; {lay.world_size} rank(s)"
         + (f" x {cfg.replicas} replicas" if cfg.replicas > 1 else "")
-        + f", strategy {lay.strategy} (ulysses {lay.ulysses} x ring {lay.ring}, attention {backend})",
+        + f", strategy {lay.strategy} ("
+        + (f"tp {lay.tp}" if lay.strategy == "tp" else f"ulysses {lay.ulysses} x ring {lay.ring}")
+        + f", attention {backend})",
         highlight=False,
     )
     table = Table("id", "prompt", "seed", "size", "frames", "steps", "guidance", "tokens")

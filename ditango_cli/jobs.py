@@ -84,16 +84,22 @@ def report(out: OutArg, as_json: JsonOpt = False) -> int:
     if as_json:
         print(out / "report.json")
         return 0
-    table = Table("id", "status", "total (s)", "inter-node MB", "intra-node MB", "computed (all steps)", "PSNR (dB)")
+    cached = any(item.get("step_cache") for item in merged["items"])
+    columns = ["id", "status", "total (s)", "inter-node MB", "intra-node MB", "computed (all steps)", "PSNR (dB)"]
+    table = Table(*columns, *(["blocks run", "steps skipped"] if cached else []))
     for item in merged["items"]:
         timing, comm = item.get("timing") or {}, item.get("comm") or {}
         computed = (item.get("attention") or {}).get("computed_fraction_all_steps")
         quality = item.get("quality") or {}
+        cache = item.get("step_cache") or {}
+        skipped = cache.get("skipped_steps", {}).get("cond")
         table.add_row(
             item["id"], item["status"], f"{timing.get('total_s', 0):.2f}",
             f"{comm.get('inter_node_bytes', 0) / 1e6:.2f}", f"{comm.get('intra_node_bytes', 0) / 1e6:.2f}",
             "-" if computed is None else f"{computed:.3f}",
             "-" if not quality else ("identical" if quality.get("psnr") is None else f"{quality['psnr']:.2f}"),
+            *([f"{cache['block_fraction']:.3f}" if cache else "-", "-" if skipped is None else str(len(skipped))]
+              if cached else []),
         )  # fmt: skip
     console = Console()
     console.print(table)

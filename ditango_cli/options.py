@@ -105,7 +105,12 @@ class ParallelArgs:
     gpus_per_node: Annotated[int, _o("--gpus-per-node", "--gpus", help="Ranks per node.")] = 1
     parallel: Annotated[
         ParallelChoice | None,
-        _o("--parallel", help="Context-parallel strategy [none on 1 rank, ring on more].", case_sensitive=False),
+        _o(
+            "--parallel",
+            help="ring, ulysses, usp, ditango (context parallel) or tp (heads and FFN split) "
+            "[none on 1 rank, ring on more].",
+            case_sensitive=False,
+        ),
     ] = None
     ulysses_degree: Annotated[int | None, _o("--ulysses-degree", help="USP: Ulysses degree [in-node max].")] = None
     executor: Annotated[
@@ -119,6 +124,12 @@ class ParallelArgs:
     attention_backend: Annotated[
         BackendChoice, _o("--attention-backend", help="Attention kernel for parallel strategies.")
     ] = BackendChoice.auto
+    step_cache: Annotated[
+        str | None,
+        _o("--step-cache", metavar="NAME[:KEY=VALUE,...]",
+           help="A diffusers step cache: first-block, pab, taylorseer or magcache, with its config's keys "
+                "(e.g. first-block:threshold=0.05)."),
+    ] = None  # fmt: skip
 
     @property
     def setup_timeout_s(self) -> float:

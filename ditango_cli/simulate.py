@@ -37,7 +37,7 @@ def simulate(
     gpus_per_node: GpusOpt = 8,
     hardware: Annotated[str, typer.Option("--hardware", help="h20, h100, h200, a100, l40s.")] = "h20",
     hardware_file: HwFileOpt = None,
-    parallel: ParallelOpt = "ring,ulysses,usp,ditango",
+    parallel: ParallelOpt = "ring,ulysses,usp,tp,ditango",
     plan: PlanOpt = None,
     cache_ratio: Annotated[float, typer.Option("--cache-ratio", help="DiTango without --plan.")] = 0.4,
     planner: PlannerOpt = None,

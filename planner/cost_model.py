@@ -20,7 +20,7 @@ from planner.layout import ParallelLayout, chunk_sizes
 from planner.memory import GIB, MemoryOptions, cfg_branches, estimate_memory, fit_to_memory, usable_bytes
 from planner.models import ModelShape
 from planner.plan_shape import PlanReplay, PlanSource, recorded_source
-from planner.traffic import Topology, ditango_units, predict_traffic
+from planner.traffic import Topology, ditango_units, predict_traffic, tp_all_reduces
 
 # -- hardware -----------------------------------------------------------------------------
 
@@ -59,6 +59,10 @@ ASSUMPTIONS = {
     "memory": "planner/memory.py: peak bytes per GPU by phase (text_encode, denoise, decode); fits: the peak within "
     "the GPU's memory less 5% and 1 GiB; the runtime offloads the encoders / transformer only when short",
     "ulysses": "all-to-all time = bytes over the slowest link class in the group, not overlapped",
+    "tp": "each rank computes 1/n of every block's FLOPs (its heads' attention over all tokens, 1/n of the "
+    "projections and FFN); per block 3 ring all-reduces of [S, C] and the RMS norms' [S, 1] float32 statistics, "
+    "each 2(n-1) steps of 1/n of the tensor over the ring's slowest link plus its latency, on the critical path "
+    "(not overlapped); no output gather",
     "ditango_synthetic": "without --plan: the recorded plan shapes (planner/plan_shapes.json, from real runs by "
     "benchmarks/plan_shapes.py) of --planner, replayed: exact = min(steps, warmup + cooldown) (default: as the "
     "recorded runs, generate's defaults for the planner), anchors = max(1, "
@@ -172,6 +176,8 @@ def _video_attention_time(hw: Hardware, topo: Topology, shape: ModelShape, token
     q = max(sizes)
     if layout.strategy == "none":
         return _attn_s(hw, tokens, tokens, H, D)
+    if layout.strategy == "tp":  # the local heads over the whole sequence; its all-reduces: tp_time
+        return _attn_s(hw, tokens, tokens, H // layout.tp, D)
     if layout.strategy in ("ring", "ulysses", "usp"):
         u, h = layout.ulysses, H // layout.ulysses
         t = 0.0
@@ -225,6 +231,18 @@ def unit_fractions(compute_fraction: float | list[float], layout: ParallelLayout
     return [float(f) for f in compute_fraction]
 
 
+def tp_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: int, e: int) -> float:
+    """One block's tensor-parallel all-reduces for one forward (planner/traffic.py
+    `tp_all_reduces`), each a ring of 2(n-1) steps of 1/n of the tensor over the ring's
+    slowest link, one after another (each result is needed before the block goes on)."""
+    n = topo.layout.tp
+    if n == 1:
+        return 0.0
+    ranks = topo.groups["cp"][0]
+    link = "inter_node" if len({topo.node_of[r] for r in ranks}) > 1 else "intra_node"
+    return sum(2 * (n - 1) * (b / n / _bw(hw, link) + _lat(hw, link)) for b in tp_all_reduces(shape, tokens, e))
+
+
 def rest_of_block_time(hw: Hardware, shape: ModelShape, local_tokens: int) -> float:
     """Projections, cross-attention and FFN of one block on one rank's tokens (joint-text
     models: no cross-attention; the text tokens' projections and FFN run on every rank)."""
@@ -265,8 +283,10 @@ def estimate(
     forwards = 1 if layout.cfg_degree == 2 else 2
     attn = attention_time(hw, topo, shape, tokens, element_bytes, compute_fraction, own_group)
     rest = rest_of_block_time(hw, shape, max(sizes))
+    if layout.strategy == "tp":  # whole sequence, 1/n of every matmul; then the all-reduces
+        rest = rest_of_block_time(hw, shape, tokens) / layout.tp + tp_time(hw, topo, shape, tokens, element_bytes)
     gather = 0.0
-    if layout.cp_degree > 1:
+    if layout.cp_degree > 1 and layout.strategy != "tp":
         cp_ranks = topo.groups["cp"][0]
         link = "inter_node" if len({topo.node_of[r] for r in cp_ranks}) > 1 else "intra_node"
         gather = (layout.cp_degree - 1) * max(sizes) * shape.out_channels * element_bytes / _bw(hw, link)
@@ -354,8 +374,8 @@ def compare_layouts(
     notes where the recording did not cover the layout or ratio.
     `gpu_memory_bytes` (default: the profile's) decides `fits`."""
     for s in strategies:
-        if s not in ("ring", "ulysses", "usp", "ditango"):
-            raise ConfigError(f"--parallel {s!r}: simulate knows ring, ulysses, usp, ditango")
+        if s not in ("ring", "ulysses", "usp", "tp", "ditango"):
+            raise ConfigError(f"--parallel {s!r}: simulate knows ring, ulysses, usp, tp, ditango")
     source = source or recorded_source("hpdc", 0.4)
     gpu_memory_bytes = gpu_memory_bytes or hw.memory_bytes or None
     rows, notes = [], []
@@ -367,7 +387,7 @@ def compare_layouts(
                 if s == "ditango":
                     group = gpus_per_node if group_size == "node" else int(group_size)
                 layout = ParallelLayout(n, gpus_per_node, 1, s, None, group).with_default_ulysses(shape.heads)
-                layout.check_model(shape.heads)
+                layout.check_model(shape.heads, shape.ffn, shape.joint_text)
             except (ConfigError, ValueError) as exc:
                 notes.append(f"{s} on {n} node(s): {exc}")
                 continue

@@ -242,7 +242,9 @@ class DiTangoPlanner:
         self._awaiting: int | None = None  # step whose observe() is still due
         self._prepared: StepPlan | None = None  # plan of the next step, built by observe()
         self._last_computed_LU = torch.full((self.layers, self.units), -1, dtype=torch.long)
+        self._before_LU = self._last_computed_LU.clone()  # as it was before the last plan
         self._selective_steps = 0  # planned so far (the budget's carried fraction)
+        self._anchor_due = False  # an anchor some of whose layers did not run: the next step is one
 
     @property
     def epsilon(self) -> float | None:
@@ -303,7 +305,7 @@ class DiTangoPlanner:
             raise AssertionError(f"plan({step}) beyond the run's {self.steps} steps")
         if self._is_exact(step):
             p = StepPlan(step, "exact", self._all(True), None)
-        elif self._last_anchor is None or step in self.switches:
+        elif self._last_anchor is None or step in self.switches or self._anchor_due:
             p = StepPlan(step, "anchor", self._all(True), None)
         elif self._log[-1].kind == "anchor" and self.cfg.planner == "hpdc":
             # the step right after an anchor reuses every remote unit (2.3)
@@ -316,6 +318,8 @@ class DiTangoPlanner:
         if p.kind == "anchor":
             self._last_anchor = step
             self._epsilon = None
+            self._anchor_due = False
+        self._before_LU = self._last_computed_LU.clone()
         if p.kind != "exact" or self.cfg.planner == "budget":  # the budget planner keeps exact steps' states
             self._last_computed_LU[p.compute_LU] = step
         if p.kind == "selective":
@@ -325,6 +329,20 @@ class DiTangoPlanner:
         self._log.append(p)
         self._next_step = step + 1
         return StepPlan(p.step, p.kind, p.compute_LU.clone(), p.epsilon)
+
+    def not_run(self, step: int, missing_L: torch.Tensor) -> None:
+        """Layers of the step just planned that did not run (a step cache skipped their blocks
+        or their attention; agreed over the plan group): none of their cells was computed, so
+        the log says so and their caches keep their age. An anchor missing layers did not
+        measure them: the next step is an anchor again (on a skipped step it costs little)."""
+        p = self._log[-1]
+        assert p.step == step and tuple(missing_L.shape) == (self.layers,), (p.step, step, tuple(missing_L.shape))
+        if not bool(missing_L.any()):
+            return
+        p.compute_LU[missing_L] = False
+        self._last_computed_LU[missing_L] = self._before_LU[missing_L]
+        if p.kind == "anchor":
+            self._anchor_due = True
 
     def observe(self, step: int, scores_LU: torch.Tensor, gate: float) -> None:
         """Feed the all-reduced scores [L, U] (ASE, or budget scores) and gate (mean over

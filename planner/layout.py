@@ -7,6 +7,9 @@ Ulysses innermost (cp_index = ring_index * ulysses_degree + ulysses_index), so a
 group is a run of adjacent ranks, which share a node whenever ulysses_degree divides the
 GPUs per node.
 
+Tensor parallelism (`tp`) uses the cp axis as its group: every rank of it holds the whole
+token sequence and 1/cp of each block's heads and FFN width (runtime/strategies/tensor.py).
+
 Token chunks are uneven and contiguous, with no padding: rank i of P gets S // P tokens plus
 one more when i < S % P (32,760 tokens over 16 ranks: 8 ranks of 2,048 and 8 of 2,047).
 Every rank can compute every chunk's size from (S, P) alone, so receivers size their buffers
@@ -21,8 +24,8 @@ from typing import Literal
 
 from planner.errors import ConfigError
 
-Strategy = Literal["none", "ring", "ulysses", "usp", "ditango"]
-STRATEGIES = ("none", "ring", "ulysses", "usp", "ditango")
+Strategy = Literal["none", "ring", "ulysses", "usp", "ditango", "tp"]
+STRATEGIES = ("none", "ring", "ulysses", "usp", "ditango", "tp")
 
 
 def _divisors(n: int) -> list[int]:
@@ -101,14 +104,33 @@ class ParallelLayout:
 
     @property
     def ring(self) -> int:
-        return self.cp_degree // self.ulysses
+        """Ring attention degree inside the cp axis (1 under tp: no tokens are sharded)."""
+        return 1 if self.strategy == "tp" else self.cp_degree // self.ulysses
 
-    def check_model(self, heads: int) -> None:
-        """Errors that depend on the model: Ulysses splits heads, so its degree must divide them."""
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree: the cp axis under --parallel tp, else 1."""
+        return self.cp_degree if self.strategy == "tp" else 1
+
+    def check_model(self, heads: int, ffn: int | None = None, joint_text: bool = False) -> None:
+        """Errors that depend on the model: Ulysses splits heads, so its degree must divide them;
+        tp splits heads and the FFN width (`ffn`, when known); tp has no joint text-video
+        (HunyuanVideo-style) blocks yet."""
         if self.ulysses > 1 and heads % self.ulysses:
             best = max(d for d in _divisors(self.cp_degree) if heads % d == 0)
             hint = "use --parallel ring" + (f", or --parallel usp --ulysses-degree {best}" if best > 1 else "")
             raise ConfigError(f"Ulysses degree {self.ulysses} must divide the model's {heads} attention heads; {hint}")
+        if self.tp == 1:
+            return
+        if joint_text:
+            raise ConfigError(
+                "--parallel tp is not supported yet for joint text-video models (HunyuanVideo); use ring, ulysses or usp"
+            )
+        for what, n in (("attention heads", heads), ("FFN width", ffn)):
+            if n is not None and n % self.tp:
+                best = max(d for d in _divisors(self.tp) if heads % d == 0 and (ffn is None or ffn % d == 0))
+                hint = f", or tp over {best} ranks per cp group" if best > 1 else ""
+                raise ConfigError(f"tp degree {self.tp} must divide the model's {n} {what}; use --parallel ring{hint}")
 
     def with_default_ulysses(self, heads: int) -> ParallelLayout:
         """USP without --ulysses-degree: the largest degree dividing heads that stays inside a node."""
@@ -140,10 +162,10 @@ def rank_groups(layout: ParallelLayout) -> dict[str, list[tuple[int, ...]]]:
     for base in (g[0] for g in cp_groups):
         for g in range(layout.groups):
             near_groups.append(tuple(base + g * layout.group + j for j in range(layout.group)))
-        for r in range(layout.ring):
+        for r in range(cp // u):
             ulysses_groups.append(tuple(base + r * u + i for i in range(u)))
         for i in range(u):
-            ring_groups.append(tuple(base + r * u + i for r in range(layout.ring)))
+            ring_groups.append(tuple(base + r * u + i for r in range(cp // u)))
     cfg_groups = [tuple(c + i * cp for i in range(layout.cfg_degree)) for c in range(cp)]
     return {"cp": cp_groups, "ulysses": ulysses_groups, "ring": ring_groups, "near": near_groups, "cfg": cfg_groups}
 
@@ -193,10 +215,13 @@ def replica_layout(
     cfg_parallel: bool = False,
     ulysses_degree: int | None = None,
     group_size: str | int | None = None,
+    ffn: int | None = None,
+    joint_text: bool = False,
 ) -> ParallelLayout:
     """The layout of one replica of an allocation of `nodes` x `gpus_per_node` ranks (the whole
-    allocation without replicas), for a model of `heads` heads. `strategy` None: ring on
-    several cp ranks, none on one; `group_size` "node": the ranks of a node."""
+    allocation without replicas), for a model of `heads` heads (`ffn`, `joint_text`: its FFN
+    width and whether it has joint text-video blocks, for `check_model`). `strategy` None: ring
+    on several cp ranks, none on one; `group_size` "node": the ranks of a node."""
     nodes, gpus_per_node = replica_shape(nodes, gpus_per_node, replicas)
     world = nodes * gpus_per_node
     cfg_degree = 2 if cfg_parallel else 1
@@ -210,5 +235,5 @@ def replica_layout(
         group_size = gpus_per_node if group_size == "node" else int(group_size)
     layout = ParallelLayout(nodes, gpus_per_node, cfg_degree, strategy, ulysses_degree, group_size)  # type: ignore[arg-type]
     layout = layout.with_default_ulysses(heads)
-    layout.check_model(heads)
+    layout.check_model(heads, ffn, joint_text)
     return layout

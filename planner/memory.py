@@ -12,7 +12,9 @@ encoder are sharded on the CPU first, runtime/weights.py):
   decode       what stays (an unsharded transformer leaves with `offload_transformer`), VAE
                weights and the decoder's working set (rank 0 alone, or each rank's tiles with
                `vae_parallel`); the DiTango cache is freed before it.
-A phase's peak is what is resident in it plus its largest transient; the peak is the largest
+Under tensor parallelism (`tp`) each rank holds 1/n of the blocks' split weights
+(`tp_split_params`) and runs the whole token sequence. A phase's peak is what is resident in
+it plus its largest transient; the peak is the largest
 phase's. The transient terms are derived from the layers diffusers runs (comments below) and
 scaled by factors calibrated on CPU against measured peaks (benchmarks/memory.py, its table):
 transformer forwards within 4.2% (mean 2.2%) in float32 and bfloat16, VAE decodes within
@@ -177,9 +179,11 @@ def weight_parts(shape: ModelShape, layout: ParallelLayout, options: MemoryOptio
     e, n = options.dtype_bytes, shard_degree(layout, options)
     te, whole = shape.text_encoder_params, shape.text_encoder_whole_params
     if n == 1:
-        return {"weights": shape.params * e, "weights_root": 0, "weights_blocks": 0, "text_encoder": te * e,
+        split = tp_split_params(shape) if layout.tp > 1 else 0  # tp: each rank keeps 1/n of these
+        params = shape.params - split + -(-split // layout.tp)
+        return {"weights": params * e, "weights_root": 0, "weights_blocks": 0, "text_encoder": te * e,
                 "text_encoder_root": 0, "text_encoder_blocks": 0, "offload_text": te * e,
-                "offload_transformer": shape.params * e}  # fmt: skip
+                "offload_transformer": params * e}  # fmt: skip
     sharded_te = te - whole - shape.text_encoder_root_params
     return {
         "weights": -(-(shape.params - shape.root_params) // n) * e, "weights_root": shape.root_params * e,
@@ -189,11 +193,23 @@ def weight_parts(shape: ModelShape, layout: ParallelLayout, options: MemoryOptio
     }  # fmt: skip
 
 
+def tp_split_params(shape: ModelShape) -> int:
+    """Transformer parameters tensor parallelism splits, all experts together: every block's but
+    the 11 C it keeps whole (the row-wise projections' biases, norm2's affine, the modulation
+    table; runtime/models/wan.py `install_tp`). 0 when the block size is not known."""
+    if not shape.block_params:
+        return 0
+    experts = max(1, round(shape.params / (shape.root_params + shape.layers * shape.block_params)))
+    return experts * shape.layers * (shape.block_params - 11 * shape.hidden)
+
+
 def block_bytes(shape: ModelShape, layout: ParallelLayout, tokens: int, options: MemoryOptions) -> tuple[int, int, int]:
     """(activations, attention_states, denoise transient) of the largest block's forward on the
     rank with the largest chunk; batch 1 per branch (CFG branches on one rank run in turn)."""
     e, C, F = options.dtype_bytes, shape.hidden, shape.ffn
-    s = max(chunk_sizes(tokens, layout.cp_degree))
+    # tp: every rank runs the whole sequence (counted at full width: an upper bound, as its
+    # q, k, v and FFN tensors are 1/n wide)
+    s = tokens if layout.strategy == "tp" else max(chunk_sizes(tokens, layout.cp_degree))
     # Rotary temporaries per element of C: diffusers' processor (strategy none, and HunyuanVideo)
     # multiplies by float64/float32 tables (three [S, C/2] float64 at once); ours by float32.
     rot = 12 if layout.strategy == "none" or shape.joint_text else 8
@@ -315,7 +331,7 @@ def scaled_layout(layout: ParallelLayout, factor: int, heads: int) -> ParallelLa
 def _fixes(layout: ParallelLayout, o: MemoryOptions) -> list[tuple[str, dict]]:
     """The options that can lower the peak, as (flag, options change)."""
     fixes = []
-    if not o.shard_weights and not o.hybrid and layout.cp_degree > 1:
+    if not o.shard_weights and not o.hybrid and layout.cp_degree > 1 and layout.strategy != "tp":
         fixes.append(("--shard-weights", {"shard_weights": True}))
     if not o.vae_parallel and layout.world_size > 1:
         fixes.append(("--vae-parallel", {"vae_parallel": True}))

@@ -45,6 +45,35 @@ class Topology:
         return "intra_node" if self.node_of[a] == self.node_of[b] else "inter_node"
 
 
+def ring_all_reduce_bytes(nbytes: int, n: int) -> int:
+    """What each of `n` ranks receives in a ring all-reduce of `nbytes` (NCCL's ring: a
+    reduce-scatter then an all-gather, n - 1 chunks of nbytes / n each, from the predecessor):
+    2 (n - 1) / n of the tensor, rounded down."""
+    return 2 * (n - 1) * nbytes // n
+
+
+def tp_all_reduces(shape: ModelShape, tokens: int, e: int) -> list[int]:
+    """Bytes of each all-reduce tensor parallelism runs in one block for one forward (batch 1):
+    three [S, C] in the model dtype (the row-wise outputs: self-attention, cross-attention,
+    FFN down-projection) and the float32 [S, 1] sums of squares of the RMS norms across heads
+    (self-attention q and k; cross-attention q, the text keys, and the image keys of I2V)."""
+    C = shape.hidden
+    stats = [tokens, tokens, tokens, shape.text_len] + ([shape.image_tokens] if shape.image_tokens else [])
+    return [tokens * C * e] * 3 + [4 * n for n in stats]
+
+
+def tp_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int) -> None:
+    """Tensor parallelism: every all-reduce of every block, as a ring over each cp group."""
+    per_block = tp_all_reduces(shape, tokens, e)
+    for ranks in topo.groups["cp"]:
+        n = len(ranks)
+        if n == 1:
+            continue
+        received = forwards * shape.layers * sum(ring_all_reduce_bytes(b, n) for b in per_block)
+        for i, rank in enumerate(ranks):
+            t.add("tp", topo.link(rank, ranks[(i - 1) % n]), received)
+
+
 def _ring_hops(t: Traffic, topo: Topology, ranks, block_bytes: list[int], purpose: str, times: int) -> None:
     """Ring over `ranks` where member j holds a block of block_bytes[j]: P-1 hops, each rank
     receiving from its predecessor the block that started (k+1) positions behind it."""
@@ -128,7 +157,10 @@ def _ditango_traffic(
 
 
 def gather_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int) -> None:
-    """proj_out all-gather: every rank receives each peer's (padded) chunk of the output."""
+    """proj_out all-gather: every rank receives each peer's (padded) chunk of the output
+    (nothing under tp: every rank computes the whole output)."""
+    if topo.layout.strategy == "tp":
+        return
     sizes = chunk_sizes(tokens, topo.layout.cp_degree)
     block = max(sizes) * shape.out_channels * e
     for cp_ranks in topo.groups["cp"]:
@@ -203,6 +235,8 @@ def predict_traffic(
     forwards = steps * (1 if layout.cfg_degree == 2 else branches)
     t = Traffic()
     attention_traffic(t, topo, shape, tokens, element_bytes, forwards, plan_bits, own_group)
+    if layout.strategy == "tp":
+        tp_traffic(t, topo, shape, tokens, element_bytes, forwards)
     gather_traffic(t, topo, shape, tokens, element_bytes, forwards)
     joint_traffic(t, topo, shape, forwards)
     if layout.cfg_degree == 2:

@@ -20,6 +20,8 @@ another item; a different target, model, planner setting or layout calibrates an
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import time
 from dataclasses import replace
@@ -120,6 +122,21 @@ def exact_run(denoiser, item, cfg) -> tuple:
     inputs = item_inputs(denoiser, item, cfg)
     text, latents, condition = inputs
     return inputs, exact_reference(denoiser, latents, text, item, condition)
+
+
+def calibrate_step_cache(denoiser, item, cfg, message):
+    """MagCache without ratios: denoise `item` exactly with the cache in calibration mode (it
+    measures, never skips) and keep the ratios for the batch. Returns the item's exact latents."""
+    cache = denoiser.step_cache
+    message(f"measuring magcache's ratios on {item.id} (one exact run)")
+    cache.calibrating = True
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # diffusers prints the (here empty) list
+            _, reference = exact_run(denoiser, item, cfg)
+    finally:
+        cache.calibrating = False
+    cache.mag_ratios = cache.take_calibration()
+    return reference
 
 
 def target_quality(denoiser, item, cfg, ctx, message, report_name: str):

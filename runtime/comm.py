@@ -7,7 +7,9 @@ that keep ranks in step). Summed over ranks, received bytes equal sent bytes, so
 are what crossed each kind of link. Control collectives are counted by convention: an
 all-reduce as the copy of the tensor each peer would send in an all-gather (at least what a
 ring all-reduce moves), an object collective as its pickled payload (padded to the largest,
-as torch pads them).
+as torch pads them). Tensor parallelism's all-reduces (`tp`) are counted as NCCL's ring
+all-reduce moves them instead (`count_ring_all_reduce`): they carry the activations, and the
+cost model prices them per link.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from planner.traffic import ring_all_reduce_bytes
 from runtime.mesh import Mesh
 
 
@@ -60,6 +63,19 @@ class Comm:
         dist.all_reduce(tensor, op=op, group=group)
         for peer in ranks:
             self._count(peer, tensor.numel() * tensor.element_size(), purpose)
+
+    def ring_all_reduce(self, tensor: torch.Tensor, group, ranks: Sequence[int], purpose: str = "tp") -> None:
+        """In-place sum over `group` (global `ranks`, in group order), counted as a ring moves it."""
+        dist.all_reduce(tensor, group=group)
+        self.count_ring_all_reduce(tensor.numel() * tensor.element_size(), ranks, purpose)
+
+    def count_ring_all_reduce(self, nbytes: int, ranks: Sequence[int], purpose: str = "tp") -> None:
+        """Count an all-reduce of `nbytes` over `ranks` (run here or by DTensor): a ring in group
+        order, each member receiving `ring_all_reduce_bytes` from its predecessor."""
+        n = len(ranks)
+        if n > 1:
+            predecessor = ranks[(list(ranks).index(self.mesh.rank) - 1) % n]
+            self._count(predecessor, ring_all_reduce_bytes(nbytes, n), purpose)
 
     def gather_objects(self, obj, group, ranks: Sequence[int]) -> list:
         """Every member's picklable `obj`, in rank order (control plane)."""

@@ -15,6 +15,7 @@ from planner.ditango import DiTangoOptions
 from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import ParallelLayout, token_count
+from runtime.step_cache import StepCacheSpec
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -152,6 +153,7 @@ class RunConfig:
     # Bring-up and the waits on the writer (loading, rank 0 decoding and writing a video)
     setup_timeout_s: float = 1800.0
     ditango: DiTangoOptions | None = None  # --parallel ditango settings
+    step_cache: StepCacheSpec | None = None  # --step-cache: a diffusers step cache (runtime/step_cache.py)
     reference: str | None = None  # "exact": also run the exact ring path and record quality
     hybrid: HybridConfig | None = None  # --hybrid (needs cfg degree 2)
     decode: DecodeOptions = DecodeOptions()  # --vae-tiling, --vae-parallel, --vae-tile

@@ -63,10 +63,10 @@ class SequentialCfg:
     def begin_run(self, steps: int) -> None: ...
 
     def noise(self, den, step: int, t, latents, text, guidance: float) -> torch.Tensor:
-        den.begin_branch(0)
+        den.begin_branch(0, "cond")
         noise = den.predict(latents, t, text.cond_BLE)
         if text.uncond_BLE is not None:
-            den.begin_branch(1)
+            den.begin_branch(1, "uncond")
             noise_uncond = den.predict(latents, t, text.uncond_BLE)
             noise = noise_uncond + guidance * (noise - noise_uncond)
         return noise
@@ -92,7 +92,7 @@ class CfgParallel:
     def predictions(self, den, t, latents, text, purpose: str = "cfg") -> tuple[torch.Tensor, torch.Tensor]:
         """(eps_uncond, eps_cond) on both partners."""
         assert text.uncond_BLE is not None, "CFG-parallel needs guidance > 1"
-        den.begin_branch(0)
+        den.begin_branch(0, "uncond" if self.uncond_side else "cond")
         mine = den.predict(latents, t, text.uncond_BLE if self.uncond_side else text.cond_BLE)
         other = self.exchange(mine, mine.shape, purpose)
         return (mine, other) if self.uncond_side else (other, mine)

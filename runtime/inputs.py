@@ -40,13 +40,19 @@ def item_inputs(denoiser: WanDenoiser, item: Item, cfg: RunConfig, timing: ItemT
 
 
 def exact_reference(denoiser: WanDenoiser, latents, text, item: Item, condition=None) -> torch.Tensor:
-    """The same item through the exact ring path (DiTango's runtime switched off for one run)."""
-    listener = denoiser.listener
-    saved = listener.ctx.selective
-    listener.ctx.selective = None  # ShardContext falls back to ring over the cp group
+    """The same item exact: DiTango's runtime (the ring path instead) and the step cache off for
+    one run; a step cache calibrating stays on (it never skips)."""
+    listener, cache = denoiser.listener, denoiser.step_cache
+    selective = None if listener is None else listener.ctx.selective
+    if listener is not None:
+        listener.ctx.selective = None  # ShardContext falls back to ring over the cp group
+    if cache is not None and not cache.calibrating:
+        denoiser.step_cache = None
     try:
         return denoiser.denoise(
             latents, text, item.steps, item.cfg_scale, condition=condition, guidance_2=item.guidance_2
         ).latents_BCFHW
     finally:
-        listener.ctx.selective = saved
+        denoiser.step_cache = cache
+        if listener is not None:
+            listener.ctx.selective = selective

@@ -11,6 +11,7 @@ L text tokens, E text embedding width.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,8 +22,10 @@ import torch
 from diffusers import WanPipeline
 
 from runtime.guidance import CfgParallel, SequentialCfg
+from runtime.models.families import adapter_for
 from runtime.models.loading import Placement
 from runtime.models.wan import WanVariant
+from runtime.step_cache import StepCache
 from runtime.vae import DecodeOptions, decode_video
 
 
@@ -119,13 +122,17 @@ class WanDenoiser:
         # How the CFG branches run (runtime/guidance.py); default: both here, cond then uncond.
         self.guidance: SequentialCfg | CfgParallel = SequentialCfg()
         self._condition: ImageCondition | None = None  # the image condition of the run in progress
+        self.step_cache: StepCache | None = None  # --step-cache (runtime/step_cache.py)
+        self.branch_name = "cond"
 
     @property
     def transformer(self):
         """The expert of the current step (the only one outside a two-expert run)."""
         return self.transformers[self.expert]
 
-    def begin_branch(self, branch: int) -> None:
+    def begin_branch(self, branch: int, name: str = "cond") -> None:
+        """The next evaluation is CFG branch `branch` of this rank ("cond" or "uncond")."""
+        self.branch_name = name
         if self.listener is not None:
             self.listener.begin_branch(branch)
 
@@ -223,13 +230,20 @@ class WanDenoiser:
         strategies hook into."""
         x, timestep = self.model_input(latents_BCFHW, t)
         cond = self._condition
-        return self.transformer(
-            hidden_states=x.to(self.transformer.dtype),
-            timestep=timestep,
-            encoder_hidden_states=text_BLE,
-            encoder_hidden_states_image=None if cond is None else cond.image_BLE,
-            return_dict=False,
-        )[0]
+        with self.cache_context():
+            return self.transformer(
+                hidden_states=x.to(self.transformer.dtype),
+                timestep=timestep,
+                encoder_hidden_states=text_BLE,
+                encoder_hidden_states_image=None if cond is None else cond.image_BLE,
+                return_dict=False,
+            )[0]
+
+    def cache_context(self):
+        """The step cache's context of this evaluation (its CFG branch), if one is on."""
+        if self.step_cache is None:
+            return contextlib.nullcontext()
+        return self.step_cache.forward(self.transformer, self.branch_name)
 
     def switches(self, scheduler) -> tuple[int, ...]:
         """Steps where the expert changes (none for one expert)."""
@@ -251,19 +265,23 @@ class WanDenoiser:
         scheduler = self.new_scheduler(steps)
         result = DenoiseResult(latents_BCFHW)
         latents = latents_BCFHW
-        listener = self.listener
+        listener, cache = self.listener, self.step_cache
         self._condition = condition
         if listener is not None:
             listener.begin_run(latents, steps, self.guidance.local_branches(text), self.switches(scheduler))
         self.guidance.begin_run(steps)
         finite: list[torch.Tensor] = []  # per step, on the device: no host sync inside the loop
         try:
+            if cache is not None:
+                cache.begin_run(self.transformers, adapter_for(self.transformers[0]), steps)
             for i, t in enumerate(scheduler.timesteps):
                 start = time.perf_counter()
                 self.expert = self.expert_at(t, scheduler)
                 scale = guidance if self.expert == 0 or guidance_2 is None else guidance_2
                 if listener is not None:
                     listener.begin_step(i)
+                if cache is not None:
+                    cache.begin_step(i, t)
                 noise = self.guidance.noise(self, i, t, latents, text, scale)
                 latents = scheduler.step(noise, t, latents, return_dict=False)[0]
                 finite.append(torch.isfinite(latents).all())
@@ -277,6 +295,8 @@ class WanDenoiser:
             self.expert, self._condition = 0, None
             if listener is not None:
                 listener.end_run()
+            if cache is not None:
+                cache.end_run()
         if condition is not None and condition.first_frame_mask is not None:
             mask = condition.first_frame_mask  # TI2V: the first frame is the image's, as diffusers returns it
             latents = (1 - mask) * condition.latents_BCFHW + mask * latents
@@ -352,6 +372,8 @@ class HunyuanDenoiser(WanDenoiser):
         self.listener: DenoiseListener | None = None
         self.guidance: SequentialCfg | CfgParallel = SequentialCfg()
         self._condition = None
+        self.step_cache: StepCache | None = None
+        self.branch_name = "cond"
 
     @torch.no_grad()
     def encode_text(self, prompt: str, negative_prompt: str | None, guidance: float) -> TextEmbeds:
@@ -380,13 +402,14 @@ class HunyuanDenoiser(WanDenoiser):
         return scheduler
 
     def predict(self, latents_BCFHW: torch.Tensor, t: torch.Tensor, text: HunyuanText) -> torch.Tensor:
-        return self.transformer(
-            hidden_states=latents_BCFHW.to(self.transformer.dtype),
-            timestep=t.expand(latents_BCFHW.shape[0]).to(latents_BCFHW.dtype),
-            guidance=text.guidance,
-            return_dict=False,
-            **text.inputs,
-        )[0]
+        with self.cache_context():
+            return self.transformer(
+                hidden_states=latents_BCFHW.to(self.transformer.dtype),
+                timestep=t.expand(latents_BCFHW.shape[0]).to(latents_BCFHW.dtype),
+                guidance=text.guidance,
+                return_dict=False,
+                **text.inputs,
+            )[0]
 
     def vae_input(self, latents_BCFHW: torch.Tensor) -> torch.Tensor:
         """The denoised latents as the VAE takes them (HunyuanVideoPipeline's scaling)."""

@@ -73,6 +73,7 @@ def item_record(
     hybrid: dict | None = None,
     decode: dict | None = None,
     error: str | None = None,
+    step_cache: dict | None = None,
 ) -> dict:
     """The per-item record: the sidecar's body and one entry of report.json's `items`."""
     return {
@@ -89,6 +90,9 @@ def item_record(
         # Exact strategies compute every attention partition fresh; DiTango reports its plan.
         "attention": attention or {"computed_fraction_all_steps": 1.0},
         "quality": quality,  # with --reference exact: psnr, ssim, latent_rel_err vs the exact run
+        # with --step-cache: its options, per branch and step the blocks and self-attention layers
+        # evaluated, the steps whose blocks were skipped, the fractions evaluated
+        "step_cache": step_cache,
         "hybrid": hybrid,  # with --hybrid: tau1, tau2, rel_mae and stage per step, block evals, bytes per stage
         # mode (tiled/untiled), tiles, ranks, per_rank_s (decode time of each rank), bytes (tiles
         # sent to the writer), psnr_vs_untiled (with --reference exact and a tiled decode)

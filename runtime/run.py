@@ -17,13 +17,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from runtime.calibrate import hold_target, target_quality
+from runtime.calibrate import calibrate_step_cache, hold_target, target_quality
 from runtime.comm import Comm
 from runtime.config import Item, RunConfig, plan_memory
 from runtime.guidance import CfgParallel, Hybrid
 from runtime.inputs import exact_reference, item_inputs
 from runtime.kernels import resolve_backend
 from runtime.mesh import Mesh, build_mesh
+from runtime.models.families import adapter_for
 from runtime.models.loading import load_components, placement_on, resolve_placement
 from runtime.models.registry import resolve_model
 from runtime.outputs import mark_running, output_paths, plan_resume, record_failure
@@ -31,6 +32,7 @@ from runtime.pipeline import DenoiseResult, HunyuanDenoiser, NonFiniteLatents, W
 from runtime.plots import write_heatmap, write_rel_mae_plot
 from runtime.quality import quality_record
 from runtime.report import SCHEMA, ItemTiming, item_record, peak_memory, run_report
+from runtime.step_cache import StepCache
 from runtime.strategies import parallelize
 from runtime.video import write_json, write_latents, write_mp4
 from runtime.weights import SHARDED, local_param_bytes, place, shard_weights
@@ -118,6 +120,22 @@ def attention_record(denoiser: WanDenoiser, ctx: RankContext) -> dict | None:
     return record
 
 
+def step_cache_record(denoiser: WanDenoiser, ctx: RankContext) -> dict | None:
+    """The step cache's per-item record, with every rank's decisions checked: the ranks that
+    compute the same branch (one cp group) must have evaluated the same blocks and attention
+    layers at every step, or their exchanges could not have paired up."""
+    cache = denoiser.step_cache
+    if cache is None:
+        return None
+    record = cache.record(len(adapter_for(denoiser.transformers[0]).probes(denoiser.transformers[0])))
+    mesh = ctx.mesh
+    decisions = ctx.gather((mesh.cfg_index, record["per_step"]))
+    record["ranks_agree"] = all(d == next(e for c, e in decisions if c == i) for i, d in decisions)
+    if not record["ranks_agree"]:
+        raise RuntimeError(f"step cache decisions differ across the ranks of a branch: {decisions}")
+    return record
+
+
 def release_device_memory(device: torch.device) -> None:
     """Return the allocator's unused blocks to the GPU (the VAE decode at 720p needs them)."""
     if device.type == "cuda":
@@ -169,6 +187,7 @@ def generate_item(
     check_finite(result, item, ctx)
     comm = sum_comm(ctx.gather(ctx.comm.totals()))
     attention = attention_record(denoiser, ctx)
+    step_cache = step_cache_record(denoiser, ctx)
     hybrid = denoiser.guidance.record()
     if hybrid is not None:
         hybrid["block_evals"] = ctx.gather(hybrid["block_evals"])  # [rank][step]
@@ -176,7 +195,7 @@ def generate_item(
         hybrid["bytes_per_stage"] = {
             s: sum(r.get(s, 0) for r in stage_bytes) for s in sorted(set().union(*stage_bytes))
         }
-    if cfg.reference != "exact" or cfg.ditango is None:
+    if cfg.reference != "exact" or (cfg.ditango is None and cfg.step_cache is None):
         reference = None
     elif reference is None:
         start = time.perf_counter()
@@ -226,7 +245,7 @@ def generate_item(
         attention["plan_png"] = plan_png.name
     record = item_record(
         item, model=cfg.model, status="done", video=paths["video"].name, latents=latents_name, timing=timing,
-        comm=comm, attention=attention, quality=quality, hybrid=hybrid, decode=decode,
+        comm=comm, attention=attention, quality=quality, hybrid=hybrid, decode=decode, step_cache=step_cache,
     )  # fmt: skip
     write_json(paths["sidecar"], record)  # last: its presence marks the item complete
     return record
@@ -286,6 +305,7 @@ def execute(
     todo = [item for item in cfg.items if item.id not in records]
     weights: dict = {"shard_degree": 1}  # the transformers' and text encoder's, on this rank
     calibration = None  # --target-psnr: the chosen cache ratio and its trials
+    step_cache_run = None  # --step-cache magcache without mag_ratios: the ratios measured on item 1
 
     def write_report(rank_peaks: list[int] | None = None) -> dict:
         peak, source = peak_memory(placement.device)
@@ -297,6 +317,8 @@ def execute(
         report["weights"] = weights
         if calibration is not None:
             report["calibration"] = calibration
+        if step_cache_run is not None:
+            report["step_cache_calibration"] = step_cache_run
         write_json(cfg.out_dir / report_name, report)
         return report
 
@@ -317,11 +339,20 @@ def execute(
             denoiser = WanDenoiser(components, placement, cfg.max_text_len, resolved.spec.variant)
         if cfg.layout.strategy != "none":
             denoiser.listener = parallelize(denoiser.transformers, ctx.mesh, ctx.comm, backend, cfg.ditango)
+        if cfg.step_cache is not None:
+            mesh = ctx.mesh  # the ranks that compute the same branch agree every decision to skip
+            denoiser.step_cache = StepCache(cfg.step_cache, ctx.comm, mesh.cp_group, tuple(mesh.cp_ranks))
+            selective = None if denoiser.listener is None else denoiser.listener.ctx.selective
+            if selective is not None:
+                selective.partial_steps = True
         if cfg.hybrid is not None:
             denoiser.guidance = Hybrid(ctx.mesh, ctx.comm, cfg.hybrid, denoiser.transformers)
         elif cfg.layout.cfg_degree == 2:
             denoiser.guidance = CfgParallel(ctx.mesh, ctx.comm)
         first_reference = None
+        if denoiser.step_cache is not None and denoiser.step_cache.needs_calibration:
+            first_reference = calibrate_step_cache(denoiser, todo[0], cfg, observer.message)
+            step_cache_run = {"mag_ratios": denoiser.step_cache.mag_ratios, "calibrated_on": todo[0].id}
         if cfg.ditango is not None and cfg.ditango.target_psnr is not None:
             cfg, calibration, first_reference = target_quality(
                 denoiser, todo[0], cfg, ctx, observer.message, report_name

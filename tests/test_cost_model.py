@@ -39,6 +39,8 @@ RUNS = [  # name, layout kwargs, ditango options
     ("ditango", dict(strategy="ditango", group_size=2), OPTS),
     ("ditango_g1", dict(strategy="ditango", group_size=1), OPTS),
     ("cfg_ring", dict(strategy="ring", cfg_degree=2), None),
+    ("tp", dict(strategy="tp"), None),  # tensor parallel: ring all-reduces, counted from DTensor's layers
+    ("cfg_tp", dict(strategy="tp", cfg_degree=2), None),
 ]
 
 
@@ -111,6 +113,23 @@ def test_simulate_cli(runner, tmp_path):
         assert ("ditango" in r) == (r["strategy"] == "ditango")
     table = runner.invoke(app, args[:-1])
     assert table.exit_code == 0 and "ditango" in table.stdout and "note: hpdc plan shape" in table.stdout
+
+
+def test_simulate_lists_tp_where_it_splits_the_heads(runner):
+    """tp is priced like the other exact strategies; a node count whose tp degree does not
+    divide the heads (40 over 12 ranks) is a skipped note, not a row."""
+    from ditango_cli.app import app
+
+    args = ["simulate", "--model", "wan2.1-14b", "--nodes", "3", "--gpus-per-node", "4", "--parallel", "ring,tp",
+            "--json"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    tp = {r["nodes"]: r for r in data["rows"] if r["strategy"] == "tp"}
+    assert set(tp) == {1, 2} and all(r["speedup_vs_best_exact"] is not None for r in tp.values())
+    assert tp[1]["inter_node_bytes"] == 0 < tp[2]["inter_node_bytes"]
+    assert any(n.startswith("tp on 3 node(s): tp degree 12 must divide") for n in data["assumptions"]["skipped"])
+    assert "tp" in data["assumptions"]  # its pricing assumptions
 
 
 def test_simulate_plumbs_planner_and_own_group(runner):

@@ -26,6 +26,7 @@ import contextlib
 
 import torch
 
+from planner.errors import ConfigError
 from planner.models import VaeShape
 
 TRANSFORMER_CLASS = "HunyuanVideoTransformer3DModel"
@@ -114,6 +115,12 @@ def install(transformer, ctx) -> tuple[list, list]:
     for layer, block in enumerate(blocks):
         block.attn.set_processor(JointAttention(ctx, layer))
     return handles, processors
+
+
+def install_tp(transformer, tp) -> tuple[list, list]:
+    """Tensor parallelism is not written for the joint text-video blocks yet (the layout check
+    refuses it first, planner/layout.py `check_model`)."""
+    raise ConfigError("--parallel tp is not supported yet for HunyuanVideo; use ring, ulysses or usp")
 
 
 def uninstall(transformer, handles: list, processors: list) -> None:
@@ -256,3 +263,9 @@ def from_block(transformer, split: int, boundary: torch.Tensor):
     finally:
         transformer.transformer_blocks, transformer.single_transformer_blocks = dual, single
         handle.remove()
+
+
+def probes(transformer) -> list[tuple]:
+    """Per block: (a module called only when the block computes, one called only when its
+    attention computes): what a step cache's record counts (runtime/step_cache.py)."""
+    return [(b.ff.net[2] if hasattr(b, "ff") else b.proj_mlp, b.attn.to_q) for b in _blocks(transformer)]

@@ -14,6 +14,8 @@ name no model; runtime/strategies/parallelize.py calls `install`):
   prediction;
 - the model's shape (`shape_of`) for the registry, `check` and the cost model.
 Everything else in a Wan block is per token and runs unchanged on the local chunk.
+Tensor parallelism (`install_tp`) shards no tokens: it names the projections split
+column- and row-wise and the RMS norms across heads, and leaves the rest whole.
 
 Variants (`WanVariant`, from model_index.json): one or two experts switched at
 `boundary_ratio * num_train_timesteps` (Wan2.2 A14B), per-token timesteps (`expand_timesteps`,
@@ -231,6 +233,54 @@ def uninstall(transformer, handles: list, processors: list) -> None:
         block.attn1.set_processor(processor)
 
 
+def install_tp(transformer, tp) -> tuple[list, list]:
+    """Split every block's heads and FFN width over `tp` (runtime/strategies/tensor.py's
+    `TensorParallel`); returns (hook handles, undo steps) for `uninstall_tp`.
+
+    In `attn1` and `attn2`: to_q/to_k/to_v (and I2V's add_k_proj/add_v_proj) column-wise,
+    the RMS norms across heads (norm_q, norm_k, norm_added_k) over the local channels,
+    `heads` the local count, to_out.0 row-wise; in the FFN `net.0.proj` column-wise and
+    `net.2` row-wise. attn1 runs `WanSelfAttention` on the local heads (tp's attention),
+    attn2 diffusers' processor. Patch embedding, condition embedder, block norms, modulation
+    tables and proj_out stay whole: every rank computes them on every token. Rotary tables
+    are cast to float32 once per forward, as under the other strategies.
+    """
+    cfg = transformer.config
+    heads = tp.local(cfg.num_attention_heads, "attention heads")
+    tp.local(cfg.ffn_dim, "FFN width")
+    handles = [transformer.rope.register_forward_hook(lambda module, args, out: tuple(t.float() for t in out))]
+    undo = []
+    for layer, block in enumerate(transformer.blocks):
+        for attn in (block.attn1, block.attn2):
+            assert not getattr(attn, "fused_projections", False), "tp splits unfused projections only"
+            for name in ("to_q", "to_k", "to_v", "add_k_proj", "add_v_proj"):
+                if getattr(attn, name, None) is not None:
+                    undo.append(tp.colwise(attn, name))
+            for name in ("norm_q", "norm_k", "norm_added_k"):
+                if isinstance(getattr(attn, name, None), torch.nn.RMSNorm):
+                    undo.append(tp.norm(attn, name))
+            undo.append(tp.rowwise(attn.to_out, "0"))
+            undo.append(tp.set(attn, "heads", heads))
+        undo.append(tp.colwise(block.ffn.net[0], "proj"))
+        undo.append(tp.rowwise(block.ffn.net, "2"))
+        undo.append(_set_processor(block.attn1, WanSelfAttention(tp, layer)))
+    return handles, undo
+
+
+def _set_processor(attn, processor):
+    old = attn.processor
+    attn.set_processor(processor)
+    return lambda: attn.set_processor(old)
+
+
+def uninstall_tp(transformer, handles: list, undo: list) -> None:
+    """Undo `install_tp` (gathers the split weights: every rank of the group calls it)."""
+    for handle in handles:
+        handle.remove()
+    for step in reversed(undo):
+        step()
+
+
 def attention_shape(transformer) -> tuple[int, int, int]:
     """(layers, heads, head_dim) of the self-attention the strategy runs."""
     cfg = transformer.config
@@ -266,3 +316,11 @@ def from_block(transformer, split: int, boundary: torch.Tensor):
     finally:
         transformer.blocks = blocks
         handle.remove()
+
+
+def probes(transformer) -> list[tuple]:
+    """Per block: (a module called only when the block computes, one called only when its
+    self-attention computes): what a step cache's record counts (runtime/step_cache.py). The
+    FFN's output projection, not the FFN: a cache that replaces the FFN's forward still lets
+    the FFN module's own hooks run."""
+    return [(block.ffn.net[2], block.attn1.to_q) for block in transformer.blocks]

@@ -7,6 +7,8 @@ sharded, which inputs are per token, which modules are self-attention and where 
 is gathered; this module holds what every family shares: the chunking of the token sequence
 over the cp group (`ShardContext`) and the strategy's attention of the local queries over all
 chunks. Several transformers (Wan2.2's two experts) share one context: one runs at a time.
+Tensor parallelism (`tp`) shards no tokens: the adapter's `install_tp` splits the blocks'
+weights over the cp group (runtime/strategies/tensor.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from runtime.models.families import adapter_for
 from runtime.state import AttentionState, merge, merge_all
 from runtime.strategies.ring import ring_attention
 from runtime.strategies.selective import CACHE_DTYPES, SelectiveRuntime
+from runtime.strategies.tensor import TensorParallel, check_unsharded
 from runtime.strategies.ulysses import heads_to_seq, seq_to_heads
 
 
@@ -150,7 +153,7 @@ class Parallelized:
 
     ctx: ShardContext
     transformers: list
-    installed: list  # per transformer: (adapter, handles, processors)
+    installed: list  # per transformer: (the adapter's uninstall, handles, what it replaced)
     patch: tuple[int, int, int] = (1, 2, 2)
 
     def begin_run(self, latents_BCFHW: torch.Tensor, steps: int, branches: int, switches: tuple[int, ...] = ()) -> None:
@@ -181,8 +184,9 @@ class Parallelized:
             self.ctx.selective.end_step(step)
 
     def remove(self) -> None:
-        for transformer, (adapter, handles, processors) in zip(self.transformers, self.installed, strict=True):
-            adapter.uninstall(transformer, handles, processors)
+        """Undo the install (under tp a collective: every rank of the group removes)."""
+        for transformer, (uninstall, handles, replaced) in zip(self.transformers, self.installed, strict=True):
+            uninstall(transformer, handles, replaced)
 
 
 def parallelize(
@@ -196,6 +200,14 @@ def parallelize(
     patches = {a.patch_size(t) for a, t in zip(adapters, transformers, strict=True)}
     assert len(shapes) == 1 and len(patches) == 1, f"experts differ in attention shape or patch: {shapes}, {patches}"
     ctx = ShardContext(mesh, comm, backend)
+    if mesh.layout.strategy == "tp":
+        tp = TensorParallel(mesh, comm, backend)
+        installed = []
+        for a, t in zip(adapters, transformers, strict=True):
+            check_unsharded(t)
+            handles, undo = a.install_tp(t, tp)
+            installed.append((a.uninstall_tp, handles, undo))
+        return Parallelized(ctx, transformers, installed, patches.pop())
     if mesh.layout.strategy == "ditango":
         opts = ditango or DiTangoOptions()
         layers, heads, head_dim = shapes.pop()
@@ -204,5 +216,5 @@ def parallelize(
             cache_dtype=None if opts.cache_dtype is None else CACHE_DTYPES[opts.cache_dtype],
             cache_limit_bytes=opts.cache_limit_bytes,
         )  # fmt: skip
-    installed = [(a, *a.install(t, ctx)) for a, t in zip(adapters, transformers, strict=True)]
+    installed = [(a.uninstall, *a.install(t, ctx)) for a, t in zip(adapters, transformers, strict=True)]
     return Parallelized(ctx, transformers, installed, patches.pop())

@@ -132,6 +132,9 @@ class SelectiveRuntime:
         self._device = torch.device("cpu")
         self.c_ref_NLUBSH: torch.Tensor | None = None  # [N, L, U, B, S, H] float32
         self.c_anchor_NLBSH: torch.Tensor | None = None  # [N, L, B, S, H] float32
+        # A step cache (runtime/step_cache.py) may skip whole layers on a step: then the layers
+        # that ran are agreed at the end of each step, and the plan and the ages follow them.
+        self.partial_steps = False
 
     # -- per item ------------------------------------------------------------------------
     @property
@@ -201,6 +204,8 @@ class SelectiveRuntime:
         # Planner statistics stay on the compute device; the host sees them once per step.
         self.weights_NLU = torch.zeros(N, L, U, device=device)
         self.alpha_NLU = torch.ones(N, L, U, device=device)
+        self.scores_LU = torch.zeros(L, U)  # the last scores observed per layer (host)
+        self.kv_fresh, self.evaluations = 0.0, 0  # fraction of the KV tokens computed, summed over evaluations
         self.cache_peak_bytes = self.cache.nbytes() + self.reference_bytes()
         self._reset_step_stats()
 
@@ -234,6 +239,18 @@ class SelectiveRuntime:
     def _reset_step_stats(self) -> None:
         self.ase_NLU = torch.zeros(self.branches, self.layers, self.units, device=self._device)
         self.gate_NL = torch.zeros(self.branches, self.layers, device=self._device)
+        self.ran_L = torch.zeros(self.layers, dtype=torch.bool)
+
+    def _layers_run(self) -> torch.Tensor:
+        """The layers whose attention ran this step on some rank of the plan group (all of
+        them unless a step cache skipped some: then one all-reduce agrees)."""
+        if not self.partial_steps:
+            return torch.ones(self.layers, dtype=torch.bool)
+        ran = self.ran_L.to(self._device, torch.int32)
+        group, ranks = self._plan_group()
+        if group is not None:
+            self.comm.all_reduce(ran, dist.ReduceOp.MAX, group, ranks)
+        return ran.cpu().bool()
 
     def begin_step(self, step: int) -> None:
         assert self.planner is not None, "begin_run first"
@@ -269,19 +286,26 @@ class SelectiveRuntime:
         if self.cache is not None:
             self.cache_peak_bytes = max(self.cache_peak_bytes, self.cache.peak_bytes + self.reference_bytes())
         self._steps_done += 1
+        ran_L = self._layers_run()
+        self.planner.not_run(step, ~ran_L)
+        plan = self.planner.log().steps[-1] if not bool(ran_L.all()) else plan
         if self.budget:
             self.refreshed_LU[plan.compute_LU] = step  # exact steps refresh the cache too (below)
         if not self.planner.observes(plan.kind):
             return
         # One vector for every rank (and branch): scores [L, U] then the gate scalar, averaged
         # over the plan group so that every rank plans the next step identically.
-        stats = torch.cat([self.ase_NLU.mean(0).flatten(), self.gate_NL.mean().reshape(1)])
+        gate = self.gate_NL[:, ran_L.to(self.gate_NL.device)].mean() if bool(ran_L.any()) else self.gate_NL.sum()
+        stats = torch.cat([self.ase_NLU.mean(0).flatten(), gate.reshape(1)])
         group, ranks = self._plan_group()
         if group is not None:
             self.comm.all_reduce(stats, dist.ReduceOp.SUM, group, ranks)
             stats = stats / len(ranks)
         stats = stats.cpu()  # the one host sync of the step
-        self.planner.observe(step, stats[:-1].reshape(self.layers, self.units), float(stats[-1]))
+        scores_LU = stats[:-1].reshape(self.layers, self.units)
+        scores_LU[~ran_L] = self.scores_LU[~ran_L]  # a layer that did not run keeps its last scores
+        self.scores_LU = scores_LU
+        self.planner.observe(step, scores_LU, float(stats[-1]))
 
     # -- per layer -----------------------------------------------------------------------
     def attention(self, layer: int, q_BSHD, k_BSHD, v_BSHD, scale: float, seq_sizes: Sequence[int]) -> AttentionState:
@@ -308,6 +332,12 @@ class SelectiveRuntime:
         units = self.unit_list
         compute_U = plan.compute_LU[layer].tolist() if plan.kind == "selective" else [True] * len(units)
         offsets = [d for u, offs in enumerate(units) if compute_U[u] for d in offs if d > 0]
+        self.ran_L[layer] = True
+        own_computed = not self.own_unit or compute_U[0]  # the own group whole, or the own chunk only
+        fresh_groups = {(g + d) % self.groups for d in offsets} | ({g} if own_computed else set())
+        fresh_tokens = sum(sum(group_sizes(x)) for x in fresh_groups) + (0 if own_computed else seq_sizes[c])
+        self.kv_fresh += fresh_tokens / sum(seq_sizes)
+        self.evaluations += 1
 
         kv_2BKHD = torch.stack([k_BSHD, v_BSHD])
         B, _, H, D = k_BSHD.shape
@@ -446,6 +476,9 @@ class SelectiveRuntime:
             "per_step": summary["per_step"],
             "plan": summary,
             "plan_hash": log.hash(),
+            # Over the self-attention evaluations that ran: the fraction of the KV tokens computed
+            # fresh (the own chunk, and the groups of the units computed)
+            "kv_fraction_per_evaluation": round(self.kv_fresh / self.evaluations, 6) if self.evaluations else None,
             "cache_peak_bytes": self.cache_peak_bytes,
             "compose_factor": self.compose,
             "units": self.units,

@@ -1,0 +1,345 @@
+"""Step caches: diffusers' cache hooks (first-block, PAB, TaylorSeer, MagCache) under every
+strategy, with every decision to skip agreed by the ranks that compute the same branch.
+
+Shape legend: B batch, S tokens (the rank's chunk under context parallelism), C channels.
+
+A step cache skips work across denoising steps: the blocks after the first (first-block,
+MagCache: the cached residual of the skipped blocks is added instead) or attention layers
+(PAB: the attention output of an earlier step; TaylorSeer: a Taylor extrapolation of it).
+diffusers' hooks do the work (`transformer.enable_cache`, one cache context per CFG
+branch). What this module adds:
+- Agreement. Under context parallelism each rank sees its own chunk, so a decision computed
+  from activations would differ between ranks: some would run the blocks (and their
+  attention exchanges) while others skip them, and the exchanges would not pair up. The two
+  data-dependent decisions are agreed before they are taken, with one all-reduce over the
+  ranks that compute the branch (the cp group): first-block's relative change of the first
+  block's residual is a ratio of two sums, all-reduced (the whole sequence's ratio, as one
+  process computes it); MagCache's calibration ratio is a mean over tokens (sum and count
+  all-reduced). PAB and TaylorSeer decide from the step index alone, and MagCache from its
+  fixed ratios: the same on every rank. Each CFG branch keeps its own cache context and
+  decides on its own, as in diffusers (under --cfg-parallel each branch's group decides as
+  one process would).
+- Counting. Every forward records the blocks and self-attention layers it evaluated (probe
+  hooks on a module that only runs when the block, or the attention, computes). The item's
+  record holds the per-step counts, the steps whose blocks were skipped, and the fractions.
+- MagCache's ratios. diffusers needs them per checkpoint: `mag_ratios=FILE` (a JSON list),
+  or none: the first item is denoised once in calibration mode (it never skips: it is the
+  exact run) and the measured ratios serve the batch (recorded in the report).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from planner.errors import ConfigError
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    if not sep:
+        raise ValueError(text)
+    return int(lo), int(hi)
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("1", "0", "true", "false"):
+        raise ValueError(text)
+    return text.lower() in ("1", "true")
+
+
+def _dtype(text: str) -> str:
+    if text not in ("float32", "bfloat16"):
+        raise ValueError(text)
+    return text
+
+
+def _path(text: str) -> str:
+    return str(Path(text).expanduser())
+
+
+# Per cache: its keys (as in diffusers' config classes) with their parsers, and our defaults
+# where diffusers' would do nothing (PAB skips no layer unless a skip range is given).
+KEYS: dict[str, dict] = {
+    "first-block": {"threshold": float},
+    "pab": {
+        "spatial_attention_block_skip_range": int,
+        "spatial_attention_timestep_skip_range": _range,
+        "cross_attention_block_skip_range": int,
+        "cross_attention_timestep_skip_range": _range,
+    },
+    "taylorseer": {
+        "cache_interval": int,
+        "disable_cache_before_step": int,
+        "disable_cache_after_step": int,
+        "max_order": int,
+        "taylor_factors_dtype": _dtype,
+    },
+    "magcache": {"threshold": float, "max_skip_steps": int, "retention_ratio": float, "mag_ratios": _path},
+}
+DEFAULTS: dict[str, dict] = {"pab": {"spatial_attention_block_skip_range": 2}}
+# TaylorSeer extrapolates the outputs of these modules (re.fullmatch on their names): each
+# block's attentions and FFN, in Wan and in HunyuanVideo (diffusers' default patterns miss
+# Wan's `attn1`/`attn2`).
+TAYLORSEER_MODULES = [r"blocks\.\d+\.(attn1|attn2|ffn)", r"(single_)?transformer_blocks\.\d+\.(attn|ff)"]
+EXAMPLE = {"first-block": "threshold=0.05", "pab": "spatial_attention_block_skip_range=2",
+           "taylorseer": "cache_interval=5", "magcache": "threshold=0.06"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepCacheSpec:
+    """`--step-cache NAME[:key=value,...]`, validated: the cache and its options."""
+
+    name: str
+    options: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.name not in KEYS:
+            raise ConfigError(f"--step-cache must be one of {', '.join(KEYS)}, got {self.name!r}")
+        for key, value in self.options:
+            if key not in KEYS[self.name]:
+                raise ConfigError(
+                    f"--step-cache {self.name} has no option {key!r}; its options: {', '.join(KEYS[self.name])}"
+                )
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                raise ConfigError(f"--step-cache {self.name}: {key} must be >= 0, got {value}")
+        opts = self.settings
+        if self.name == "taylorseer" and opts.get("cache_interval", 5) < 1:
+            raise ConfigError("--step-cache taylorseer: cache_interval must be >= 1 (1 computes every step)")
+        if self.name == "pab":
+            for key in ("spatial_attention_block_skip_range", "cross_attention_block_skip_range"):
+                if opts.get(key) is not None and opts[key] < 1:
+                    raise ConfigError(f"--step-cache pab: {key} must be >= 1 (1 skips nothing)")
+        if "mag_ratios" in opts and not Path(opts["mag_ratios"]).is_file():
+            raise ConfigError(f"--step-cache magcache: mag_ratios {opts['mag_ratios']} is not a file")
+
+    @property
+    def settings(self) -> dict:
+        """The options in force: ours where given, else DEFAULTS (diffusers' for the rest)."""
+        return {**DEFAULTS.get(self.name, {}), **dict(self.options)}
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "options": {k: list(v) if isinstance(v, tuple) else v for k, v in self.settings.items()},
+        }
+
+
+def parse_step_cache(text: str) -> StepCacheSpec:
+    """'first-block:threshold=0.05' -> StepCacheSpec; a one-line ConfigError otherwise."""
+    name, _, rest = text.strip().partition(":")
+    name = name.strip().lower()
+    if name not in KEYS:
+        raise ConfigError(
+            f"--step-cache must be one of {', '.join(KEYS)} (e.g. first-block:threshold=0.05), got {name!r}"
+        )
+    options = []
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in KEYS[name]:
+            raise ConfigError(
+                f"--step-cache {name}: {part!r} is not key=value with a key of {', '.join(KEYS[name])} "
+                f"(e.g. {name}:{EXAMPLE[name]})"
+            )
+        try:
+            options.append((key, KEYS[name][key](value.strip())))
+        except ValueError:
+            raise ConfigError(f"--step-cache {name}: {key}={value.strip()!r} is not valid") from None
+    return StepCacheSpec(name, tuple(options))
+
+
+def load_mag_ratios(path: str) -> list[float]:
+    try:
+        ratios = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--step-cache magcache: mag_ratios {path} is not a JSON list of numbers ({exc})") from None
+    if not isinstance(ratios, list) or not ratios or not all(isinstance(r, (int, float)) for r in ratios):
+        raise ConfigError(f"--step-cache magcache: mag_ratios {path} is not a JSON list of numbers")
+    return [float(r) for r in ratios]
+
+
+@dataclass
+class _Forward:
+    step: int
+    branch: str
+    blocks: int = 0
+    attention: int = 0
+
+
+@dataclass
+class StepCache:
+    """Per-rank runtime of one `--step-cache`: installs diffusers' hooks on every expert for a
+    run, agrees their decisions over `group` (the ranks computing the same branch; None on
+    one rank) and counts what each forward evaluated."""
+
+    spec: StepCacheSpec
+    comm: object = None  # runtime.comm.Comm
+    group: object = None
+    ranks: tuple[int, ...] = ()
+    mag_ratios: list[float] | None = None
+    calibrating: bool = False
+    forwards: list[_Forward] = field(default_factory=list)
+    _installed: list = field(default_factory=list)
+    _handles: list = field(default_factory=list)
+    _now: _Forward | None = None
+    _calibrated: dict = field(default_factory=dict)  # branch -> measured ratios (calibration mode)
+    timestep: float = 0.0
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        path = self.spec.settings.get("mag_ratios")
+        if self.spec.name == "magcache" and path is not None and self.mag_ratios is None:
+            self.mag_ratios = load_mag_ratios(path)
+
+    def __repr__(self) -> str:
+        return f"StepCache({self.spec.name}, {self.spec.settings}, forwards={len(self.forwards)})"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.spec.name == "magcache" and self.mag_ratios is None
+
+    # -- per run -------------------------------------------------------------------------
+    def config(self, steps: int):
+        """The diffusers config of this cache for a run of `steps` steps."""
+        from diffusers.hooks import (
+            FirstBlockCacheConfig,
+            MagCacheConfig,
+            PyramidAttentionBroadcastConfig,
+            TaylorSeerCacheConfig,
+        )
+
+        opts = {k: v for k, v in self.spec.settings.items() if k != "mag_ratios"}
+        if self.spec.name == "first-block":
+            return FirstBlockCacheConfig(**opts)
+        if self.spec.name == "pab":
+            return PyramidAttentionBroadcastConfig(**opts, current_timestep_callback=lambda: self.timestep)
+        if self.spec.name == "taylorseer":
+            if "taylor_factors_dtype" in opts:
+                opts["taylor_factors_dtype"] = getattr(torch, opts["taylor_factors_dtype"])
+            return TaylorSeerCacheConfig(**opts, cache_identifiers=TAYLORSEER_MODULES)
+        if self.calibrating:
+            return MagCacheConfig(**opts, num_inference_steps=steps, calibrate=True)
+        return MagCacheConfig(**opts, num_inference_steps=steps, mag_ratios=list(self.mag_ratios))
+
+    def begin_run(self, transformers, adapter, steps: int) -> None:
+        """Install the cache on every expert (fresh states for the item) and the probes."""
+        self.forwards = []
+        for transformer in transformers:
+            transformer.enable_cache(self.config(steps))
+            self._installed.append(transformer)
+            self._agree(transformer, adapter)
+            for block_probe, attention_probe in adapter.probes(transformer):
+                self._handles.append(block_probe.register_forward_pre_hook(self._count_block))
+                self._handles.append(attention_probe.register_forward_pre_hook(self._count_attention))
+
+    def end_run(self) -> None:
+        for transformer in self._installed:
+            transformer.disable_cache()
+        for handle in self._handles:
+            handle.remove()
+        self._installed, self._handles, self._now = [], [], None
+
+    def begin_step(self, step: int, timestep) -> None:
+        self.step, self.timestep = step, float(timestep)
+
+    @contextlib.contextmanager
+    def forward(self, transformer, branch: str):
+        """One transformer evaluation of CFG branch `branch` ("cond"/"uncond"): its cache context."""
+        self._now = _Forward(self.step, branch)
+        try:
+            with transformer.cache_context(branch):
+                yield
+        finally:
+            self.forwards.append(self._now)
+            self._now = None
+
+    def _count_block(self, module, args) -> None:
+        if self._now is not None:
+            self._now.blocks += 1
+
+    def _count_attention(self, module, args) -> None:
+        if self._now is not None:
+            self._now.attention += 1
+
+    # -- agreement -----------------------------------------------------------------------
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            self.comm.all_reduce(t, dist.ReduceOp.SUM, self.group, self.ranks)
+        return t
+
+    def _agree(self, transformer, adapter) -> None:
+        """Route the data-dependent decisions of the hooks just installed through one all-reduce."""
+        from diffusers.hooks import HookRegistry
+        from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
+        from diffusers.hooks.mag_cache import _MAG_CACHE_BLOCK_HOOK
+
+        blocks = adapter.segment_blocks(transformer)
+        if self.spec.name == "first-block":
+            hook = HookRegistry.check_if_exists_or_initialize(blocks[0]).get_hook(_FBC_LEADER_BLOCK_HOOK)
+            hook._should_compute_remaining_blocks = self._first_block_decision(hook)
+        elif self.spec.name == "magcache" and self.calibrating:
+            hook = HookRegistry.check_if_exists_or_initialize(blocks[-1]).get_hook(_MAG_CACHE_BLOCK_HOOK)
+            hook._perform_calibration_step = self._calibration_step
+
+    def _first_block_decision(self, hook):
+        def should_compute(residual_BSC: torch.Tensor) -> bool:
+            # diffusers: mean|r - r_prev| / mean|r_prev| > threshold, over the whole sequence:
+            # a ratio of two sums, the same numbers one process would compare
+            state = hook.state_manager.get_state()
+            prev = state.head_block_residual
+            if prev is None:
+                return True
+            sums = torch.stack([(residual_BSC - prev).abs().sum(), prev.abs().sum()]).float()
+            sums = self._all_reduce(sums)
+            return bool(sums[0] > hook.threshold * sums[1])
+
+        return should_compute
+
+    def _calibration_step(self, state, residual_BSC: torch.Tensor) -> None:
+        # diffusers: mean over tokens of |r_t| / |r_t-1| (per-token norms), agreed over the chunks
+        if state.previous_residual is None:
+            ratio = 1.0
+        else:
+            now = torch.linalg.norm(residual_BSC.float(), dim=-1)
+            prev = torch.linalg.norm(state.previous_residual.float(), dim=-1)
+            sums = self._all_reduce(torch.stack([(now / (prev + 1e-8)).sum(), torch.tensor(float(now.numel()))]))
+            ratio = float(sums[0] / sums[1])
+        branch = self._now.branch if self._now is not None else "cond"
+        self._calibrated.setdefault(branch, []).append(ratio)
+
+    def take_calibration(self) -> list[float]:
+        """The ratios a calibration run measured (the conditional branch's, as diffusers logs one list)."""
+        ratios = self._calibrated.get("cond") or next(iter(self._calibrated.values()), None)
+        assert ratios, "no calibration was measured"
+        self._calibrated = {}
+        return [round(r, 6) for r in ratios]
+
+    # -- record --------------------------------------------------------------------------
+    def record(self, layers: int) -> dict:
+        """The item's record: per branch and step, the blocks and self-attention layers evaluated
+        (of `layers` each), the steps whose blocks after the first were skipped, the fractions."""
+        per_branch: dict[str, list[list[int]]] = {}
+        for f in self.forwards:
+            per_branch.setdefault(f.branch, []).append([f.blocks, f.attention])
+        total = len(self.forwards) * layers
+        blocks = sum(f.blocks for f in self.forwards)
+        attention = sum(f.attention for f in self.forwards)
+        record = {
+            **self.spec.to_json(),
+            "per_step": per_branch,  # branch -> [[blocks, self-attention layers] per step]
+            "skipped_steps": {b: [i for i, (n, _) in enumerate(s) if n < layers] for b, s in per_branch.items()},
+            "forwards": len(self.forwards),
+            "block_evals": blocks,
+            "block_fraction": round(blocks / total, 6) if total else 1.0,
+            "attention_evals": attention,
+            "attention_fraction": round(attention / total, 6) if total else 1.0,
+        }
+        if self.spec.name == "magcache":
+            record["mag_ratios"] = self.mag_ratios
+        return record
