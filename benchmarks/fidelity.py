@@ -27,8 +27,9 @@ Columns (sums and means over the prompts):
 
 Then every row is priced for Wan2.1-14B at 720p on 4 nodes x 8 H20 (`ditango simulate`, its
 default profile): the row's strategy (and for DiTango its cache ratio and planner) as
-`simulate` prices it; a step cache scales the strategy's per-step time and bytes by the
-blocks-run fraction measured here (a skipped block computes nothing and sends nothing).
+`simulate` prices it; a step cache scales the strategy's per-step time by the fractions
+measured here (a skipped block computes nothing; a skipped attention costs no attention time)
+and its bytes by the attention evaluations that ran (by the blocks run under TP).
 
 Writes the markdown table to stdout (and --table), the rows to --json, and two plots under
 --plots (default DIR): PSNR vs inter-node bytes, and PSNR vs attention computed.
@@ -84,10 +85,11 @@ ROWS: list[tuple[str, str, list[str]]] = [
 
 def run(exe: Path, prompts: Path, out: Path, steps: int, args: list[str], fresh: bool) -> tuple[dict | None, str]:
     """(report or None, why not); a complete report under `out` is reused unless `fresh`."""
-    report_path = out / "report.json"
-    if report_path.exists() and not fresh:
+    report_path, args_path = out / "report.json", out / "bench_args.json"
+    asked = {"steps": steps, "args": [*LAYOUT, *args], "prompts": prompts.read_text()}
+    if report_path.exists() and not fresh and args_path.exists() and json.loads(args_path.read_text()) == asked:
         report = json.loads(report_path.read_text())
-        if report.get("options", {}).get("steps") == steps and report["counts"]["done"] == len(report["items"]):
+        if report["counts"]["done"] == len(report["items"]):
             return report, "reused"
     cmd = [str(exe), "generate", "--model", MODEL, "--prompts", str(prompts), "--out", str(out), "--steps", str(steps),
            "--device", "cpu", "--executor", "local", "--save-latents", "--quiet", "--overwrite", *LAYOUT, *args]  # fmt: skip
@@ -98,6 +100,7 @@ def run(exe: Path, prompts: Path, out: Path, steps: int, args: list[str], fresh:
         f.flush()
         rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=f).returncode
     report = json.loads(report_path.read_text()) if report_path.exists() else None
+    args_path.write_text(json.dumps(asked))
     if rc != 0 or report is None or report["counts"]["done"] != len(report["items"]):
         tail = next((line for line in reversed(log.read_text().splitlines()) if line.strip()), "")
         return None, f"exit {rc}: {tail} (log: {log})"
@@ -132,6 +135,7 @@ def measure(name: str, family: str, report: dict, frames: dict, latents: dict, r
         return sum(i["comm"][key] for i in items.values()) / base if base else None
 
     attn, blocks = zip(*(fractions(i) for i in items.values()), strict=True)
+    evals = [(i.get("step_cache") or {}).get("attention_fraction", 1.0) for i in items.values()]
     return {
         "run": name,
         "family": family,
@@ -143,6 +147,7 @@ def measure(name: str, family: str, report: dict, frames: dict, latents: dict, r
         "adherence": {a: hits[a] / len(items) for a in ASPECTS},
         "attention_computed": mean(list(attn)),
         "blocks_run": mean(list(blocks)),
+        "attention_evals": mean(evals),  # self-attention evaluations that ran (a step cache skips some)
         "inter_node_vs_ring": vs_ring("inter_node_bytes"),
         "intra_node_vs_ring": vs_ring("intra_node_bytes"),
         "inter_node_bytes": sum(i["comm"]["inter_node_bytes"] for i in items.values()),
@@ -168,10 +173,13 @@ def simulate(exe: Path, row: dict, args: list[str], steps: int) -> dict | None:
     rows = [r for r in json.loads(out.stdout)["rows"] if r["strategy"] == strategy and r["nodes"] == 4]
     if not rows:
         return None
-    r, f = rows[0], row["blocks_run"]
-    denoise = steps * r["step_s"]
-    return {"e2e_s": r["e2e_s"] - denoise * (1 - f), "step_s": r["step_s"] * f,
-            "inter_node_bytes": r["inter_node_bytes"] * f, "intra_node_bytes": r["intra_node_bytes"] * f}  # fmt: skip
+    # A skipped block costs nothing; a skipped attention (PAB, TaylorSeer) costs no attention
+    # time and, under context parallelism, none of its bytes (they are the attention's).
+    r, blocks, evals = rows[0], row["blocks_run"], row["attention_evals"]
+    step = (r["step_s"] - r["attention_s"]) * blocks + r["attention_s"] * evals
+    moved = blocks if strategy == "tp" else evals
+    return {"e2e_s": r["e2e_s"] - steps * (r["step_s"] - step), "step_s": step,
+            "inter_node_bytes": r["inter_node_bytes"] * moved, "intra_node_bytes": r["intra_node_bytes"] * moved}  # fmt: skip
 
 
 def psnr_text(row: dict) -> list[str]:
@@ -184,7 +192,7 @@ def psnr_text(row: dict) -> list[str]:
 
 
 def table(rows: list[dict], header: str) -> str:
-    ring_s = rows[0]["denoise_s"]
+    ring_s = rows[0].get("denoise_s") or math.nan
     ring_sim = rows[0].get("sim") or {}
     lines = [header, "",
              "| run | family | PSNR mean (dB) | PSNR min (dB) | SSIM mean | latent err | colour | direction | background "
@@ -276,6 +284,9 @@ def main() -> None:
         frames = {i: denoiser.decode(x) for i, x in latents.items()}
         if name == "ring":
             ring = {i["id"]: (i, frames[i["id"]], latents[i["id"]]) for i in report["items"]}
+        elif not ring:
+            rows.append({"run": name, "family": family, "error": "no exact ring run to compare with"})
+            continue
         row = measure(name, family, report, frames, latents, ring, specs)
         row["sim"] = simulate(exe, row, run_args, 50)
         rows.append(row)
@@ -283,7 +294,7 @@ def main() -> None:
         f"`{MODEL}`, {args.steps} steps, 4 ranks on 2 virtual nodes (2 a node; DiTango's group = a node), "
         f"{args.prompts} prompts (eval_prompts), CPU gloo; every row vs the exact ring of the same prompts. The last "
         "two columns are modelled (`ditango simulate`, Wan2.1-14B 720p 81 frames 50 steps, 4 nodes x 8 H20; a step "
-        "cache scales its strategy's step time by the blocks run)."
+        "cache scales its strategy's step time by the blocks and attention evaluations run)."
     )
     text = table(rows, header)
     print(text)

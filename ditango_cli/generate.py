@@ -116,6 +116,9 @@ def build_run_config(
     step_cache = None if p.step_cache is None else parse_step_cache(p.step_cache)
     if step_cache is not None and g.hybrid:
         raise ConfigError("--step-cache does not combine with --hybrid (its segments run different blocks)")
+    if step_cache is not None and step_cache.name in ("first-block", "magcache") and mem.shard_weights:
+        raise ConfigError(f"--step-cache {step_cache.name} does not combine with --shard-weights (FSDP wraps the "
+                          "blocks it hooks); use pab or taylorseer, or drop --shard-weights")  # fmt: skip
     parallel_decode = layout.world_size > 1 and mem.vae_parallel is not False
     decode = DecodeOptions(tiling=mem.vae_tiling, parallel=parallel_decode, tile_px=mem.vae_tile)
     # --reference exact measures what the run approximates: DiTango's reuse, a step cache, a tiled decode.

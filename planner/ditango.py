@@ -330,6 +330,11 @@ class DiTangoPlanner:
         self._next_step = step + 1
         return StepPlan(p.step, p.kind, p.compute_LU.clone(), p.epsilon)
 
+    def last_plan(self) -> StepPlan:
+        """The plan of the step last planned, as the log holds it (after `not_run`)."""
+        p = self._log[-1]
+        return StepPlan(p.step, p.kind, p.compute_LU.clone(), p.epsilon)
+
     def not_run(self, step: int, missing_L: torch.Tensor) -> None:
         """Layers of the step just planned that did not run (a step cache skipped their blocks
         or their attention; agreed over the plan group): none of their cells was computed, so

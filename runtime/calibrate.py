@@ -124,9 +124,29 @@ def exact_run(denoiser, item, cfg) -> tuple:
     return inputs, exact_reference(denoiser, latents, text, item, condition)
 
 
-def calibrate_step_cache(denoiser, item, cfg, message):
+def step_cache_ratios(denoiser, item, cfg, ctx, message, report_name: str) -> tuple[dict, object]:
+    """MagCache's ratios for the batch: those a launch of the same command stored, else
+    measured on `item` and stored. Returns (the record for the report, `item`'s exact latents
+    when measured now, else None)."""
+    cache = denoiser.step_cache
+    path = calibration_path(cfg.out_dir, "magcache-" + report_name)
+    key = {"model": cfg.model, "layout": cfg.layout.to_json(), "step_cache": cache.spec.to_json()}
+    record = ctx.from_writer(stored_calibration(path, key) if ctx.is_writer else None)
+    if record is not None:
+        cache.mag_ratios = record["mag_ratios"]
+        return {k: v for k, v in record.items() if k != "key"}, None
+    reference = calibrate_step_cache(denoiser, item, cfg, ctx, message)
+    record = {"mag_ratios": cache.mag_ratios, "calibrated_on": item.id}
+    if ctx.is_writer:
+        save_calibration(path, key, record)
+    return record, reference
+
+
+def calibrate_step_cache(denoiser, item, cfg, ctx, message):
     """MagCache without ratios: denoise `item` exactly with the cache in calibration mode (it
-    measures, never skips) and keep the ratios for the batch. Returns the item's exact latents."""
+    measures, never skips) and keep the conditional branch's ratios for the batch (as diffusers
+    logs one list), the same on every rank (under --cfg-parallel only some ranks run that
+    branch). Returns the item's exact latents."""
     cache = denoiser.step_cache
     message(f"measuring magcache's ratios on {item.id} (one exact run)")
     cache.calibrating = True
@@ -135,7 +155,9 @@ def calibrate_step_cache(denoiser, item, cfg, message):
             _, reference = exact_run(denoiser, item, cfg)
     finally:
         cache.calibrating = False
-    cache.mag_ratios = cache.take_calibration()
+    measured = ctx.gather(cache.take_calibration())
+    ratios = next((m["cond"] for m in measured if "cond" in m), None) or next(r for m in measured for r in m.values())
+    cache.mag_ratios = ratios
     return reference
 
 

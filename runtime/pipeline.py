@@ -293,10 +293,12 @@ class WanDenoiser:
                     on_step(i + 1, steps)
         finally:  # a failed item frees its buffers too: a retry's automatic cache cap reads free memory
             self.expert, self._condition = 0, None
-            if listener is not None:
-                listener.end_run()
-            if cache is not None:
-                cache.end_run()
+            try:
+                if listener is not None:
+                    listener.end_run()
+            finally:
+                if cache is not None:
+                    cache.end_run()
         if condition is not None and condition.first_frame_mask is not None:
             mask = condition.first_frame_mask  # TI2V: the first frame is the image's, as diffusers returns it
             latents = (1 - mask) * condition.latents_BCFHW + mask * latents

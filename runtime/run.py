@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from runtime.calibrate import calibrate_step_cache, hold_target, target_quality
+from runtime.calibrate import hold_target, step_cache_ratios, target_quality
 from runtime.comm import Comm
 from runtime.config import Item, RunConfig, plan_memory
 from runtime.guidance import CfgParallel, Hybrid
@@ -127,13 +127,14 @@ def step_cache_record(denoiser: WanDenoiser, ctx: RankContext) -> dict | None:
     cache = denoiser.step_cache
     if cache is None:
         return None
-    record = cache.record(len(adapter_for(denoiser.transformers[0]).probes(denoiser.transformers[0])))
-    mesh = ctx.mesh
-    decisions = ctx.gather((mesh.cfg_index, record["per_step"]))
-    record["ranks_agree"] = all(d == next(e for c, e in decisions if c == i) for i, d in decisions)
-    if not record["ranks_agree"]:
+    layers = len(adapter_for(denoiser.transformers[0]).probes(denoiser.transformers[0]))
+    decisions = ctx.gather((ctx.mesh.cfg_index, cache.record(layers)["per_step"]))
+    if not all(d == next(e for c, e in decisions if c == i) for i, d in decisions):
         raise RuntimeError(f"step cache decisions differ across the ranks of a branch: {decisions}")
-    return record
+    merged = {}  # under --cfg-parallel each branch group ran one branch: both in the record
+    for _, per_step in decisions:
+        merged.update(per_step)
+    return {**cache.record(layers, dict(sorted(merged.items()))), "ranks_agree": True}
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -351,8 +352,9 @@ def execute(
             denoiser.guidance = CfgParallel(ctx.mesh, ctx.comm)
         first_reference = None
         if denoiser.step_cache is not None and denoiser.step_cache.needs_calibration:
-            first_reference = calibrate_step_cache(denoiser, todo[0], cfg, observer.message)
-            step_cache_run = {"mag_ratios": denoiser.step_cache.mag_ratios, "calibrated_on": todo[0].id}
+            step_cache_run, first_reference = step_cache_ratios(
+                denoiser, todo[0], cfg, ctx, observer.message, report_name
+            )
         if cfg.ditango is not None and cfg.ditango.target_psnr is not None:
             cfg, calibration, first_reference = target_quality(
                 denoiser, todo[0], cfg, ctx, observer.message, report_name

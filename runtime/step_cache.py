@@ -60,7 +60,7 @@ def _dtype(text: str) -> str:
 
 
 def _path(text: str) -> str:
-    return str(Path(text).expanduser())
+    return str(Path(text).expanduser().resolve())
 
 
 # Per cache: its keys (as in diffusers' config classes) with their parsers, and our defaults
@@ -111,12 +111,18 @@ class StepCacheSpec:
         opts = self.settings
         if self.name == "taylorseer" and opts.get("cache_interval", 5) < 1:
             raise ConfigError("--step-cache taylorseer: cache_interval must be >= 1 (1 computes every step)")
+        if self.name == "taylorseer" and opts.get("disable_cache_before_step", 3) < 1:
+            raise ConfigError(
+                "--step-cache taylorseer: disable_cache_before_step must be >= 1 (a step to extrapolate from)"
+            )
         if self.name == "pab":
             for key in ("spatial_attention_block_skip_range", "cross_attention_block_skip_range"):
                 if opts.get(key) is not None and opts[key] < 1:
                     raise ConfigError(f"--step-cache pab: {key} must be >= 1 (1 skips nothing)")
-        if "mag_ratios" in opts and not Path(opts["mag_ratios"]).is_file():
-            raise ConfigError(f"--step-cache magcache: mag_ratios {opts['mag_ratios']} is not a file")
+        if "mag_ratios" in opts:
+            if not Path(opts["mag_ratios"]).is_file():
+                raise ConfigError(f"--step-cache magcache: mag_ratios {opts['mag_ratios']} is not a file")
+            load_mag_ratios(opts["mag_ratios"])  # a bad file fails here, not on the ranks
 
     @property
     def settings(self) -> dict:
@@ -170,6 +176,8 @@ class _Forward:
     branch: str
     blocks: int = 0
     attention: int = 0
+    block_ids: set = field(default_factory=set)
+    attention_ids: set = field(default_factory=set)
 
 
 @dataclass
@@ -189,6 +197,8 @@ class StepCache:
     _handles: list = field(default_factory=list)
     _now: _Forward | None = None
     _calibrated: dict = field(default_factory=dict)  # branch -> measured ratios (calibration mode)
+    _hooks: dict = field(default_factory=dict)  # id(transformer) -> the cache's stateful hooks on it
+    _pab_states: dict = field(default_factory=dict)  # (id(hook), branch) -> its PAB state
     timestep: float = 0.0
     step: int = 0
 
@@ -229,21 +239,28 @@ class StepCache:
 
     def begin_run(self, transformers, adapter, steps: int) -> None:
         """Install the cache on every expert (fresh states for the item) and the probes."""
-        self.forwards = []
+        self.forwards, self._pab_states = [], {}
         for transformer in transformers:
             transformer.enable_cache(self.config(steps))
             self._installed.append(transformer)
             self._agree(transformer, adapter)
+            self._hooks[id(transformer)] = [
+                hook for m in transformer.modules() if hasattr(m, "_diffusers_hook")
+                for hook in m._diffusers_hook.hooks.values() if getattr(hook, "_is_stateful", False)
+            ]  # fmt: skip
             for block_probe, attention_probe in adapter.probes(transformer):
                 self._handles.append(block_probe.register_forward_pre_hook(self._count_block))
                 self._handles.append(attention_probe.register_forward_pre_hook(self._count_attention))
 
     def end_run(self) -> None:
-        for transformer in self._installed:
-            transformer.disable_cache()
-        for handle in self._handles:
+        """Remove the hooks and probes (also after a failed item: the next one installs afresh)."""
+        installed, handles = self._installed, self._handles
+        self._installed, self._handles, self._now, self._hooks, self._pab_states = [], [], None, {}, {}
+        for handle in handles:
             handle.remove()
-        self._installed, self._handles, self._now = [], [], None
+        for transformer in installed:
+            if getattr(transformer, "_cache_config", None) is not None:
+                transformer.disable_cache()
 
     def begin_step(self, step: int, timestep) -> None:
         self.step, self.timestep = step, float(timestep)
@@ -254,18 +271,47 @@ class StepCache:
         self._now = _Forward(self.step, branch)
         try:
             with transformer.cache_context(branch):
+                fresh = self._own_state(transformer, branch)
                 yield
+                for state in fresh:  # updated at this step of the run, not at the hook's own step 0
+                    state.current_step = state.last_update_step = self.step
         finally:
+            self._now.blocks, self._now.attention = len(self._now.block_ids), len(self._now.attention_ids)
             self.forwards.append(self._now)
             self._now = None
 
+    def _own_state(self, transformer, branch: str) -> None:
+        """What diffusers' hooks get wrong when CFG branches run one after the other and experts
+        take turns: PAB keeps one state for both branches (the second would reuse the first's
+        attention of the same step), and MagCache and TaylorSeer count steps per expert (the
+        second expert would start at step 0). Each branch gets its own PAB state, and the
+        step counters are set to the step of the run; a TaylorSeer state that has seen no step yet
+        (an expert's first) computes. Returns those states, to date their update after the forward."""
+        from diffusers.hooks.pyramid_attention_broadcast import PyramidAttentionBroadcastState
+
+        fresh = []
+        for hook in self._hooks.get(id(transformer), ()):
+            kind = type(hook).__name__
+            if kind == "PyramidAttentionBroadcastHook":
+                hook.state = self._pab_states.setdefault((id(hook), branch), PyramidAttentionBroadcastState())
+            elif kind == "TaylorSeerCacheHook":
+                state = hook.state_manager.get_state()
+                if state.last_update_step is None and self.step > 0:
+                    state.current_step = -1  # the hook adds one: its warm-up step 0, which computes
+                    fresh.append(state)
+                else:
+                    state.current_step = self.step - 1  # the hook adds one
+            elif kind == "MagCacheHeadHook":
+                hook.state_manager.get_state().step_index = self.step
+        return fresh
+
     def _count_block(self, module, args) -> None:
         if self._now is not None:
-            self._now.blocks += 1
+            self._now.block_ids.add(id(module))
 
     def _count_attention(self, module, args) -> None:
-        if self._now is not None:
-            self._now.attention += 1
+        if self._now is not None:  # a set: a joint processor calls the projection twice
+            self._now.attention_ids.add(id(module))
 
     # -- agreement -----------------------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -295,7 +341,7 @@ class StepCache:
             prev = state.head_block_residual
             if prev is None:
                 return True
-            sums = torch.stack([(residual_BSC - prev).abs().sum(), prev.abs().sum()]).float()
+            sums = torch.stack([(residual_BSC - prev).float().abs().sum(), prev.float().abs().sum()])
             sums = self._all_reduce(sums)
             return bool(sums[0] > hook.threshold * sums[1])
 
@@ -308,33 +354,36 @@ class StepCache:
         else:
             now = torch.linalg.norm(residual_BSC.float(), dim=-1)
             prev = torch.linalg.norm(state.previous_residual.float(), dim=-1)
-            sums = self._all_reduce(torch.stack([(now / (prev + 1e-8)).sum(), torch.tensor(float(now.numel()))]))
+            count = torch.tensor(float(now.numel()), device=now.device)
+            sums = self._all_reduce(torch.stack([(now / (prev + 1e-8)).sum(), count]))
             ratio = float(sums[0] / sums[1])
         branch = self._now.branch if self._now is not None else "cond"
         self._calibrated.setdefault(branch, []).append(ratio)
 
-    def take_calibration(self) -> list[float]:
-        """The ratios a calibration run measured (the conditional branch's, as diffusers logs one list)."""
-        ratios = self._calibrated.get("cond") or next(iter(self._calibrated.values()), None)
-        assert ratios, "no calibration was measured"
+    def take_calibration(self) -> dict[str, list[float]]:
+        """The ratios a calibration run measured on this rank, per branch it ran."""
+        measured = {b: [round(r, 6) for r in ratios] for b, ratios in self._calibrated.items()}
         self._calibrated = {}
-        return [round(r, 6) for r in ratios]
+        return measured
 
     # -- record --------------------------------------------------------------------------
-    def record(self, layers: int) -> dict:
+    def record(self, layers: int, per_branch: dict | None = None) -> dict:
         """The item's record: per branch and step, the blocks and self-attention layers evaluated
-        (of `layers` each), the steps whose blocks after the first were skipped, the fractions."""
-        per_branch: dict[str, list[list[int]]] = {}
-        for f in self.forwards:
-            per_branch.setdefault(f.branch, []).append([f.blocks, f.attention])
-        total = len(self.forwards) * layers
-        blocks = sum(f.blocks for f in self.forwards)
-        attention = sum(f.attention for f in self.forwards)
+        (of `layers` each), the steps whose blocks after the first were skipped, the fractions.
+        `per_branch`: the per-step counts to summarise instead of this rank's (under
+        --cfg-parallel, both branch groups' merged)."""
+        if per_branch is None:
+            per_branch = {}
+            for f in self.forwards:
+                per_branch.setdefault(f.branch, []).append([f.blocks, f.attention])
+        counts = [c for steps in per_branch.values() for c in steps]
+        total = len(counts) * layers
+        blocks, attention = sum(n for n, _ in counts), sum(a for _, a in counts)
         record = {
             **self.spec.to_json(),
             "per_step": per_branch,  # branch -> [[blocks, self-attention layers] per step]
             "skipped_steps": {b: [i for i, (n, _) in enumerate(s) if n < layers] for b, s in per_branch.items()},
-            "forwards": len(self.forwards),
+            "forwards": len(counts),
             "block_evals": blocks,
             "block_fraction": round(blocks / total, 6) if total else 1.0,
             "attention_evals": attention,

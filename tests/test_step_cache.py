@@ -84,6 +84,10 @@ def test_caching_on_skips_work_and_changes_the_result(one_process):
         assert computed[0] == MODEL.layers and min(computed) < MODEL.layers or text.startswith("pab"), text
     fbc = runs[ON[0]][1]
     assert fbc["skipped_steps"]["cond"] and len(fbc["skipped_steps"]["cond"]) < GEN["steps"] - 1
+    # diffusers' PAB keeps one state for both CFG branches: run one after the other, the
+    # second would reuse the first's attention of the same step. Each branch has its own.
+    pab = runs[ON[1]][1]["per_step"]
+    assert pab["cond"] == pab["uncond"]
 
 
 def _ranks_target(rank, world, events, strategy, texts):
@@ -181,6 +185,16 @@ def test_cli_records_skips_quality_and_magcache_ratios(runner, tmp_path):
     assert record["name"] == "magcache" and record["mag_ratios"] == ratios
     assert record["skipped_steps"]["cond"] and record["block_fraction"] < 1.0
     assert item["quality"]["reference"] == "exact" and item["quality"]["latent_rel_err"] > 0
+    # A relaunch of the same command takes the stored ratios (planted here), measures nothing.
+    stored = out / ".ditango" / "calibration" / "magcache-report.json"
+    planted = {**json.loads(stored.read_text()), "mag_ratios": [1.0] * 8}
+    stored.write_text(json.dumps(planted))
+    result = runner.invoke(app, [*args, "--step-cache", "magcache:threshold=0.1,retention_ratio=0.2",
+                                 "--reference", "exact", "--overwrite"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    again = json.loads((out / "report.json").read_text())
+    assert again["step_cache_calibration"]["mag_ratios"] == [1.0] * 8
+    assert again["items"][0]["step_cache"]["mag_ratios"] == [1.0] * 8
 
 
 def test_cli_refuses_bad_step_caches_in_one_line(runner, tmp_path):
@@ -222,3 +236,77 @@ def test_planner_forgets_cells_of_layers_that_did_not_run():
     log = planner.log().steps
     assert not log[1].compute_LU[1:].any() and log[1].compute_LU[0].all()
     assert not log[4].compute_LU[1:].any() and log[4].compute_LU[0].all()
+
+
+def test_two_experts_follow_the_steps_of_the_run():
+    """diffusers' TaylorSeer counts steps per expert: the second expert (Wan2.2 A14B) would
+    start again at step 0 after the switch (its warm-up again, then its own interval). It
+    follows the run's steps: its first step computes (nothing of it to extrapolate from),
+    then the one-expert schedule goes on."""
+    from runtime.models.wan import WanVariant
+
+    two = TinyWanConfig(seed=7, heads=2, head_dim=12, layers=2, ffn_dim=32, text_dim=24, text_heads=2,
+                        experts=2, boundary_ratio=0.8)  # fmt: skip
+    den = WanDenoiser(build_tiny_wan(two), resolve_placement("cpu"), TEXT_LEN, WanVariant(boundary_ratio=0.8))
+    (switch,) = den.switches(den.new_scheduler(GEN["steps"]))
+    assert 2 < switch < GEN["steps"] - 2  # mid-run
+    before, interval = 2, 3
+    den.step_cache = cache_for(f"taylorseer:cache_interval={interval},disable_cache_before_step={before}")
+    denoise(den)
+    for branch, steps in den.step_cache.record(two.layers)["per_step"].items():
+        ran = [n == two.layers for n, _ in steps]
+        expected = [s < before or (s - before - 1) % interval == 0 or s == switch for s in range(GEN["steps"])]
+        assert ran == expected, (branch, ran, expected)
+
+
+def _calibration_target(rank, world, events):
+    denoiser = WanDenoiser(build_tiny_wan(MODEL), resolve_placement("cpu"), TEXT_LEN)
+    layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy="ring")
+    mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
+    comm = Comm(mesh)
+    parallelize(denoiser.transformers, mesh, comm, "torch")
+    denoiser.step_cache = StepCache(parse_step_cache("magcache"), comm, mesh.cp_group, tuple(mesh.cp_ranks))
+    denoiser.step_cache.calibrating = True
+    denoise(denoiser)
+    return denoiser.step_cache.take_calibration()
+
+
+def test_magcache_ratios_measured_over_chunks_equal_one_process():
+    """The calibration ratio is a mean over tokens: each rank holds a chunk, so the sum and the
+    count are all-reduced; two ranks measure what one process measures."""
+    denoiser = WanDenoiser(build_tiny_wan(MODEL), resolve_placement("cpu"), TEXT_LEN)
+    denoiser.step_cache = StepCache(parse_step_cache("magcache"))
+    denoiser.step_cache.calibrating = True
+    denoise(denoiser)
+    one = denoiser.step_cache.take_calibration()
+    per_rank = run_ranks(_calibration_target, 2, (), timeout_s=TIMEOUT_S)
+    assert len(one["cond"]) == GEN["steps"] and len(set(one["cond"])) > 2
+    for measured in per_rank:
+        for branch in ("cond", "uncond"):
+            assert measured[branch] == pytest.approx(one[branch], abs=1e-5), branch
+
+
+def test_cli_tp_and_cfg_parallel_with_a_step_cache_equal_one_process(runner, tmp_path):
+    """Through the command: first-block cache under --parallel tp on 2 ranks decides as one
+    process does (every rank holds the whole sequence: the all-reduced sums count it twice,
+    the ratio is the same), and so does --cfg-parallel (each branch group decides its branch,
+    as one process decides each branch's context); both give one process's latents. The
+    report holds both branches' steps and counts tp's bytes."""
+    from safetensors.torch import load_file
+
+    cache = ["--step-cache", "first-block:threshold=0.4", "--save-latents", "--executor", "local"]
+    args = ["generate", "--prompt", "a blue circle moving up", *FAST, *cache]
+    runs = {"one": [], "tp": ["--gpus-per-node", "1", "--nodes", "2", "--parallel", "tp"],
+            "cfg": ["--gpus-per-node", "2", "--cfg-parallel"]}  # fmt: skip
+    reports, latents = {}, {}
+    for name, extra in runs.items():
+        result = runner.invoke(app, [*args, "--out", str(tmp_path / name), *extra])
+        assert result.exit_code == 0, result.output
+        reports[name] = json.loads((tmp_path / name / "report.json").read_text())["items"][0]
+        latents[name] = load_file(tmp_path / name / reports[name]["latents"])["latents"]
+    one = reports["one"]["step_cache"]
+    assert one["skipped_steps"]["cond"] and one["skipped_steps"]["cond"] != one["skipped_steps"]["uncond"]
+    for name in ("tp", "cfg"):
+        assert reports[name]["step_cache"]["per_step"] == one["per_step"], name
+        assert (latents[name] - latents["one"]).abs().max() <= LATENT_ATOL, name
+    assert reports["tp"]["comm"]["by_purpose"]["tp"]["inter_node_bytes"] > 0

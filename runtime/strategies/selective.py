@@ -239,17 +239,18 @@ class SelectiveRuntime:
     def _reset_step_stats(self) -> None:
         self.ase_NLU = torch.zeros(self.branches, self.layers, self.units, device=self._device)
         self.gate_NL = torch.zeros(self.branches, self.layers, device=self._device)
-        self.ran_L = torch.zeros(self.layers, dtype=torch.bool)
+        self.ran_NL = torch.zeros(self.branches, self.layers, dtype=torch.bool)
 
     def _layers_run(self) -> torch.Tensor:
-        """The layers whose attention ran this step on some rank of the plan group (all of
-        them unless a step cache skipped some: then one all-reduce agrees)."""
+        """The layers whose attention ran this step in every branch (all of them unless a step
+        cache skipped some: then one all-reduce over the plan group agrees). A layer one branch
+        skipped counts as not run: its cache there is older than a plan computing it assumes."""
         if not self.partial_steps:
             return torch.ones(self.layers, dtype=torch.bool)
-        ran = self.ran_L.to(self._device, torch.int32)
+        ran = self.ran_NL.all(0).to(self._device, torch.int32)
         group, ranks = self._plan_group()
         if group is not None:
-            self.comm.all_reduce(ran, dist.ReduceOp.MAX, group, ranks)
+            self.comm.all_reduce(ran, dist.ReduceOp.MIN, group, ranks)
         return ran.cpu().bool()
 
     def begin_step(self, step: int) -> None:
@@ -288,7 +289,7 @@ class SelectiveRuntime:
         self._steps_done += 1
         ran_L = self._layers_run()
         self.planner.not_run(step, ~ran_L)
-        plan = self.planner.log().steps[-1] if not bool(ran_L.all()) else plan
+        plan = self.planner.last_plan() if not bool(ran_L.all()) else plan
         if self.budget:
             self.refreshed_LU[plan.compute_LU] = step  # exact steps refresh the cache too (below)
         if not self.planner.observes(plan.kind):
@@ -332,7 +333,7 @@ class SelectiveRuntime:
         units = self.unit_list
         compute_U = plan.compute_LU[layer].tolist() if plan.kind == "selective" else [True] * len(units)
         offsets = [d for u, offs in enumerate(units) if compute_U[u] for d in offs if d > 0]
-        self.ran_L[layer] = True
+        self.ran_NL[self.branch, layer] = True
         own_computed = not self.own_unit or compute_U[0]  # the own group whole, or the own chunk only
         fresh_groups = {(g + d) % self.groups for d in offsets} | ({g} if own_computed else set())
         fresh_tokens = sum(sum(group_sizes(x)) for x in fresh_groups) + (0 if own_computed else seq_sizes[c])
