@@ -215,7 +215,7 @@ class SelectiveRuntime:
             self.cache.reset()
         self.c_ref_NLUBSH = self.c_anchor_NLBSH = self.c_prev_NLBSH = None
         self.weights_NLU = self.alpha_NLU = self.ase_NLU = self.gate_NL = None  # planner statistics too
-        self.rate_NLU = self.refreshed_LU = None
+        self.rate_NLU = self.refreshed_LU = self.scores_LU = self.ran_NL = None
 
     def reference_bytes(self) -> int:
         """Compressed local states kept for the drift estimate (per branch, layer, unit + anchors)."""
