@@ -1,6 +1,7 @@
 """The `ditango` command: owns the Typer app and registers the commands of the modules beside
 it (generate, check, models; status, cancel, report; simulate), which never import it.
-Predictable mistakes print one `error: ...` line on stderr and exit 2."""
+Predictable mistakes print one `error: ...` line on stderr and exit 2; outputs that cannot be
+written (a full disk) one line and exit 1."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from typer.core import TyperGroup
 
 from ditango_cli import generate, jobs, simulate
 from planner.errors import ConfigError
+from runtime.errors import OutputWriteError
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 
 
 def _is_click_exception(exc: BaseException) -> bool:
@@ -31,6 +34,9 @@ class OneLineErrors(TyperGroup):
         except ConfigError as exc:
             typer.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_USAGE)
+        except OutputWriteError as exc:  # a full disk, a read-only folder: not the user's typing
+            typer.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_FAILED)
         except typer.Abort:
             typer.echo("aborted", err=True)
             sys.exit(130)

@@ -6,6 +6,7 @@ No job is submitted, no process started, no weights loaded and nothing written.
 from __future__ import annotations
 
 import json
+import shlex
 
 from rich.console import Console
 from rich.table import Table
@@ -39,8 +40,9 @@ def show_dry_run(cfg: RunConfig, opts: SlurmOptions, where: str, as_json: bool) 
         for line in record["srun_commands"]:
             out.print(f"  {line}", markup=False)
     out.print("\nenvironment of every rank (values already set in the environment win):", markup=False)
-    for key, value in record["environment"].items():
-        out.print(f"  {key}={value}", markup=False)
+    for key, value in record["environment"].items():  # quoted as a shell would need them
+        after = '"${PYTHONPATH:+:$PYTHONPATH}"' if key == "PYTHONPATH" else ""
+        out.print(f"  {key}={shlex.quote(value)}{after}", markup=False)
     out.print(f"  ({RANK_DEVICE_ENV}=cpu would make the ranks compute on CPUs whatever was requested)", markup=False)
     table = Table("rank", "node", "local", "gpu", "replica", "in replica", "cfg", "cp", "ulysses", "ring")
     with_group = cfg.layout.strategy == "ditango"

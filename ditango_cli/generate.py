@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shlex
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Annotated
@@ -34,14 +35,14 @@ from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import replica_layout
 from planner.memory import parse_bytes
-from runtime.config import DecodeOptions, RunConfig, memory_preflight
+from runtime.config import MAX_TIMEOUT_S, DecodeOptions, RunConfig, check_local_cpu_ranks, memory_preflight
 from runtime.items import Overrides, build_items
 from runtime.kernels import resolve_backend
 from runtime.models.loading import human_count, placement_on, quiet_loading_bars
 from runtime.models.registry import REGISTRY, ResolvedModel, model_root, resolve_model
 from runtime.outputs import check_writable
 from runtime.step_cache import parse_step_cache
-from slurm.options import SlurmOptions, choose_executor
+from slurm.options import SlurmOptions, check_log_folder, choose_executor
 
 EXIT_FAILED_ITEMS = 1
 GROUPS = (ModelArgs, ItemArgs, OutputArgs, ParallelArgs, DiTangoArgs, GuidanceArgs, MemoryArgs, SlurmArgs, RunArgs)
@@ -129,8 +130,10 @@ def build_run_config(
         raise ConfigError(f"--reference must be 'exact', got {d.reference!r}")
     for flag, seconds in (("--timeout", p.timeout), ("--setup-timeout", p.setup_timeout)):
         # nan passes any comparison and inf overflows a timedelta: both only failed inside the ranks
-        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
-            raise ConfigError(f"{flag} must be > 0 seconds and finite, got {seconds:g}")
+        if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+            raise ConfigError(
+                f"{flag} must be > 0 seconds, finite and at most {MAX_TIMEOUT_S} (7 days), got {seconds:g}"
+            )
     device = ranks_device(where, m.device.value, layout.world_size * p.replicas, p.gpus_per_node)
     placement = placement_on(torch.device(device), None if m.dtype is None else m.dtype.value)
     ditango = ditango_options(d) if layout.strategy == "ditango" else None
@@ -138,6 +141,8 @@ def build_run_config(
         check_cache_limit(ditango, items, layout, spec.heads, spec.head_dim, spec.layers, placement.device)
     if layout.strategy != "none":
         resolve_backend(p.attention_backend.value, placement.device, placement.dtype, where == "local")
+    if where != "local":
+        check_log_folder(o.out)
     check_writable(o.out, create=create_out)
     cfg = RunConfig(
         model=m.model, model_path=None,
@@ -151,6 +156,8 @@ def build_run_config(
     )  # fmt: skip
     cfg = memory_preflight(cfg, spec.shape, mem.gpu_memory, placement, where == "local", m.dtype is not None)
     resolved = resolved or resolve_model(m.model, m.model_root)
+    if where == "local" and placement.device.type == "cpu":  # after the model: a missing one is said first
+        check_local_cpu_ranks(cfg, spec.shape, placement.dtype.itemsize)
     return replace(cfg, model_path=None if spec.builtin else resolved.path), resolved  # built-in: this code's copy
 
 
@@ -188,7 +195,9 @@ def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> i
         executor = executor_for(cfg, opts, where, s.wait, observer, say)
         outcome = supervise(cfg, executor, opts.array, observer.message if where == "local" else say)
     if outcome.submitted:
-        typer.echo(f"submitted job(s) {', '.join(executor.job_ids)}; follow with: ditango status {cfg.out_dir}")
+        typer.echo(
+            f"submitted job(s) {', '.join(executor.job_ids)}; follow with: ditango status {shlex.quote(str(cfg.out_dir))}"
+        )
         return 0
     if outcome.errors:
         for line in outcome.errors:

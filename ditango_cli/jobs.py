@@ -77,11 +77,21 @@ def calibration_line(c: dict) -> str:
 
 def report(out: OutArg, as_json: JsonOpt = False) -> int:
     """Aggregate a batch's task reports and sidecars into OUT/report.json and print a table."""
+    from runtime.errors import OutputWriteError
     from runtime.outputs import require_output_folder
+    from runtime.video import write_json
     from slurm.aggregate import aggregate
 
-    merged = aggregate(require_output_folder(out))
+    merged = aggregate(require_output_folder(out), write=False)
+    try:
+        write_json(out / "report.json", merged)
+    except OutputWriteError as exc:  # a read-only folder: the report is shown all the same
+        unsaved = exc
+    else:
+        unsaved = None
     if as_json:
+        if unsaved is not None:
+            raise unsaved
         print(out / "report.json")
         return 0
     cached = any(item.get("step_cache") for item in merged["items"])
@@ -106,5 +116,9 @@ def report(out: OutArg, as_json: JsonOpt = False) -> int:
     if merged.get("calibration"):
         console.print(calibration_line(merged["calibration"]))
     c = merged["counts"]
-    console.print(f"{c['done']} done, {c['skipped']} skipped, {c['failed']} failed -> {out / 'report.json'}")
+    saved = f" -> {out / 'report.json'}" if unsaved is None else ""
+    console.print(f"{c['done']} done, {c['skipped']} skipped, {c['failed']} failed{saved}")
+    if unsaved is not None:
+        typer.echo(f"error: {unsaved}", err=True)
+        return 1
     return 0

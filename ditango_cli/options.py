@@ -270,6 +270,9 @@ def command(*groups: type):
 
 def run_file_values(ctx: typer.Context, path: Path, groups: tuple[type, ...]) -> dict:
     """The options `path` sets that the command line did not: TOML, or a report's `options`."""
+    from runtime.user_files import require_regular_file
+
+    require_regular_file(path, "--config")
     try:
         text = path.read_text(encoding="utf-8")
         data = json.loads(text).get("options") if path.suffix == ".json" else _toml().loads(text)

@@ -21,6 +21,7 @@ class RichObserver:
         )
         self._items = None
         self._steps = None
+        self._label = ""
 
     def __enter__(self) -> RichObserver:
         self.progress.__enter__()
@@ -36,11 +37,16 @@ class RichObserver:
     def item_started(self, item: Item) -> None:
         if self._steps is not None:
             self.progress.remove_task(self._steps)
-        self._steps = self.progress.add_task(f"  {item.id}", total=item.steps)
+        self._label = f"  {item.id}"
+        self._steps = self.progress.add_task(self._label, total=item.steps)
 
     def step_done(self, step: int, steps: int) -> None:
         if self._steps is not None:
             self.progress.update(self._steps, completed=step)
+
+    def phase(self, name: str) -> None:
+        if self._steps is not None:
+            self.progress.update(self._steps, description=f"{self._label} ({name})")
 
     def item_finished(self, record: dict) -> None:
         if self._items is not None:

@@ -54,6 +54,13 @@ class DecodeOptions:
         return self.tiling or self.parallel
 
 
+# More denoising steps than the schedulers' training timesteps only repeat timesteps (diffusers'
+# DDIM-style schedulers refuse them): no run needs more.
+MAX_STEPS = 1000
+# Longer than a week is no timeout: and far longer ones overflow the process groups' timedelta.
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
 @dataclass(frozen=True)
 class Item:
     """One video to generate. `source` says where it came from, for error messages."""
@@ -95,8 +102,11 @@ class Item:
                     f"{where}{name} must be a positive multiple of {multiple} (VAE {self.vae_stride}x "
                     f"times patch {self.patch[1]}x), got {value}; try {_nearest_multiples(value, multiple)}"
                 )
-        if self.steps < 1:
-            raise ConfigError(f"{where}steps must be >= 1, got {self.steps}")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise ConfigError(
+                f"{where}steps must be in [1, {MAX_STEPS}] (the schedulers' {MAX_STEPS} training timesteps; "
+                f"videos take 4-50), got {self.steps}"
+            )
         if not (math.isfinite(self.guidance) and self.guidance >= 0):
             raise ConfigError(f"{where}guidance must be a finite number >= 0, got {self.guidance}")
         if self.true_cfg is not None and not (math.isfinite(self.true_cfg) and self.true_cfg >= 0):
@@ -228,9 +238,21 @@ def plan_memory(cfg: RunConfig, shape, gpu_bytes: int, dtype_bytes: int, what: s
     """The memory pre-flight (planner/memory.py) of every item size of `cfg` on GPUs of
     `gpu_bytes`: a ConfigError naming what would make it fit when it cannot; else `cfg` with
     the offloads it needs (none when everything fits)."""
-    from planner.memory import MemoryOptions, cfg_branches, preflight
+    from planner.memory import preflight
 
     offload: set[str] = set()
+    for (h, w, f), options in item_memory_options(cfg, dtype_bytes):
+        where = f"{what} {w}x{h}x{f} on {cfg.layout.world_size} GPU(s) per replica"
+        fitted = preflight(shape, cfg.layout, h, w, f, options, gpu_bytes, where)
+        offload |= {"text_encoder"} if fitted.offload_text_encoder else set()
+        offload |= {"transformer"} if fitted.offload_transformer else set()
+    return replace(cfg, offload=tuple(sorted(offload)), gpu_memory=gpu_bytes)
+
+
+def item_memory_options(cfg: RunConfig, dtype_bytes: int):
+    """((height, width, frames), MemoryOptions) of each distinct item size and guidance of `cfg`."""
+    from planner.memory import MemoryOptions, cfg_branches
+
     cache_bytes = 4 if cfg.ditango is not None and cfg.ditango.cache_dtype == "float32" else 2
     planner = cfg.ditango.planner if cfg.ditango is not None else None
     ditango = {"own_group": planner.own_group, "planner": planner.planner} if planner is not None else {}
@@ -241,11 +263,50 @@ def plan_memory(cfg: RunConfig, shape, gpu_bytes: int, dtype_bytes: int, what: s
             vae_tiling=cfg.decode.tiled, vae_parallel=cfg.decode.parallel, tile_px=cfg.decode.tile_px or 256,
             **ditango,
         )  # fmt: skip
-        where = f"{what} {w}x{h}x{f} on {cfg.layout.world_size} GPU(s) per replica"
-        fitted = preflight(shape, cfg.layout, h, w, f, options, gpu_bytes, where)
-        offload |= {"text_encoder"} if fitted.offload_text_encoder else set()
-        offload |= {"transformer"} if fitted.offload_transformer else set()
-    return replace(cfg, offload=tuple(sorted(offload)), gpu_memory=gpu_bytes)
+        yield (h, w, f), options
+
+
+# A CPU rank before its model: the interpreter, torch, diffusers and gloo (369 MiB measured with
+# the CPU wheel), with room for the allocator and the video encoder.
+RANK_BASE_BYTES = 512 * 2**20
+
+
+def available_host_memory() -> int | None:
+    """This machine's available memory (MemAvailable, Linux), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text(encoding="ascii", errors="replace").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_local_cpu_ranks(cfg: RunConfig, shape, dtype_bytes: int) -> None:
+    """Local ranks on CPUs each hold the whole pipeline in this machine's memory: refuse more of
+    them than its available memory holds (the memory model's peak of a rank, plus a rank's
+    base), naming how many it can, instead of starting processes the kernel would kill."""
+    from planner.memory import GIB, estimate_memory
+
+    available = available_host_memory()
+    if available is None:
+        return
+    peak = max(
+        estimate_memory(shape, cfg.layout, h, w, f, o).peak_bytes
+        for (h, w, f), o in item_memory_options(cfg, dtype_bytes)
+    )
+    per_rank = RANK_BASE_BYTES + peak
+    fits, n = available // per_rank, cfg.world_size
+    if n <= fits:
+        return
+    need = (
+        f"{n} local rank(s) on CPUs need about {n * per_rank / GIB:.1f} GiB of memory ({per_rank / GIB:.2f} GiB each)"
+    )
+    if fits == 0:
+        raise ConfigError(f"{need}; this machine has {available / GIB:.1f} GiB available: run on GPUs, or on a "
+                          "machine with more memory")  # fmt: skip
+    raise ConfigError(f"{need}; this machine has {available / GIB:.1f} GiB available, enough for {fits}: use at "
+                      f"most {fits} ranks in all (--nodes x --gpus-per-node x --replicas), or run on GPUs")  # fmt: skip
 
 
 def memory_preflight(cfg: RunConfig, shape, gpu_memory: str | None, placement, local: bool, dtype_given: bool):

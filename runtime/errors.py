@@ -5,3 +5,9 @@ from planner.errors import ConfigError
 
 class ModelDirError(ConfigError):
     """A model directory is missing, partial, or holds weights we refuse to load."""
+
+
+class OutputWriteError(RuntimeError):
+    """An output (video, latents, sidecar, report) could not be written: a full disk, a
+    read-only or vanished folder. Not retried: the next attempt would meet the same disk; the
+    run stops, keeping what it finished, and the same command resumes once it is fixed."""

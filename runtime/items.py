@@ -21,6 +21,7 @@ from pathlib import Path
 from planner.errors import ConfigError
 from runtime.config import TEMPORAL_STRIDE, Item
 from runtime.models.registry import Defaults
+from runtime.user_files import require_regular_file
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # An item's files are <id>.mp4, <id>.json (its sidecar), <id>.latents.safetensors,
@@ -61,6 +62,7 @@ def check_image(path: str, where: str) -> str:
     from PIL import Image, UnidentifiedImageError
 
     resolved = Path(path).expanduser().resolve()
+    require_regular_file(resolved, f"{where}: image")
     try:
         with Image.open(resolved) as image:
             image.verify()
@@ -223,11 +225,15 @@ def _jsonl_fields(line: str, where: str) -> dict:
     return data
 
 
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
 def read_prompt_file(path: Path) -> list[tuple[dict, str]]:
     """[(fields, "FILE line N")] for every item line of a .txt or .jsonl file."""
     suffix = path.suffix.lower()
     if suffix not in (".txt", ".jsonl"):
         raise ConfigError(f"--prompts {path}: expected a .txt or .jsonl file")
+    require_regular_file(path, "--prompts")
     try:
         text = path.read_text(encoding="utf-8-sig")  # tolerate a byte-order mark
     except FileNotFoundError:
@@ -237,7 +243,9 @@ def read_prompt_file(path: Path) -> list[tuple[dict, str]]:
     except OSError as exc:
         raise ConfigError(f"--prompts {path}: cannot read ({exc.strerror})") from None
     entries = []
-    for number, raw in enumerate(text.splitlines(), start=1):
+    # Lines end at \n, \r\n or \r only: str.splitlines() also splits at U+2028, U+0085 and other
+    # separators, which a JSON string may hold as they are (valid JSONL was refused).
+    for number, raw in enumerate(_LINE_END.split(text), start=1):
         line = raw.strip()
         where = f"{path.name} line {number}"
         if suffix == ".txt":

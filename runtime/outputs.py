@@ -15,6 +15,7 @@ from pathlib import Path
 
 from planner.errors import ConfigError
 from runtime.config import Item, RunConfig
+from runtime.errors import OutputWriteError
 from runtime.report import SCHEMA, item_record
 from runtime.video import write_json
 
@@ -123,10 +124,13 @@ RUNNING = "running"  # sidecar status of an item being generated (or whose run d
 def fs_clock(out_dir: Path) -> float:
     """Now, by the output folder's file system clock (the one sidecar mtimes use): compare
     sidecar times with this, not with this host's clock, which may differ on a shared file system."""
-    state_dir(out_dir).mkdir(parents=True, exist_ok=True)
     stamp = state_dir(out_dir) / "clock"
-    stamp.touch()
-    return stamp.stat().st_mtime
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+        return stamp.stat().st_mtime
+    except OSError as exc:
+        raise OutputWriteError(f"cannot write {stamp}: {exc.strerror or exc}") from None
 
 
 def _sidecars_since(items, out_dir: Path, since: float):

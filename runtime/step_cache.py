@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import ConfigError
+from runtime.user_files import require_regular_file
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -161,6 +162,7 @@ def parse_step_cache(text: str) -> StepCacheSpec:
 
 
 def load_mag_ratios(path: str) -> list[float]:
+    require_regular_file(Path(path), "--step-cache magcache: mag_ratios")
     try:
         ratios = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:

@@ -13,7 +13,8 @@ from runtime.video import write_json
 from slurm.supervise import REPORTS
 
 
-def aggregate(out_dir: Path) -> dict:
+def aggregate(out_dir: Path, write: bool = True) -> dict:
+    """The merged report of `out_dir`, written to its report.json (unless not `write`)."""
     target = out_dir / "report.json"
     check_foreign_files(out_dir)
     paths = [target, *sorted(p for p in (out_dir / REPORTS).glob("*.json") if not p.name.startswith("."))]
@@ -53,5 +54,6 @@ def aggregate(out_dir: Path) -> dict:
         "counts": counts,
         "items": ordered,
     }
-    write_json(target, merged)
+    if write:
+        write_json(target, merged)
     return merged

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import re
 import subprocess
 import sys
@@ -24,9 +23,10 @@ from pathlib import Path
 from planner.errors import ConfigError
 from runtime.config import RunConfig
 from slurm.aggregate import aggregate
+from slurm.heartbeat import BeatWatch, stopped_message
 from slurm.jobs import run_slurm
 from slurm.options import SlurmOptions
-from slurm.rank import exit_soon, is_peer_failure
+from slurm.rank import exit_soon, is_peer_failure, rendezvous_port
 from slurm.supervise import Outcome, tasks_with_work
 
 
@@ -73,10 +73,19 @@ def run_steps(
             if not errors:
                 discard_folder(folder)
             raise ConfigError("srun is not on PATH, inside an allocation (SLURM_JOB_ID is set)") from None
+        watch, stopped = BeatWatch(beats(folder, task)), None
         while proc.poll() is None:
             if on_state is not None:
                 on_state([f"srun step {task + 1}/{opts.array} RUNNING"])
+            found = None if stopped else watch.stale(cfg.timeout_s)
+            if found is not None:  # a rank stopped (SIGSTOP): its peers may wait on it for the setup timeout
+                log = folder / f"task-{task}-rank-{found[0]}.log"
+                stopped = (f"rank {found[0]} failed: {stopped_message(found[1])} (log: {log})", found[0])
+                proc.terminate()  # srun passes it to the step's tasks, and ends the step
             time.sleep(poll_s)
+        if stopped is not None:
+            errors.append(stopped)
+            continue
         if proc.returncode != 0 and not list(folder.glob(f"task-{task}-rank-*.log")):  # no rank started
             said = slurm_message(srun_log.read_text(encoding="utf-8", errors="replace"))
             if not errors:
@@ -194,6 +203,11 @@ def _step_error(folder: Path, task: int, returncode: int) -> tuple[str, int | No
     return f"srun exited with code {returncode} (logs: {folder}/task-{task}-rank-*.log)", None
 
 
+def beats(folder: Path, task: int) -> Path:
+    """Where the ranks of array task `task`'s step write their heartbeats."""
+    return folder / f"task-{task}-beats"
+
+
 def _step_environment() -> None:
     """Describe the step, not the whole allocation, to submitit (it reads the SLURM_JOB_* names),
     and give each step its own rendezvous port."""
@@ -205,7 +219,7 @@ def _step_environment() -> None:
         if os.environ.get(step_name):
             os.environ[job_name] = os.environ[step_name]
     seed = f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}"
-    os.environ.setdefault("MASTER_PORT", str(random.Random(seed).randint(20000, 60000)))
+    os.environ.setdefault("MASTER_PORT", str(rendezvous_port(seed)))
 
 
 def main(call: Path) -> None:
@@ -215,7 +229,7 @@ def main(call: Path) -> None:
         cfg, task, tasks, decided = pickle.load(f)  # written by run_steps for this step
     _step_environment()
     try:
-        SlurmRun()(cfg, task, tasks, decided)
+        SlurmRun()(cfg, task, tasks, decided, beats(call.parent, task))
     except BaseException as exc:
         exit_soon()  # SlurmRun armed it already, unless it failed before that
         rank = os.environ.get("SLURM_PROCID", "0")

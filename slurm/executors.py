@@ -7,6 +7,7 @@ The CLI picks `where` (slurm/options.py `choose_executor`), takes the folder wit
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,7 +56,7 @@ def _listed(live: list[tuple[str, str]]) -> str:
 def _owned_by_jobs(out_dir: Path, live: list[tuple[str, str]]) -> FolderBusy:
     return FolderBusy(
         f"{out_dir} belongs to Slurm job(s) {_listed(live)} submitted from it; wait for them to end, "
-        f"`ditango cancel {out_dir}`, or pass --wait-for-lock"
+        f"`ditango cancel {shlex.quote(str(out_dir))}`, or pass --wait-for-lock"
     )
 
 

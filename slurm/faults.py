@@ -1,7 +1,9 @@
 """Fault injection: a debugging aid and the test hook of every failure path.
 
 DITANGO_FAULT_INJECT=RANK:STEP[:ITEM_ID]   that rank fails after that denoising step
-                                           (of that item only, when given)
+                                           (of that item only, when given); STEP may
+                                           also be a phase after the steps: decode, or
+                                           write (the writer, before the MP4)
 DITANGO_FAULT_ONCE=FILE                    fire once: FILE is created when it fires, and
                                            an existing FILE disarms it (a transient failure)
 DITANGO_FAULT_KIND=raise|hang|exit|kill|stop
@@ -48,8 +50,12 @@ class FaultInjecting:
         self._maybe_fail(step)
         self.inner.step_done(step, steps)
 
-    def _maybe_fail(self, step: int) -> None:
-        if self.spec is None or (int(self.spec[0]), int(self.spec[1])) != (self.rank, step):
+    def phase(self, name: str) -> None:
+        self._maybe_fail(name)
+        self.inner.phase(name)
+
+    def _maybe_fail(self, step: int | str) -> None:
+        if self.spec is None or (self.spec[0], self.spec[1]) != (str(self.rank), str(step)):
             return
         if len(self.spec) == 3 and self.spec[2] != self.item:
             return

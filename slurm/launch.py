@@ -99,6 +99,7 @@ class LocalExecutor:
                 reports = run_ranks(
                     rank_main, cfg.world_size, (cfg, skipped, name, decided), timeout_s=cfg.setup_timeout_s,
                     device=cfg.device, log_dir=cfg.out_dir / "logs", on_event=self._event, replicas=cfg.replicas,
+                    stale_s=cfg.timeout_s,
                 )  # fmt: skip
             except RankFailed as exc:
                 outcomes.append(Outcome(task, str(exc), exc.rank))

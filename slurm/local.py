@@ -12,11 +12,14 @@ first, the supervisor collects the others for up to WINDOW_S, terminates every r
 raises `RankFailed` for the first real cause (`blame_order`), the peers' reactions listed
 after it. A rank that is stopped (SIGSTOP, a frozen machine) says nothing and does not exit:
 its peers time out. Each rank's heartbeat thread, which stops only with the whole process,
-names it then (a heartbeat alone ends nothing: a debugger stops a process too).
+names it then; and a heartbeat older than `stale_s` (the run's step timeout) ends the run by
+itself: the peers may be waiting on the stopped rank under the far longer setup timeout (the
+writer decoding and writing a video), which would hold the run for half an hour.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue as queue_mod
@@ -35,7 +38,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
+from slurm.heartbeat import stopped_message
 from slurm.rank import apply_environment, is_peer_failure, join, select_device
 
 POLL_S = 0.1
@@ -108,6 +113,29 @@ def _redirect_output(log: Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    sys.stdout, sys.stderr = _LenientLog(sys.stdout), _LenientLog(sys.stderr)
+
+
+class _LenientLog:
+    """A rank's stdout or stderr (its log file) that drops what it cannot write: on a full disk a
+    progress bar or a warning must not fail the rank (and read as a model that does not load);
+    the outputs' own writes report the disk (runtime/video.py)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError:
+            return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def _die_with_parent() -> None:
@@ -132,6 +160,10 @@ def _heartbeat(beats, rank: int) -> None:
 def _bootstrap(rank, world, replicas, rdzv, device, timeout_s, threads, log_dir, q, beats, target, args):
     _die_with_parent()
     threading.Thread(target=_heartbeat, args=(beats, rank), name="heartbeat", daemon=True).start()
+    # Progress bars (model loading) take a thread lock: tqdm's default one is a multiprocessing
+    # semaphore, which a rank that exits at once on a failure leaves behind, and the resource
+    # tracker of the supervisor then warns of it below the one-line error.
+    tqdm.set_lock(threading.RLock())
     try:
         if log_dir is not None:
             _redirect_output(Path(log_dir) / f"rank-{rank}.log")
@@ -151,15 +183,16 @@ def _bootstrap(rank, world, replicas, rdzv, device, timeout_s, threads, log_dir,
         # descriptor, which the supervisor can no longer fetch once this process has exited.
         q.put(("result", rank, pickle.dumps(result)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt, then exit non-zero
-        failed_at = time.monotonic()
-        traceback.print_exc()
-        q.put(("error", rank, f"{type(exc).__name__}: {exc}", failed_at))
-        # Exit now, without destroy_process_group (it can block with a dead peer): the
-        # supervisor stops the other ranks. The queue is flushed first so the error arrives.
+        q.put(("error", rank, f"{type(exc).__name__}: {exc}", time.monotonic()))
+        # The log next (it may be on a full disk: the error above is sent first). Exit now, without
+        # destroy_process_group (it can block with a dead peer): the supervisor stops the other
+        # ranks. The queue is flushed first so the error arrives.
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
         q.close()
         q.join_thread()
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(1)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -175,13 +208,16 @@ def run_ranks(
     log_dir: Path | None = None,
     on_event: Callable[[str, tuple], None] | None = None,
     replicas: int = 1,
+    stale_s: float | None = None,
 ) -> list:
     """Run `target(rank, world_size, events, *args)` on `world_size` processes; return results by rank.
 
     With `replicas` R, the processes form R independent process groups of world_size / R
     ranks (contiguous blocks); `target` sees its rank and size inside its group, and
     `events.replica`. `RankFailed.rank` is the global rank. `device`: "cpu", "cuda" or "auto"
-    (global rank g takes GPU g); `timeout_s`: the process group's (setup) timeout."""
+    (global rank g takes GPU g); `timeout_s`: the process group's (setup) timeout; `stale_s`:
+    a rank whose heartbeat is older than this is stopped, which fails the run (None: only
+    named once another sign of failure came)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -210,6 +246,8 @@ def run_ranks(
             watch = _Watch(procs, q, beats, on_event)
             while len(watch.results) < world_size and not watch.failures:
                 watch.poll()
+                if stale_s is not None:
+                    watch.failures.update((f.rank, f) for f in watch.stopped(max(stale_s, STALE_S)))
             if watch.failures:
                 raise rank_failed(watch.settle(), log_dir)
             deadline = time.monotonic() + EXIT_WAIT_S
@@ -260,15 +298,15 @@ class _Watch:
             self.poll()
         return [*self.failures.values(), *self.stopped()]
 
-    def stopped(self) -> list[Failure]:
-        """Ranks still running whose heartbeat is older than STALE_S (started ones only)."""
+    def stopped(self, stale_s: float = STALE_S) -> list[Failure]:
+        """Ranks still running whose heartbeat is older than `stale_s` (started ones only)."""
         now, out = time.monotonic(), []
         for rank, p in enumerate(self.procs):
             beat = self.beats[rank]
             done = rank in self.failures or rank in self.results or p.exitcode is not None
-            if done or beat == 0.0 or now - beat <= STALE_S:
+            if done or beat == 0.0 or now - beat <= stale_s:
                 continue
-            message = f"stopped answering (no heartbeat for {now - beat:.0f} s: a stopped process, e.g. SIGSTOP)"
+            message = stopped_message(now - beat)
             out.append(Failure(rank, "stopped", message, beat))
         return out
 

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from planner.errors import ConfigError
@@ -43,13 +44,16 @@ class SlurmOptions:
         for key, _ in self.extra:
             if not _KEY.fullmatch(key):
                 raise ConfigError(f"--slurm-arg {key!r}: expected KEY=VALUE with a sbatch option name as KEY")
-        # Values become `#SBATCH` lines of a shell script: a newline would end the line there
-        # (and a shell command could follow it), so no control character reaches it.
+        # Values become `#SBATCH` lines, shell-quoted (submitit), which sbatch reads with its own
+        # parser: a newline would end the line there (and a shell command could follow it), and
+        # the parser takes a backslash as an escape even inside quotes, so the value would change.
         named = {"--partition": self.partition, "--account": self.account, "--qos": self.qos, "--mem": self.mem,
                  "--constraint": self.constraint, **{f"--slurm-arg {k}": v for k, v in self.extra}}  # fmt: skip
         for flag, value in named.items():
-            if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
-                raise ConfigError(f"{flag} {value!r}: control characters (a newline, a tab) cannot reach sbatch")
+            if value is not None and any(ord(c) < 32 or ord(c) == 127 or c == "\\" for c in value):
+                raise ConfigError(
+                    f"{flag} {value!r}: control characters (a newline, a tab) and backslashes cannot reach sbatch"
+                )
 
     @classmethod
     def parse_extra(cls, pairs: list[str]) -> tuple[tuple[str, str], ...]:
@@ -67,6 +71,21 @@ class SlurmOptions:
         defaults = SlurmOptions()
         keys = ("partition", "account", "qos", "cpus_per_task", "mem", "constraint", "extra")
         return any(getattr(self, k) != getattr(defaults, k) for k in keys) or self.array > 1
+
+
+def check_log_folder(out: Path) -> None:
+    """Refuse an output folder Slurm cannot carry: the job's logs (`--output`, `--error`) lie
+    under it, and Slurm reads `%` in those paths as a pattern (`%j`: the job id) and a
+    backslash as turning the patterns off, and a control character would end a `#SBATCH`
+    line. Any other character is passed quoted (slurm/submit.py)."""
+    path = str(out.expanduser().resolve())
+    bad = sorted({c for c in path if c in "%\\" or ord(c) < 32 or ord(c) == 127})
+    if bad:
+        shown = ", ".join(repr(c) for c in bad)
+        raise ConfigError(
+            f"--out {path!r}: Slurm cannot carry {shown} in the path of its logs; choose a folder without "
+            "them, or run with --executor local"
+        )
 
 
 def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool) -> dict:

@@ -106,7 +106,8 @@ def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
     """What a launch of `cfg` by `where` (local, srun, sbatch) would be, as JSON-ready data: the
     executor and its shape (nodes, tasks per node, GPUs requested), the sbatch script submitit
     would submit or the srun command of each array task, the environment every rank gets, and
-    every rank's place. What `generate --dry-run` prints."""
+    every rank's place (PYTHONPATH: the folder put before the rank's own PYTHONPATH). What
+    `generate --dry-run` prints."""
     from slurm.submit import absolute_paths, sbatch_script, submission_config, submission_folder
 
     if where == "sbatch":
@@ -145,11 +146,11 @@ def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
         folder = submission_folder(cfg)
         record["folder"] = str(folder)
         record["sbatch_script"] = sbatch_script(cfg, opts, folder, opts.array)
-        record["environment"] = {**record["environment"], "PYTHONPATH": f"{folder / 'code'}:$PYTHONPATH"}
+        record["environment"] = {**record["environment"], "PYTHONPATH": str(folder / "code")}
     elif where == "srun":
         folder = cfg.out_dir / "slurm" / "srun-<stamp>"
         record["srun_commands"] = [
             shlex.join(srun_command(cfg, folder, t, folder / f"call-{t}.pkl")) for t in range(opts.array)
         ]
-        record["environment"] = {**record["environment"], "PYTHONPATH": f"{folder / 'code'}:$PYTHONPATH"}
+        record["environment"] = {**record["environment"], "PYTHONPATH": str(folder / "code")}
     return record

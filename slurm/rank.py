@@ -16,6 +16,7 @@ in-flight work and can block forever when a peer is gone.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 from datetime import timedelta
@@ -69,6 +70,20 @@ def _flight_recorder(prefix: Path) -> dict[str, str]:
 def rank_environment(out_dir: Path) -> dict[str, str]:
     """The environment every rank of a run gets (set before the process group exists)."""
     return nccl_environment(log_dir(out_dir))
+
+
+def rendezvous_port(seed: str, span: int = 64) -> int:
+    """The first of `span` ports for a job's rendezvous (its store; one more per replica), drawn
+    from `seed` (the job or step id: the same on every rank) below the kernel's ephemeral range,
+    where a port the kernel hands out to some connection cannot already hold it (submitit draws
+    from 20000-60000, which the default ephemeral range 32768-60999 overlaps: a retried srun step
+    once found its port in use)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = max(low - span, 10000 + span)
+    return random.Random(seed).randint(10000, top)
 
 
 def log_dir(out_dir: Path) -> Path:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import shlex
 import shutil
@@ -37,6 +38,7 @@ from runtime.outputs import plan_resume
 from runtime.run import RankContext, SilentObserver, execute
 from slurm.aggregate import aggregate
 from slurm.faults import FaultInjecting
+from slurm.heartbeat import BeatWatch, Heartbeat, stopped_message
 from slurm.jobs import (
     check_job_id,
     discard_folder,
@@ -51,7 +53,7 @@ from slurm.jobs import (
     write_jobs,
 )
 from slurm.options import SlurmOptions, submitit_parameters
-from slurm.rank import apply_environment, exit_soon, is_peer_failure, join, select_device
+from slurm.rank import apply_environment, exit_soon, is_peer_failure, join, rendezvous_port, select_device
 from slurm.sharding import shard
 from slurm.supervise import Outcome, replica_share, task_report, tasks_with_work
 
@@ -70,8 +72,19 @@ def snapshot_code(dest: Path) -> Path:
 class SlurmRun(submitit.helpers.Checkpointable):
     """One array task of a batch, on every rank of its job (or srun step)."""
 
-    def __call__(self, cfg: RunConfig, task: int, tasks: int, decided: dict | None = None) -> dict | None:
+    def __call__(
+        self, cfg: RunConfig, task: int, tasks: int, decided: dict | None = None, beats: Path | None = None
+    ) -> dict | None:
+        """`beats`: the folder of the ranks' heartbeats (default: the job's own folder's)."""
+        os.environ.setdefault("MASTER_PORT", str(rendezvous_port(os.environ.get("SLURM_JOB_ID", ""))))
         env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        heartbeat = Heartbeat(beats or beat_folder(submitit.JobEnvironment().paths.folder), env.rank)
+        try:
+            return self._rank(cfg, task, tasks, decided, env)
+        finally:
+            heartbeat.stop()
+
+    def _rank(self, cfg, task, tasks, decided, env) -> dict | None:
         apply_environment(cfg.out_dir)
         # The GPU of this task on its node (SLURM_LOCALID), whatever its rank inside a replica.
         device = select_device(cfg.device, env.local_rank)
@@ -140,7 +153,11 @@ def job_parameters(cfg: RunConfig, opts: SlurmOptions, code: Path) -> dict:
     # (python -m), ahead of PYTHONPATH and of an editable install of the checkout.
     # Each start of the job (a requeue appends to the same log) leaves a marker in task 0's
     # stderr, where srun reports its tasks' ends: only the last attempt's reports are read.
-    params["setup"] = [f"export PYTHONPATH={code}:${{PYTHONPATH:-}}", f"echo {ATTEMPT_MARK} >&2"]
+    # Every value in the script's body is shell-quoted: the output folder is the user's text.
+    params["setup"] = [
+        f'export PYTHONPATH={shlex.quote(str(code))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+        f"echo {shlex.quote(ATTEMPT_MARK)} >&2",
+    ]
     params.setdefault("additional_parameters", {})["chdir"] = str(code)
     return params
 
@@ -304,23 +321,47 @@ def srun_task_ends(text: str) -> list[tuple[tuple[int, ...], str]]:
     return ends
 
 
+def beat_folder(job_folder: Path) -> Path:
+    """Where the ranks of the job whose submitit folder is `job_folder` write their heartbeats."""
+    return job_folder / "beats"
+
+
 def wait(
-    jobs: list[submitit.Job], on_state=None, poll_s: float = 2.0, force_s: float = 10.0
-) -> list[tuple[str | None, int | None]]:
+    jobs: list[submitit.Job], on_state=None, poll_s: float = 2.0, force_s: float = 10.0, stale_s: float | None = None
+) -> tuple[list[tuple[str | None, int | None]], set[str]]:
     """Block until every job is done; returns each job's (error, failing rank), error None when
-    it succeeded. submitit asks sacct at 2, 4, 8, ... 64 s, then every minute, unless every task
-    left a result; a job killed by srun leaves none, so ask sacct every `force_s` seconds too."""
+    it succeeded, and the ids of the jobs ended here because a rank stopped: with `stale_s`, a
+    running job whose rank's heartbeat stood still longer than that is cancelled, that rank
+    blamed. submitit asks sacct at 2, 4, 8, ... 64 s, then every minute, unless every task left
+    a result; a job killed by srun leaves none, so ask sacct every `force_s` seconds too."""
     last_forced = time.monotonic()
+    watches = {j.job_id: BeatWatch(beat_folder(j.paths.folder)) for j in jobs}
+    stopped: dict[str, tuple[str, int]] = {}
     while True:
         force = time.monotonic() - last_forced >= force_s
         if force:
             last_forced = time.monotonic()
-        if all(j.done(force_check=force) for j in jobs):
+        done = [j.done(force_check=force) for j in jobs]
+        if all(done):
             break
+        for job, finished in zip(jobs, done, strict=True):
+            if finished or stale_s is None or job.job_id in stopped:
+                continue
+            watch = watches[job.job_id]
+            if job.state != "RUNNING":  # pending, or requeued: its ranks' files are an earlier attempt's
+                watch.reset()
+                continue
+            found = watch.stale(stale_s)
+            if found is not None and not job.done(force_check=True) and job.state == "RUNNING":  # not stale news
+                rank, seconds = found
+                log = (job.task(rank) if job.num_tasks > 1 else job).paths.stderr
+                stopped[job.job_id] = (f"rank {rank} failed: {stopped_message(seconds)} (log: {log})", rank)
+                with contextlib.suppress(ConfigError):
+                    run_slurm(["scancel", job.job_id])
         if on_state is not None:
             on_state([j.state for j in jobs])
         time.sleep(poll_s)
-    return [job_failure(j) for j in jobs]
+    return [stopped.get(j.job_id) or job_failure(j) for j in jobs], set(stopped)
 
 
 class SbatchExecutor:
@@ -342,9 +383,9 @@ class SbatchExecutor:
         if not self.wait:
             return None
         self.say(f"submitted job(s) {', '.join(self.job_ids)}; waiting (Ctrl-C stops waiting, not the job)")
-        failures = wait(jobs, self.on_state)
+        failures, stopped = wait(jobs, self.on_state, stale_s=self.cfg.timeout_s)
         return settled + [
-            Outcome(t, error, rank, f"job {j.job_id}", j.state.startswith("CANCELLED"))
+            Outcome(t, error, rank, f"job {j.job_id}", j.state.startswith("CANCELLED") and j.job_id not in stopped)
             for t, j, (error, rank) in zip(tasks, jobs, failures, strict=True)
         ]
 

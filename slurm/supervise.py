@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from runtime.config import RunConfig
+from runtime.errors import OutputWriteError
 from runtime.outputs import (
     STATE_DIR,
     damaged_sidecars,
@@ -79,11 +80,17 @@ def supervise(cfg: RunConfig, executor: Executor, tasks: int, say: Callable[[str
             break
         if any(o.cancelled for o in failed):
             return Supervised([f"{o.name} {'was cancelled' if o.cancelled else 'failed'}: {o.error}" for o in failed])
-        lines = []
+        # Outputs that cannot be written (a full disk): every attempt would meet the same disk.
+        retry = not any(cannot_write(o.error) for o in failed)
+        lines, recorded = [], True
         for o in failed:  # each task's own error, on that task's (replica's) items
-            lines += blame(cfg, o.message, attempts, given_up, attempt, share_of_rank(cfg, o.rank, o.task, tasks))
+            items = share_of_rank(cfg, o.rank, o.task, tasks)
+            said, ok = blame(cfg, o.message, attempts, given_up, attempt, items, retry)
+            lines, recorded = lines + said, recorded and ok
         if not lines:  # a failure outside any item: retrying cannot help
             return Supervised([o.message if o.name is None else f"{o.name} failed: {o.error}" for o in failed])
+        if not (retry and recorded):
+            return Supervised(lines)
         for line in lines:
             say(line)
         settled = {**settled_since(cfg, since), **given_up}
@@ -103,21 +110,46 @@ def tasks_with_work(cfg: RunConfig, tasks: list[int], total: int, decided: dict[
 
 
 def blame(
-    cfg: RunConfig, error: str, attempts: dict[str, int], given_up: dict[str, dict], since: float, items=None
-) -> list[str]:
+    cfg: RunConfig,
+    error: str,
+    attempts: dict[str, int],
+    given_up: dict[str, dict],
+    since: float,
+    items=None,
+    retry: bool = True,
+) -> tuple[list[str], bool]:
     """After a launch that started at `since` (fs_clock) failed: record each of `items`
     (default all) marked running since then as failed, count the attempt and give the item up
-    after `cfg.retries` retries. A line per item; empty: nothing to blame."""
-    lines = []
+    after `cfg.retries` retries (at once without `retry`). A line per item (none: nothing to
+    blame), and whether every failure could be recorded: a sidecar that cannot be written (a
+    full disk) stays "running", so a later run makes that item again, but this one must stop."""
+    lines, recorded = [], True
     for item in running_items(cfg, since, items):
         n = attempts[item.id] = attempts.get(item.id, 0) + 1
-        record = record_failure(cfg, item, error, n)
-        if n > cfg.retries:
+        try:
+            record = record_failure(cfg, item, error, n)
+        except OutputWriteError as exc:
+            lines.append(f"{item.id} failed ({error}); the failure could not be recorded ({exc}); {STOPPED}")
+            recorded = False
+            continue
+        if not retry:
+            given_up[item.id] = record
+            lines.append(f"{item.id} failed ({error}); not retried: {STOPPED}")
+        elif n > cfg.retries:
             given_up[item.id] = record
             lines.append(f"{item.id} failed ({error}); giving it up after {n} attempt(s)")
         else:
             lines.append(f"{item.id} failed ({error}); retry {n} of {cfg.retries}")
-    return lines
+    return lines, recorded
+
+
+STOPPED = "the run stops, keeping what it finished; the same command resumes once the output folder takes writes"
+
+
+def cannot_write(error: str | None) -> bool:
+    """Whether a launch failed on an output it could not write, as any executor reports it
+    (the exception's name and message: from this process, a rank, or a job's log)."""
+    return error is not None and f"{OutputWriteError.__name__}: " in error
 
 
 def replica_share(cfg: RunConfig, replica: int, report_name: str) -> tuple[RunConfig | None, str]:

@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -179,6 +180,30 @@ def test_a_stopped_rank_is_blamed_as_not_answering(runner, tmp_path, monkeypatch
     assert elapsed <= STEP_TIMEOUT_S + FAULT_MARGIN_S, elapsed  # and the stopped process did not hold it up
 
 
+def test_a_writer_stopped_while_writing_ends_the_wait_after_the_step_timeout_and_is_retried(
+    runner, tmp_path, monkeypatch
+):
+    """Bug: with rank 0 stopped (SIGSTOP) while it wrote the video, its peers waited on it under
+    the setup timeout (1,800 s by default) although its heartbeat was stale after seconds."""
+    from ditango_cli.app import app
+
+    out, fired = tmp_path / "out", tmp_path / "fired"
+    monkeypatch.setenv("DITANGO_FAULT_INJECT", "0:write")
+    monkeypatch.setenv("DITANGO_FAULT_KIND", "stop")
+    monkeypatch.setenv("DITANGO_FAULT_ONCE", str(fired))  # once: the retry goes through
+    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--executor", "local",
+            "--timeout", str(STEP_TIMEOUT_S), "--setup-timeout", "600", *FAST]  # fmt: skip
+    result = runner.invoke(app, [a for a in args if a != "--quiet"])  # the retry line is progress output
+    assert result.exit_code == 0, result.stderr
+    (said,) = [line for line in result.stderr.splitlines() if " failed (" in line]
+    assert re.match(r"0000-\w+ failed \(rank 0 failed: stopped answering \(no heartbeat for \d+ s", said), said
+    assert said.endswith("retry 1 of 1"), said
+    (item,) = json.loads((out / "report.json").read_text())["items"]
+    assert item["status"] == "done"
+    elapsed = time.time() - fired.stat().st_mtime  # the stop, the wait, the retry's whole run
+    assert elapsed <= STEP_TIMEOUT_S + 2 * FAULT_MARGIN_S, elapsed
+
+
 # Slurm: what srun and submitit leave ----------------------------------------------------
 
 # Task 0's stderr in a job whose task 2 was killed with SIGKILL (srun's messages come there, in
@@ -322,3 +347,43 @@ def test_a_job_whose_rank_is_killed_with_sigkill_names_that_rank(runner, tmp_pat
     assert item["status"] == "failed"
     assert re.search(r"job \S+: rank 2 was killed by a signal, without an exception \(srun: task 2: Killed; log: "
                      r"\S+_2_log\.err\)", item["error"]), item["error"]  # fmt: skip
+
+
+@pytest.mark.skipif(
+    "not os.environ.get('CI') and not _cluster_up()", reason="no local Slurm (bash scripts/local-slurm.sh start)"
+)
+@pytest.mark.parametrize("launcher", ["sbatch", "srun"])
+def test_a_slurm_writer_stopped_while_writing_is_named_and_retried(runner, tmp_path, monkeypatch, launcher):
+    """Bug: with rank 0 of a job stopped (SIGSTOP) while it wrote the video, its peers waited on it
+    under the setup timeout. Its heartbeat (a file of the job's folder) stands still: the launcher
+    ends the job (or the srun step) after the step timeout, blames rank 0 and retries."""
+    import subprocess
+
+    from ditango_cli.app import app
+    from slurm.heartbeat import MIN_STALE_S
+    from tests.test_slurm import SMALL as SLURM_SMALL
+
+    assert _cluster_up(), "Slurm is not running: .ci/run must start scripts/local-slurm.sh"
+    out, fired = tmp_path / "out", tmp_path / "fired"
+    monkeypatch.setenv("DITANGO_FAULT_INJECT", "0:write")  # sbatch and srun export the environment
+    monkeypatch.setenv("DITANGO_FAULT_KIND", "stop")
+    monkeypatch.setenv("DITANGO_FAULT_ONCE", str(fired))
+    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--nodes", "2", "--gpus", "1",
+            "--timeout", str(STEP_TIMEOUT_S), "--setup-timeout", "600", *SLURM_SMALL]  # fmt: skip
+    args = [a for a in args if a != "--quiet"]  # the retry line is progress output
+    if launcher == "sbatch":
+        result = runner.invoke(app, args)
+        said, code = result.stderr, result.exit_code
+    else:  # inside an allocation: its steps
+        cli = [sys.executable, "-c", "from ditango_cli.app import main; main()"]
+        alloc = ["salloc", "--nodes", "2", "--ntasks-per-node", "1", "--partition", "debug", "--time", "10"]
+        run = subprocess.run([*alloc, *cli, *args], capture_output=True, text=True, timeout=600)
+        said, code = run.stderr, run.returncode
+    assert code == 0, said
+    (line,) = [ln for ln in said.splitlines() if " failed (" in ln]
+    assert re.search(r"failed \((job \S+: |step 0: )?rank 0 failed: stopped answering \(no heartbeat for \d+ s", line)
+    assert line.endswith("retry 1 of 1"), line
+    (item,) = json.loads((out / "report.json").read_text())["items"]
+    assert item["status"] == "done"
+    elapsed = time.time() - fired.stat().st_mtime  # the stop, the wait, ending the job, the retry's job
+    assert elapsed <= max(STEP_TIMEOUT_S, MIN_STALE_S) + 3 * FAULT_MARGIN_S, elapsed

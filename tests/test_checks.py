@@ -4,6 +4,7 @@ item whose latents become NaN/inf is failed at once instead of being recorded do
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -49,10 +50,13 @@ BAD_INPUTS = [
     (["--width", "2064", "--height", "16"], "width must be at most 2048", "try 2048"),
     (["--frames", "1025"], "frames must be at most 1021", "try 1021"),
     # Timeouts: nan passes every comparison, inf overflows the process group's timedelta.
-    (["--timeout", "nan"], "--timeout must be > 0 seconds and finite, got nan", None),
-    (["--timeout", "inf"], "--timeout must be > 0 seconds and finite, got inf", None),
-    (["--setup-timeout", "inf"], "--setup-timeout must be > 0 seconds and finite, got inf", None),
-    (["--setup-timeout", "nan"], "--setup-timeout must be > 0 seconds and finite, got nan", None),
+    (["--timeout", "nan"], "--timeout must be > 0 seconds, finite and at most 604800 (7 days), got nan", None),
+    (["--timeout", "inf"], "--timeout must be > 0 seconds, finite and at most 604800 (7 days), got inf", None),
+    (["--setup-timeout", "inf"], "--setup-timeout must be > 0 seconds, finite and at most 604800", "got inf"),
+    (["--setup-timeout", "nan"], "--setup-timeout must be > 0 seconds, finite and at most 604800", "got nan"),
+    # Careless sizes: a timeout past a timedelta's range, a billion denoising steps.
+    (["--timeout", "1e300"], "--timeout must be > 0 seconds, finite and at most 604800", "got 1e+300"),
+    (["--steps", "1000000000"], "steps must be in [1, 1000]", "got 1000000000"),
     # More array tasks than items: `generate` refused it, `check` said ok.
     (["--array", "3", "--executor", "local"], "--array 3 is more than the 1 items", None),
     # An empty --out is the current folder; /proc holds no files (os.access says yes to root).
@@ -200,3 +204,22 @@ def test_nan_weight_on_two_ranks_fails_the_item_without_a_relaunch(runner, tmp_p
     _assert_nan_item_failed_once(result, out, retries=1)
     logs = "".join(p.read_text() for p in (out / "logs").glob("rank-*.log")) if (out / "logs").is_dir() else ""
     assert "Traceback" not in logs
+
+
+def test_more_local_cpu_ranks_than_memory_holds_are_refused_naming_how_many_fit(runner, tmp_path, monkeypatch):
+    """Bug: `--gpus-per-node 100` started 100 local ranks on a 2-core, 24 GiB machine. Each CPU
+    rank holds the whole pipeline: the number that fits is the available memory over a rank's."""
+    import runtime.config
+
+    monkeypatch.setattr(runtime.config, "available_host_memory", lambda: int(2.5 * 2**30))
+    base = ["check", "--prompt", "a red circle", "--out", str(tmp_path / "out"), "--device", "cpu",
+            "--executor", "local"]  # fmt: skip
+    line = one_line_error(runner, [*base, "--gpus-per-node", "100"])
+    fits = int(re.search(r"enough for (\d+): use at most \1 ranks", line).group(1))
+    assert 1 <= fits < 100 and "100 local rank(s) on CPUs need about" in line, line
+    assert runner.invoke(app, [*base, "--gpus-per-node", str(fits)]).exit_code == 0
+    assert f"enough for {fits}" in one_line_error(runner, [*base, "--gpus-per-node", str(fits + 1)])
+    assert f"enough for {fits}" in one_line_error(runner, [*base, "--gpus-per-node", "1", "--replicas", "1",
+                                                           "--nodes", str(fits + 1)])  # fmt: skip
+    monkeypatch.setattr(runtime.config, "available_host_memory", lambda: 2**28)  # not even one
+    assert "run on GPUs, or on a machine with more memory" in one_line_error(runner, base)

@@ -169,7 +169,7 @@ def test_size_not_a_multiple_of_a_wan21_geometry(runner, out, saved_model_dir):
 
 
 def test_steps_below_one(runner, out):
-    run_error(runner, gen(out, "--steps", "0"), "steps must be >= 1")
+    run_error(runner, gen(out, "--steps", "0"), "steps must be in [1, 1000]")
 
 
 def test_negative_guidance(runner, out):

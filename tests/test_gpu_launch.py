@@ -280,6 +280,7 @@ def test_slurm_task_binds_its_local_gpu_and_never_destroys_on_error(monkeypatch,
     clean_nccl_environment(monkeypatch, tmp_path)
     monkeypatch.setattr(submitit.helpers, "TorchDistributedEnvironment", lambda: _DistEnv(6, 2, 8))
     monkeypatch.setattr(submitit, "JobEnvironment", _JobEnv)
+    monkeypatch.setenv("MASTER_PORT", "29500")  # as the rank would pick it; removed after the test
     calls = {"destroyed": 0, "deadline": 0}
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.update(args=a, kwargs=k))
     monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.__setitem__("destroyed", calls["destroyed"] + 1))
@@ -292,7 +293,8 @@ def test_slurm_task_binds_its_local_gpu_and_never_destroys_on_error(monkeypatch,
     monkeypatch.setattr(submit.SlurmRun, "_run", staticmethod(failing_run))
     cfg = two_nodes_four_replicas(tmp_path / "out", timeout_s=30.0, setup_timeout_s=900.0)
     with pytest.raises(RuntimeError, match="boom"):
-        submit.SlurmRun()(cfg, 0, 1)
+        submit.SlurmRun()(cfg, 0, 1, None, tmp_path / "beats")
+    assert list((tmp_path / "beats").iterdir()) == []  # its heartbeat file goes with it
     assert cuda.current == 2 and calls["run"] == (6, 0, 2, 3, torch.device("cuda", 2))
     kwargs = calls["kwargs"]
     assert calls["args"] == ("nccl",) and kwargs["device_id"] == torch.device("cuda", 2)

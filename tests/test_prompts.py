@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
+
+import pytest
 
 from runtime.items import Overrides, build_items, derived_id
 from runtime.models.registry import REGISTRY
@@ -37,3 +41,44 @@ def test_derived_ids_are_short_safe_and_seed_dependent():
     assert a != b and a.startswith("0003-") and len(a) == 13
     assert all(c.isalnum() or c == "-" for c in a)
     assert derived_id(3, prompt, 1) == a  # stable across calls (resume relies on it)
+
+
+def test_json_strings_holding_unicode_line_separators_stay_one_line(tmp_path):
+    """Bug: prompt files were split with str.splitlines(), which also splits at U+2028, U+2029,
+    U+0085 and the like: valid JSONL whose strings hold them was refused as broken lines."""
+    prompts = ["a\u2028b", "c\u2029d", "e\x85f", "g\x1ch\x0bi\x0cj"]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\r\n" for p in prompts), encoding="utf-8")
+    items = build_items(None, f, Overrides(), TINY)
+    assert [i.prompt for i in items] == prompts and [i.source for i in items] == [
+        f"p.jsonl line {n}" for n in (1, 2, 3, 4)
+    ]
+    # Old Mac line ends still end lines.
+    txt = tmp_path / "p.txt"
+    txt.write_text("a red circle\ra blue\u2028square\r", encoding="utf-8")
+    assert [i.prompt for i in build_items(None, txt, Overrides(), TINY)] == ["a red circle", "a blue\u2028square"]
+
+
+@pytest.mark.parametrize("flag", ["--prompts", "--config", "--image"])
+def test_a_fifo_given_as_a_file_is_one_line_not_a_hang(runner, tmp_path, flag):
+    """Bug: `--image` naming a FIFO hung the pre-check (it waited for a writer); so did a FIFO as
+    the prompt file or the run file."""
+    from ditango_cli.app import app
+
+    fifo = tmp_path / {"--prompts": "batch.jsonl", "--config": "run.toml", "--image": "cat.png"}[flag]
+    os.mkfifo(fifo)
+    args = ["check", "--out", str(tmp_path / "out"), flag, str(fifo)]
+    if flag != "--prompts":
+        args += ["--prompt", "a cat"]
+    if flag == "--image":  # an image-to-video model: the image is checked before its weights are needed
+        args += ["--model", "wan2.1-i2v-14b-480p"]
+    # Should the FIFO be opened after all, a writer turns up after 30 s: the test fails, not hangs.
+    rescue = threading.Timer(30, lambda: os.close(os.open(fifo, os.O_WRONLY)))
+    rescue.daemon = True
+    rescue.start()
+    result = runner.invoke(app, args)
+    rescue.cancel()
+    assert result.exit_code == 2 and result.stderr.strip().endswith(
+        f"{fifo} is a FIFO (named pipe), not a regular file"
+    )
+    assert len(result.stderr.strip().splitlines()) == 1

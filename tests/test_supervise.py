@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from runtime.config import Item, RunConfig
+from runtime.errors import OutputWriteError
 from runtime.outputs import item_status, mark_running, output_paths, read_record
 from runtime.report import item_record
 from runtime.video import write_json
 from slurm.sharding import shard
-from slurm.supervise import Outcome, supervise
+from slurm.supervise import STOPPED, Outcome, supervise
 
 
 def config(out: Path, n: int = 4, retries: int = 1) -> RunConfig:
@@ -93,3 +94,33 @@ def test_a_damaged_sidecar_reads_as_no_record(tmp_path):
     output_paths(tmp_path, "i1")["sidecar"].write_text("{torn")
     assert read_record(output_paths(tmp_path, "i0")["sidecar"]) is None
     assert item_status(cfg, cfg.items[0]) is None and item_status(cfg, cfg.items[1]) is None
+
+
+def test_an_output_that_cannot_be_written_stops_the_run_without_a_retry(tmp_path):
+    """A full disk fails every attempt alike: retrying recomputed the item only to fail again."""
+    cfg = config(tmp_path, retries=3)
+    full = "OutputWriteError: cannot write i1.mp4: No space left on device"
+    ex = Scripted(cfg, 1, [{0: (full, {"i1"})}])
+    errors = supervise(cfg, ex, 1, print).errors
+    assert len(ex.launches) == 1
+    assert errors == [f"i1 failed (job 0: rank 1 failed: {full}); not retried: {STOPPED}"]
+    assert [item_status(cfg, i) for i in cfg.items] == ["done", "failed", None, None]
+
+
+def test_a_failure_that_cannot_be_recorded_stops_the_run(tmp_path, monkeypatch):
+    """Bug: recording the failure on a full disk raised a traceback from the supervisor."""
+    import slurm.supervise as supervise_mod
+
+    def full(*args, **kwargs):
+        raise OutputWriteError("cannot write i1.json: No space left on device")
+
+    cfg = config(tmp_path)
+    ex = Scripted(cfg, 1, [{0: ("fail", {"i1"})}])
+    monkeypatch.setattr(supervise_mod, "record_failure", full)
+    errors = supervise(cfg, ex, 1, print).errors
+    assert len(ex.launches) == 1
+    assert errors == [
+        "i1 failed (job 0: rank 1 failed: fail); the failure could not be recorded "
+        f"(cannot write i1.json: No space left on device); {STOPPED}"
+    ]
+    assert item_status(cfg, cfg.items[1]) == "running"  # not done: a later run makes it again
