@@ -23,7 +23,7 @@ from pathlib import Path
 from planner.errors import ConfigError
 from runtime.config import RunConfig
 from slurm.aggregate import aggregate
-from slurm.heartbeat import BeatWatch, stopped_message
+from slurm.heartbeat import BeatWatch, kill_step, stopped_message
 from slurm.jobs import run_slurm
 from slurm.options import SlurmOptions
 from slurm.rank import exit_soon, is_peer_failure, rendezvous_port
@@ -79,9 +79,11 @@ def run_steps(
                 on_state([f"srun step {task + 1}/{opts.array} RUNNING"])
             found = None if stopped else watch.stale(cfg.timeout_s)
             if found is not None:  # a rank stopped (SIGSTOP): its peers may wait on it for the setup timeout
-                log = folder / f"task-{task}-rank-{found[0]}.log"
-                stopped = (f"rank {found[0]} failed: {stopped_message(found[1])} (log: {log})", found[0])
-                proc.terminate()  # srun passes it to the step's tasks, and ends the step
+                rank, seconds, step = found
+                log = folder / f"task-{task}-rank-{rank}.log"
+                stopped = (f"rank {rank} failed: {stopped_message(seconds)} (log: {log})", rank)
+                if not kill_step(step):
+                    proc.terminate()  # srun passes it on to the step's tasks
             time.sleep(poll_s)
         if stopped is not None:
             errors.append(stopped)

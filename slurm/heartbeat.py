@@ -5,19 +5,24 @@ A rank that is stopped (SIGSTOP, a frozen node) says nothing and does not exit; 
 only time out, and while they wait on the writer (it decodes and writes a video) they do so
 under the setup timeout, half an hour by default. Local ranks beat into shared memory
 (slurm/local.py); a Slurm rank's thread writes an increasing count into a file of its job's
-folder on the shared file system, fsynced so that other hosts see it. The launcher (which
-follows its jobs) ends a job whose rank's count has not moved for longer than the step
-timeout, naming that rank, and the supervisor retries it as any failure. A rank that returns
-removes its file: a finished rank is not a stopped one.
+folder on the shared file system, fsynced so that other hosts see it, with the Slurm step it
+belongs to. The launcher (which follows its jobs) kills that step (SIGKILL: Slurm's own
+cancel sends SIGCONT first, and the stopped rank would go on) when a rank's count has not
+moved for longer than the step timeout, names that rank, and the supervisor retries it as
+any failure. A rank that returns removes its file: a finished rank is not a stopped one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import time
 from pathlib import Path
+
+from planner.errors import ConfigError
+from slurm.jobs import run_slurm
 
 BEAT_S = 2.0  # how often a rank writes its count
 # Never stale sooner than this: a shared file system shows a write to other hosts late.
@@ -30,6 +35,8 @@ class Heartbeat:
     def __init__(self, folder: Path, rank: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"rank-{rank}"
+        job, step = os.environ.get("SLURM_JOB_ID", ""), os.environ.get("SLURM_STEP_ID", "")
+        self._step = (f"{job}.{step}" if job and step else job).encode()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._stopped = threading.Event()
         threading.Thread(target=self._beat, name="ditango-heartbeat", daemon=True).start()
@@ -40,7 +47,7 @@ class Heartbeat:
             count += 1
             # In place, a fixed width: no new block to allocate, so a full disk does not stop it.
             with contextlib.suppress(OSError):
-                os.pwrite(self._fd, b"%020d\n" % count, 0)
+                os.pwrite(self._fd, b"%020d %s\n" % (count, self._step), 0)
                 os.fsync(self._fd)
             self._stopped.wait(BEAT_S)
 
@@ -64,9 +71,9 @@ class BeatWatch:
         """Forget what was seen (the job is not running: its next attempt counts afresh)."""
         self._seen.clear()
 
-    def stale(self, after_s: float) -> tuple[int, float] | None:
-        """(rank, seconds) of the rank whose count has stood still longest, when that is longer
-        than `after_s` (at least MIN_STALE_S); else None."""
+    def stale(self, after_s: float) -> tuple[int, float, str] | None:
+        """(rank, seconds, its Slurm step) of the rank whose count has stood still longest, when
+        that is longer than `after_s` (at least MIN_STALE_S); else None."""
         now = time.monotonic()
         for path in self.folder.glob("rank-*"):
             try:
@@ -79,8 +86,24 @@ class BeatWatch:
             del self._seen[rank]  # returned: not stopped
         ages = sorted(((now - at, rank) for rank, (_, at) in self._seen.items()), reverse=True)
         if ages and ages[0][0] > max(after_s, MIN_STALE_S):
-            return ages[0][1], ages[0][0]
+            seconds, rank = ages[0]
+            step = self._seen[rank][0].decode("ascii", "replace").split()
+            return rank, seconds, step[1] if len(step) > 1 else ""
         return None
+
+
+def kill_step(step: str) -> bool:
+    """SIGKILL the tasks of a Slurm step ("<job>.<step>"), a stopped one included; whether Slurm
+    took the request."""
+    if not _STEP.fullmatch(step):
+        return False
+    try:
+        return run_slurm(["scancel", "--signal=KILL", step]).returncode == 0
+    except ConfigError:
+        return False
+
+
+_STEP = re.compile(r"[0-9]+(\.[0-9]+)?")
 
 
 def stopped_message(seconds: float) -> str:
