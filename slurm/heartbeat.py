@@ -30,15 +30,20 @@ MIN_STALE_S = 15.0
 
 
 class Heartbeat:
-    """The beating of one rank into `folder/rank-<rank>` (a thread; `stop()` removes the file)."""
+    """The beating of one rank into `folder/rank-<rank>` (a thread; `stop()` removes the file).
+    Where the file cannot be made (a full disk) the rank runs without one: nothing watches it."""
 
     def __init__(self, folder: Path, rank: int) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"rank-{rank}"
         job, step = os.environ.get("SLURM_JOB_ID", ""), os.environ.get("SLURM_STEP_ID", "")
         self._step = (f"{job}.{step}" if job and step else job).encode()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._stopped = threading.Event()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError:
+            self._stopped.set()
+            return
         threading.Thread(target=self._beat, name="ditango-heartbeat", daemon=True).start()
 
     def _beat(self) -> None:
@@ -52,6 +57,8 @@ class Heartbeat:
             self._stopped.wait(BEAT_S)
 
     def stop(self) -> None:
+        if self._stopped.is_set():
+            return
         self._stopped.set()
         with contextlib.suppress(OSError):
             os.close(self._fd)

@@ -124,3 +124,32 @@ def test_a_failure_that_cannot_be_recorded_stops_the_run(tmp_path, monkeypatch):
         f"(cannot write i1.json: No space left on device); {STOPPED}"
     ]
     assert item_status(cfg, cfg.items[1]) == "running"  # not done: a later run makes it again
+
+
+def test_heartbeat_files_and_their_watch(tmp_path, monkeypatch):
+    """A Slurm rank's heartbeat: a count that moves, the step it belongs to, gone when the rank
+    returns; the watch names the rank whose count stood still, and forgets a finished one."""
+    import time
+
+    from slurm import heartbeat
+
+    monkeypatch.setattr(heartbeat, "BEAT_S", 0.05)
+    monkeypatch.setattr(heartbeat, "MIN_STALE_S", 0.0)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    beating = [heartbeat.Heartbeat(tmp_path, r) for r in (0, 1)]
+    watch = heartbeat.BeatWatch(tmp_path)
+    assert watch.stale(0.3) is None
+    beating[1]._stopped.set()  # rank 1 stands still, as a stopped process's thread would
+    deadline = time.monotonic() + 10
+    while (found := watch.stale(0.3)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert found is not None and found[0] == 1 and found[1] > 0.3 and found[2] == "42.0", found
+    beating[1].path.unlink()  # returned: its file goes, and it is not stale
+    assert watch.stale(0.3) is None
+    beating[0].stop()
+    assert not beating[0].path.exists()
+    (tmp_path / "a-file").touch()
+    unmade = heartbeat.Heartbeat(tmp_path / "a-file" / "beats", 0)  # its folder cannot be made
+    unmade.stop()  # runs without a file, and stops quietly
+    assert (tmp_path / "a-file").is_file()
