@@ -73,20 +73,24 @@ def build_mesh(
     """Create the process groups (a collective call: every rank must call it identically).
 
     `timeout_s` bounds per-step collectives; `control_timeout_s` (default: the same) the
-    control group's waits. Every communicator is created and used once here (`warm_up`),
-    so none is created lazily inside a step while another one has work in flight (NCCL
-    documents concurrent communicators as able to deadlock)."""
+    control group's waits. One communicator per distinct set of ranks: kinds with the same
+    members (cp, ring and world for a ring without CFG) share it, since each NCCL communicator
+    costs GPU memory (its buffers; NVLS ones can take GBs). Every communicator is created and
+    used once here (`warm_up`), so none is created lazily inside a step while another one has
+    work in flight (NCCL documents concurrent communicators as able to deadlock)."""
     groups = rank_groups(layout)
     mine: dict[str, tuple[int, ...]] = {}
     handles: dict[str, object] = {}
+    made: dict[tuple[int, ...], object] = {}  # members -> the one communicator of that set
     distributed = dist.is_available() and dist.is_initialized()
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     everyone = [tuple(range(layout.world_size))]
     for kind, members in (*((k, groups[k]) for k in GROUP_KINDS), ("world", everyone)):
         for ranks in members:
-            handle = dist.new_group(list(ranks), timeout=timeout) if distributed and len(ranks) > 1 else None
+            if distributed and len(ranks) > 1 and ranks not in made:  # every rank takes the same turns
+                made[ranks] = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
-                mine[kind], handles[kind] = ranks, handle
+                mine[kind], handles[kind] = ranks, made.get(ranks)
     control = None
     if distributed and layout.world_size > 1:
         control_timeout = timeout if control_timeout_s is None else timedelta(seconds=control_timeout_s)
@@ -117,18 +121,21 @@ GROUP_KINDS = ("cp", "ulysses", "ring", "near", "cfg")
 
 
 def warm_up(mesh: Mesh) -> None:
-    """One small all-reduce on each of this rank's groups, in a fixed order of kinds.
+    """One small all-reduce on each of this rank's communicators, in a fixed order of kinds (a
+    communicator two kinds share, once).
 
     Deadlock-free: every rank is in exactly one group of each kind and visits the kinds in
-    the same order, so each group's members meet at the same call. Point-to-point traffic
-    later goes through `batch_isend_irecv` (runtime/comm.py), which uses these same
-    communicators, so no communicator is created after this."""
+    the same order, so each group's members meet at the same call (and the members of a
+    shared communicator all skip the same later kinds). Point-to-point traffic later goes
+    through `batch_isend_irecv` (runtime/comm.py), which uses these same communicators, so
+    no communicator is created after this."""
     if mesh.world_group is None:
         return
-    probes = []
+    probes, warmed = [], set()
     for kind in (*GROUP_KINDS, "world"):
         group = getattr(mesh, f"{kind}_group")
-        if group is not None:
+        if group is not None and id(group) not in warmed:
+            warmed.add(id(group))
             probe = torch.ones(1, device=mesh.device)
             dist.all_reduce(probe, group=group)
             probes.append((kind, probe, dist.get_world_size(group)))

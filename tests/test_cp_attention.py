@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -159,3 +161,41 @@ def test_joint_attention_with_whole_held_tokens(world, nodes):
             _, _, chunk_err, text_err, whole = per_rank[rank][case]
             assert chunk_err <= ATOL and text_err <= ATOL, (strategy, S, rank, chunk_err, text_err)
             assert torch.equal(whole, per_rank[0][case][4]), (strategy, S, rank)
+
+
+@pytest.mark.parametrize("strategy,cfg", [("ring", 1), ("ditango", 2), ("usp", 1), ("tp", 1)])
+def test_one_communicator_per_distinct_rank_set_warmed_once(monkeypatch, strategy, cfg):
+    """Bug: kinds with the same members (cp, ring and world for a ring without CFG) were each
+    their own communicator, each warmed: under NCCL every one holds its own GPU buffers."""
+    import runtime.mesh as mesh_mod
+
+    created, reduced = [], []
+    monkeypatch.setattr(mesh_mod.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(
+        mesh_mod.dist, "new_group", lambda ranks, **kw: created.append((tuple(ranks), kw.get("backend"))) or object()
+    )
+    sizes = {}
+
+    def all_reduce(tensor, group=None):
+        reduced.append(group)
+        tensor.fill_(sizes.get(id(group), 8))
+
+    monkeypatch.setattr(mesh_mod.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(mesh_mod.dist, "get_world_size", lambda group: sizes.get(id(group), 8))
+    extra = {"ulysses_degree": 2} if strategy == "usp" else {}
+    layout = ParallelLayout(nodes=2, gpus_per_node=4, cfg_degree=cfg, strategy=strategy, **extra)
+    for rank in range(layout.world_size):
+        created.clear(), reduced.clear()
+        mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
+        nccl = [m for m, backend in created if backend is None]
+        assert len(nccl) == len(set(nccl)), nccl  # one communicator per distinct set of ranks
+        mine = {k: getattr(mesh, f"{k}_group") for k in ("cp", "ulysses", "ring", "near", "cfg", "world")}
+        members = {k: getattr(mesh, f"{k}_ranks") for k in ("cp", "ulysses", "ring", "near", "cfg")}
+        members["world"] = tuple(range(layout.world_size))
+        for a, b in itertools.combinations(mine, 2):  # the same members: the same communicator
+            if members[a] == members[b] and len(members[a]) > 1:
+                assert mine[a] is mine[b], (rank, a, b)
+        warmed = [g for g in reduced if g is not mesh.control_group]
+        assert len(warmed) == len({id(g) for g in warmed}) == len({id(g) for g in mine.values() if g is not None})
+    if strategy == "ring":
+        assert mesh.cp_group is mesh.ring_group is mesh.world_group
