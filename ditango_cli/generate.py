@@ -38,7 +38,7 @@ from planner.memory import parse_bytes
 from runtime.config import MAX_TIMEOUT_S, DecodeOptions, RunConfig, check_local_cpu_ranks, memory_preflight
 from runtime.items import Overrides, build_items
 from runtime.kernels import resolve_backend
-from runtime.models.loading import human_count, placement_on, quiet_loading_bars
+from runtime.models.loading import check_torch, human_count, placement_on, quiet_loading_bars
 from runtime.models.registry import REGISTRY, ResolvedModel, model_root, resolve_model
 from runtime.outputs import check_writable
 from runtime.step_cache import parse_step_cache
@@ -93,6 +93,7 @@ def build_run_config(
     from runtime.strategies.selective import check_cache_limit
     from slurm.placement import ranks_device
 
+    check_torch()
     named = REGISTRY.get(m.model)  # a named model's spec: the memory pre-flight needs no weights
     resolved = None if named is not None else resolve_model(m.model, m.model_root)
     spec = named or resolved.spec

@@ -13,6 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from ditango_cli.app import app
+from planner.errors import ConfigError
 from runtime.outputs import check_writable
 from runtime.pipeline import WanDenoiser
 
@@ -223,3 +224,26 @@ def test_more_local_cpu_ranks_than_memory_holds_are_refused_naming_how_many_fit(
                                                            "--nodes", str(fits + 1)])  # fmt: skip
     monkeypatch.setattr(runtime.config, "available_host_memory", lambda: 2**28)  # not even one
     assert "run on GPUs, or on a machine with more memory" in one_line_error(runner, base)
+
+
+@pytest.mark.parametrize("version", ["2.4.1", "2.6.0+cu124", "1.13.1"])
+def test_a_torch_older_than_the_runtime_needs_is_one_line_before_loading(runner, tmp_path, monkeypatch, version):
+    """Bug: pyproject.toml said torch>=2.4 while --shard-weights (fully_shard's ignored_params) and
+    --parallel tp (parallelize_module's src_data_rank) need 2.7: an older torch failed inside the
+    ranks with a TypeError."""
+    import torch
+
+    from runtime.models import loading
+
+    monkeypatch.setattr(torch, "__version__", version)
+    for command in ("check", "generate"):
+        line = one_line_error(runner, [command, "--prompt", "a red circle", "--out", str(tmp_path / "o"), *FAST])
+        assert line == (
+            f"error: ditango needs torch >= 2.7, this environment has {version}; install a newer build "
+            "(pip install 'torch>=2.7' from your CUDA's index)"
+        )
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ConfigError, match="needs torch >= 2.7"):  # a rank with an older torch than the launcher
+        loading.check_torch()
+    monkeypatch.setattr(torch, "__version__", "2.7.0a0+79aa17489c.nv25.04")  # NGC's pre-release: accepted
+    loading.check_torch()

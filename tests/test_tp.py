@@ -224,3 +224,30 @@ def test_cost_model_prices_and_lists_tp():
     split = estimate_memory(shape, ParallelLayout(1, 4, strategy="tp"), 480, 832, 81).stages["weights"]
     kept = shape.root_params + shape.layers * 11 * shape.hidden
     assert split == pytest.approx(2 * (kept + (shape.params - kept) / 4), rel=1e-6)
+
+
+def test_a_tp_shard_owns_only_its_bytes():
+    """A shard made without a message (src_data_rank=None) can be a view of the whole weight, which
+    then stays alive: the split would save no memory. One process as rank 0 of 2 (fake group)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from runtime.strategies.tensor import own_storage
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = DeviceMesh("cpu", [0, 1])
+        whole = torch.randn(8, 6)
+        linear = nn.Linear(6, 8, bias=False)
+        view = DTensor.from_local(whole[:4], mesh, [Shard(0)], run_check=False, shape=(8, 6), stride=(6, 1))
+        linear.weight = nn.Parameter(view, requires_grad=False)
+        assert view.to_local().untyped_storage().nbytes() == whole.numel() * 4  # the whole weight, kept alive
+        own_storage(linear)
+        local = linear.weight.to_local()
+        assert local.untyped_storage().nbytes() == 4 * 6 * 4 and torch.equal(local, whole[:4])
+        assert linear.weight.shape == (8, 6) and linear.weight.placements == (Shard(0),)
+    finally:
+        dist.destroy_process_group()

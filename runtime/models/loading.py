@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,23 @@ from runtime.errors import ModelDirError
 from runtime.models.registry import ResolvedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The oldest torch the runtime works with (pyproject.toml says the same): FSDP2's
+# fully_shard(ignored_params=) for --shard-weights and parallelize_module(src_data_rank=) for
+# --parallel tp first came in 2.7.
+MIN_TORCH = (2, 7)
+
+
+def check_torch() -> None:
+    """A one-line ConfigError on a torch older than MIN_TORCH (an environment made without pip's
+    resolver, or a compute node's own), before any model is loaded. By major.minor only: NGC's
+    containers ship pre-releases such as 2.7.0a0+<commit>.nv25.04."""
+    found = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
+    if found is None or (int(found[1]), int(found[2])) < MIN_TORCH:
+        need = ".".join(map(str, MIN_TORCH))
+        raise ConfigError(
+            f"ditango needs torch >= {need}, this environment has {torch.__version__}; "
+            f"install a newer build (pip install 'torch>={need}' from your CUDA's index)"
+        )
 
 
 @dataclass(frozen=True)
@@ -66,6 +84,7 @@ def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[st
     """
     import diffusers
 
+    check_torch()
     path = model.path
     pipeline_class = getattr(diffusers, model.spec.variant.pipeline)
     dtypes = {"default": placement.dtype, "vae": torch.float32, "image_encoder": torch.float32}

@@ -103,6 +103,7 @@ class TensorParallel:
         # A fresh module takes the parameters, so the plan's hooks leave with it on undo.
         split = _linear_from(whole.weight, whole.bias)
         parallelize_module(split, self.device_mesh, style, src_data_rank=None)
+        own_storage(split)
         if count:
             split.register_forward_hook(lambda module, args, out: self._count(out))
         setattr(parent, name, split)
@@ -158,6 +159,25 @@ def check_unsharded(transformer: nn.Module) -> None:
 
     if any(isinstance(p, DTensor) for p in transformer.parameters()):
         raise ConfigError("--shard-weights does not combine with --parallel tp (tp already splits the block weights)")
+
+
+def own_storage(module: nn.Module) -> None:
+    """Make every DTensor parameter's local shard own exactly its bytes. Sharded without a message
+    (`src_data_rank=None`), a shard may be a view of the whole weight, which then stays alive
+    and the split saves no memory (torch 2.13 copies; this does not rely on it)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in list(module.named_parameters(recurse=False)):
+        if not isinstance(p, DTensor):
+            continue
+        local = p.to_local()
+        if local.untyped_storage().nbytes() != local.numel() * local.element_size():
+            own = DTensor.from_local(
+                local.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+            setattr(module, name, nn.Parameter(own, requires_grad=p.requires_grad))
+        local = getattr(module, name).to_local()
+        assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), f"{name}: a shard's storage"
 
 
 def _nothing() -> None:
