@@ -172,7 +172,8 @@ def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> i
 
     quiet_loading_bars()
     opts = slurm_options(s)
-    where = choose_executor(p.executor.value, p.nodes, opts, require_sbatch=not run.dry_run)
+    ranks = p.nodes * p.gpus_per_node
+    where = choose_executor(p.executor.value, p.nodes, opts, require_sbatch=not run.dry_run, ranks=ranks)
     cfg, _ = build_run_config(
         m, i, o, p, d, g, mem, where=where, create_out=not run.dry_run, options=options, array=opts.array
     )
@@ -216,7 +217,7 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
     from slurm.executors import check_output_folder_free
 
     opts = slurm_options(s)
-    where = choose_executor(p.executor.value, p.nodes, opts)
+    where = choose_executor(p.executor.value, p.nodes, opts, ranks=p.nodes * p.gpus_per_node)
     cfg, resolved = build_run_config(m, i, o, p, d, g, mem, where=where, create_out=False, array=opts.array)
     placement = placement_on(torch.device(cfg.device), cfg.dtype)
     check_output_folder_free(cfg.out_dir)  # generate would refuse an OUT that another run or live jobs own

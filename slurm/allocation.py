@@ -55,7 +55,7 @@ def run_steps(
         raise ConfigError(f"cannot prepare the srun steps in {folder}: {exc.strerror or exc}") from None
     env = {
         **os.environ,
-        "PYTHONPATH": f"{code}:{os.environ.get('PYTHONPATH', '')}",
+        "PYTHONPATH": ":".join(p for p in (str(code), os.environ.get("PYTHONPATH")) if p),
         "SUBMITIT_EXECUTOR": "slurm",  # submitit's Slurm job environment reads the rank variables
     }
     errors: list[tuple[str | None, int | None]] = []
@@ -74,9 +74,20 @@ def run_steps(
                 discard_folder(folder)
             raise ConfigError("srun is not on PATH, inside an allocation (SLURM_JOB_ID is set)") from None
         watch, stopped = BeatWatch(beats(folder, task)), None
+        start_by, started = time.monotonic() + cfg.setup_timeout_s, False
         while proc.poll() is None:
             if on_state is not None:
                 on_state([f"srun step {task + 1}/{opts.array} RUNNING"])
+            started = started or any(folder.glob(f"task-{task}-rank-*.log"))  # srun opens them as tasks start
+            if not started and time.monotonic() > start_by:  # srun waits for resources for ever
+                _end(proc)
+                said = slurm_message(srun_log.read_text(encoding="utf-8", errors="replace"))
+                if not errors:
+                    discard_folder(folder)
+                raise ConfigError(
+                    f"srun could not start the step in {cfg.setup_timeout_s:g} s (--setup-timeout): "
+                    f"{said or 'the allocation has no free resources for it'}"
+                )
             found = None if stopped else watch.stale(cfg.timeout_s)
             if found is not None:  # a rank stopped (SIGSTOP): its peers may wait on it for the setup timeout
                 rank, seconds, step = found
@@ -95,6 +106,16 @@ def run_steps(
             raise ConfigError(f"srun refused the step: {said or f'exit status {proc.returncode}'}")
         errors.append((None, None) if proc.returncode == 0 else _step_error(folder, task, proc.returncode))
     return errors
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """End an srun that has not started its step (it then gives up the request)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class SrunExecutor:
@@ -121,10 +142,12 @@ class SrunExecutor:
 def srun_command(cfg: RunConfig, folder: Path, task: int, call: Path) -> list[str]:
     """The job step of one array task: a task per rank, each on its own GPU when the run
     computes on GPUs; `--kill-on-bad-exit` ends the step when one rank fails (its NCCL peers
-    would otherwise wait in their collectives until the watchdog)."""
+    would otherwise wait in their collectives until the watchdog). `--overlap`: the step may
+    share the allocation's resources with the step this command runs in (an `srun --pty bash`
+    shell holds them all; without it the new step waits for them for ever)."""
     gpus = [f"--gpus-per-node={cfg.gpus_per_node}"] if cfg.device == "cuda" else []
     return [
-        "srun", f"--nodes={cfg.nodes}", f"--ntasks-per-node={cfg.gpus_per_node}", *gpus,
+        "srun", f"--nodes={cfg.nodes}", f"--ntasks-per-node={cfg.gpus_per_node}", *gpus, "--overlap",
         "--kill-on-bad-exit=1", f"--output={folder}/task-{task}-rank-%t.log",
         sys.executable, "-m", "slurm.allocation", str(call),
     ]  # fmt: skip

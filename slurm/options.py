@@ -115,13 +115,16 @@ def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool) -> d
 
 
 def choose_executor(
-    requested: Executor, layout_nodes: int, opts: SlurmOptions, require_sbatch: bool = True
+    requested: Executor, layout_nodes: int, opts: SlurmOptions, require_sbatch: bool = True, ranks: int | None = None
 ) -> Literal["local", "srun", "sbatch"]:
-    """`auto`: inside an allocation (SLURM_JOB_ID) start ranks with srun there; else submit
-    with sbatch when it is on PATH and the run needs more than one node or any Slurm option
-    was given; else run locally. `require_sbatch` False (a dry run): `slurm` means sbatch even
-    where sbatch is not installed."""
+    """`auto`: inside an allocation (SLURM_JOB_ID) start ranks with srun there, except one rank
+    (`ranks`) on a node of the allocation itself (an `srun --pty` shell, a batch script:
+    SLURMD_NODENAME is set), which runs in this process; else submit with sbatch when it is on
+    PATH and the run needs more than one node or any Slurm option was given; else run locally.
+    `require_sbatch` False (a dry run): `slurm` means sbatch even where sbatch is not installed."""
     in_allocation = bool(os.environ.get("SLURM_JOB_ID"))
+    if requested == "auto" and in_allocation and ranks == 1 and os.environ.get("SLURMD_NODENAME"):
+        return "local"  # a nested step would wait for the resources this shell's own step holds
     have_sbatch = shutil.which("sbatch") is not None
     if requested == "local":
         return "local"

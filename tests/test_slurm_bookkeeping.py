@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -363,3 +364,22 @@ def test_live_jobs_keeps_jobs_that_have_not_ended(tmp_path, monkeypatch):
 def test_live_jobs_with_ids_unknown_to_the_controller_is_empty(tmp_path, monkeypatch):
     fake_slurm(tmp_path, monkeypatch, squeue=("", UNKNOWN_IDS, 1))
     assert live_jobs(output_folder(tmp_path, [submission("123")])) == []
+
+
+@real_slurm
+def test_steps_start_beside_a_step_that_holds_the_allocation(tmp_path):
+    """Bug: from an `srun --pty bash` shell, whose step holds every CPU (and GPU) of the
+    allocation, the ranks' step was created without --overlap and waited for them for ever.
+    Here a `sleep` step holds both CPUs of a one-node allocation while the command runs."""
+    out = tmp_path / "out"
+    cli = shlex.join([sys.executable, "-c", "from ditango_cli.app import main; main()", "generate", "--prompt",
+                      "a red ball", "--out", str(out), *SMALL, "--gpus", "2", "--executor", "slurm", "--timeout", "10",
+                      "--setup-timeout", "30"])  # fmt: skip
+    script = f"srun --ntasks 2 sleep 300 & sleep 3; {cli}; code=$?; kill %1; exit $code"
+    run = subprocess.run(
+        ["salloc", "--nodes=1", "--ntasks-per-node=2", "--partition=debug", "--time=5",
+         "--job-name=bookkeeping-test", "bash", "-c", script],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads((out / "report.json").read_text())["counts"]["done"] == 1

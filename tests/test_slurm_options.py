@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,50 @@ def test_aggregate_task_reports_and_sidecars(tmp_path):
     again = aggregate(tmp_path)  # the aggregate itself is not an input
     assert again["items"] == merged["items"]
     assert json.loads((tmp_path / "report.json").read_text())["counts"] == merged["counts"]
+
+
+def test_one_rank_on_a_node_of_the_allocation_runs_in_this_process(monkeypatch, tmp_path):
+    """Bug: one rank from an `srun --pty bash` shell (or a batch script) started a nested srun
+    step, which waits for the resources the shell's own step holds. From salloc's shell on the
+    login host (no SLURMD_NODENAME) the rank still goes to the allocation with srun."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    assert choose_executor("auto", 1, SlurmOptions(), ranks=1) == "srun"
+    monkeypatch.setenv("SLURMD_NODENAME", "node1")
+    assert choose_executor("auto", 1, SlurmOptions(), ranks=1) == "local"
+    assert choose_executor("auto", 1, SlurmOptions(), ranks=2) == "srun"
+    assert choose_executor("slurm", 1, SlurmOptions(), ranks=1) == "srun"  # asked for: a step
+
+
+def test_a_step_srun_cannot_start_is_one_line_after_the_setup_timeout(runner, tmp_path, monkeypatch):
+    """Bug: inside an allocation whose resources another step holds, srun waited for them for ever
+    ("Job step creation temporarily disabled") and the command with it."""
+    import time
+
+    from ditango_cli.app import app
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    srun = fake / "srun"
+    srun.write_text(
+        f"#!{sys.executable}\nimport sys, time\n"
+        "sys.stderr.write('srun: Job step creation temporarily disabled, retrying (Requested nodes are busy)\\n')\n"
+        "sys.stderr.flush()\ntime.sleep(600)\n"
+    )
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "0")
+    out = tmp_path / "out"
+    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--device", "cpu", "--quiet",
+            "--timeout", "2", "--setup-timeout", "3"]  # fmt: skip
+    began = time.monotonic()
+    result = runner.invoke(app, args)
+    assert time.monotonic() - began < 60
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        "error: srun could not start the step in 3 s (--setup-timeout): srun: Job step creation temporarily "
+        "disabled, retrying (Requested nodes are busy)"
+    )
+    assert not (out / "slurm").exists()  # its folder goes with it
