@@ -27,10 +27,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from runtime.inputs import exact_reference, item_inputs
 from runtime.outputs import STATE_DIR, Damaged, read_json
 from runtime.quality import psnr
 from runtime.video import write_json
+from runtime.weights import place
 
 # bisection steps: the chosen ratio is within MAX_RATIO / 2**TRIALS (0.03) of the largest that reaches the target
 TRIALS = 5
@@ -70,10 +73,11 @@ def calibrate(
     selective = denoiser.listener.ctx.selective
     base = selective.planner_cfg
     target = cfg.ditango.target_psnr
-    options = replace(cfg.decode, parallel=False)  # the writer decodes, as --reference exact does
+    options = cfg.decode.on_one_rank()  # the writer decodes, tiled as the run, as --reference exact does
     text, latents, condition = inputs
     start = time.perf_counter()
-    ref_frames = denoiser.decode_with(reference_latents, options)[0] if ctx.is_writer else None
+    ref_frames = writer_decode(denoiser, reference_latents, options, cfg) if ctx.is_writer else None
+    ctx.from_writer(None)  # the others wait here (setup timeout), not in the first trial's step
     lo, hi, trials = 0.0, upper, []
     try:
         for _ in range(TRIALS):
@@ -83,7 +87,7 @@ def calibrate(
                                       guidance_2=item.guidance_2)  # fmt: skip
             measured = None
             if ctx.is_writer:
-                measured = psnr(denoiser.decode_with(result.latents_BCFHW, options)[0], ref_frames)
+                measured = psnr(writer_decode(denoiser, result.latents_BCFHW, options, cfg), ref_frames)
             measured = ctx.from_writer(measured)
             trials.append({"cache_ratio": ratio, "psnr": None if math.isinf(measured) else round(measured, 4)})
             message(f"--target-psnr {target:g}: cache ratio {ratio:g} gives {measured:.2f} dB")
@@ -103,6 +107,19 @@ def calibrate(
         "trials": trials,
         "seconds": round(time.perf_counter() - start, 3),
     }
+
+
+def writer_decode(denoiser, latents, options, cfg):
+    """The writer's frames of `latents`, with the transformers off the GPU meanwhile when the
+    memory pre-flight chose so for the run's decode (`cfg.offload`), and back for the next trial."""
+    offload = "transformer" in cfg.offload
+    if offload:
+        place(denoiser.transformers, torch.device("cpu"))
+    try:
+        return denoiser.decode_with(latents, options)[0]
+    finally:
+        if offload:
+            place(denoiser.transformers, denoiser.device)
 
 
 def apply_calibration(denoiser, cfg, record: dict):

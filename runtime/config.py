@@ -53,6 +53,12 @@ class DecodeOptions:
     def tiled(self) -> bool:
         return self.tiling or self.parallel
 
+    def on_one_rank(self) -> DecodeOptions:
+        """The same decode on the writer alone: tiled as this one (a parallel decode is tiled), the
+        tiles not spread. What the exact reference and a calibration are decoded with, so their
+        frames differ from the run's by the run's approximation only, not by tile seams."""
+        return replace(self, tiling=self.tiled, parallel=False)
+
 
 # More denoising steps than the schedulers' training timesteps only repeat timesteps (diffusers'
 # DDIM-style schedulers refuse them): no run needs more.

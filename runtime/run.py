@@ -220,7 +220,7 @@ def generate_item(
         return {}
     quality = None
     if reference is not None:
-        ref_frames, _ = denoiser.decode_with(reference, replace(options, parallel=False))  # decoded as the run's
+        ref_frames, _ = denoiser.decode_with(reference, options.on_one_rank())  # decoded as the run's
         quality = quality_record(frames, ref_frames, result.latents_BCFHW, reference, "exact")
     if cfg.reference == "exact" and options.tiled:  # what tiling costs: the same latents, untiled
         untiled = denoiser.decode(result.latents_BCFHW)

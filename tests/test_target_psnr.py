@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ditango_cli.app import app
 
 TARGET = 33.0
@@ -102,3 +104,50 @@ def test_an_item_below_the_target_recalibrates_between_zero_and_the_ratio_in_for
     assert (record["item"], record["calibrated_psnr"]) == ("b", 40.5)  # what is in force, and where it was measured
     stored = json.loads(calibrate.calibration_path(tmp_path, "report.json").read_text())
     assert stored["cache_ratio"] == 0.3 and stored["key"] == calibrate.calibration_key(cfg)
+
+
+@pytest.mark.parametrize("writer", [True, False])
+def test_the_calibration_decodes_as_the_run_with_the_transformer_offloaded_and_the_others_wait_on_control(
+    monkeypatch, writer
+):
+    """Bug: the calibration decoded untiled while the run decoded tiled (its PSNR counted tile
+    seams), kept the transformer on the GPU where the pre-flight had chosen to offload it for the
+    decode, and the other ranks went on into the first trial's step collective (the step timeout)
+    while the writer decoded the reference."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from planner.ditango import DiTangoOptions, PlannerConfig
+    from runtime import calibrate
+    from runtime.config import DecodeOptions
+
+    events = []
+    monkeypatch.setattr(calibrate, "place", lambda modules, device: events.append(("place", device.type)))
+    monkeypatch.setattr(calibrate, "psnr", lambda a, b: 50.0)
+    planner = PlannerConfig(cache_ratio=0.5)
+    denoiser = SimpleNamespace(
+        listener=SimpleNamespace(ctx=SimpleNamespace(selective=SimpleNamespace(planner_cfg=planner))),
+        transformers=["the transformer"],
+        device=torch.device("cuda", 0),
+        decode_with=lambda latents, options, ctx=None: events.append(("decode", options)) or ("frames", {}),
+        denoise=lambda *a, **k: events.append(("denoise",)) or SimpleNamespace(latents_BCFHW="latents"),
+    )
+    # The writer's word reaches every rank: its PSNR (50 dB) for a trial.
+    ctx = SimpleNamespace(is_writer=writer, from_writer=lambda obj: events.append(("from_writer",)) or 50.0)
+    cfg = SimpleNamespace(
+        ditango=DiTangoOptions(planner, target_psnr=40.0), decode=DecodeOptions(parallel=True, tile_px=128),
+        offload=("transformer",),
+    )  # fmt: skip
+    item = SimpleNamespace(id="a", steps=4, cfg_scale=5.0, guidance_2=None)
+    calibrate.calibrate(denoiser, item, cfg, ctx, ("text", "noise", None), "exact latents")
+    decodes = [e[1] for e in events if e[0] == "decode"]
+    if not writer:
+        assert decodes == [] and events[:2] == [("from_writer",), ("denoise",)]
+        return
+    assert decodes and all(o == DecodeOptions(tiling=True, parallel=False, tile_px=128) for o in decodes)
+    first = events.index(("denoise",))
+    assert events[:first] == [("place", "cpu"), ("decode", decodes[0]), ("place", "cuda"), ("from_writer",)]
+    for i, e in enumerate(events):  # every decode between an offload and the way back
+        if e[0] == "decode":
+            assert events[i - 1] == ("place", "cpu") and events[i + 1] == ("place", "cuda")

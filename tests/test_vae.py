@@ -8,6 +8,8 @@ are chosen so the split is uneven (5 tiles; 10 for HunyuanVideo's two frame chun
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -145,3 +147,21 @@ def test_cli_decodes_tiles_on_two_ranks_and_records_the_cost(runner, tmp_path, s
     one = runner.invoke(app, [*plain, str(tmp_path / "one"), "--no-vae-parallel"])
     assert one.exit_code == 0, one.stderr
     assert json.loads((tmp_path / "one" / "report.json").read_text())["items"][0]["decode"]["mode"] == "untiled"
+
+
+def test_the_exact_reference_is_decoded_tiled_as_the_run(runner, tmp_path, saved_model_dir):
+    """Bug: --reference exact decoded the run's latents tiled (a parallel decode is tiled) and the
+    exact ones untiled, so an exact run (cache ratio 0: the same latents) measured 34 dB of tile
+    seams as the approximation's error."""
+    from ditango_cli.app import app
+
+    out = tmp_path / "out"
+    args = ["generate", "--model", str(saved_model_dir), "--prompt", "a red circle", "--out", str(out), "--steps", "2",
+            "--height", "128", "--width", "128", "--frames", "5", "--device", "cpu", "--quiet", "--gpus", "2",
+            "--parallel", "ditango", "--cache-ratio", "0", "--reference", "exact", "--vae-tile", "32"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    (item,) = json.loads((out / "report.json").read_text())["items"]
+    assert item["decode"]["mode"] == "tiled" and item["decode"]["ranks"] == 2
+    assert item["decode"]["psnr_vs_untiled"] is not None  # tiling changes this model's frames ...
+    assert item["quality"]["latent_rel_err"] == 0.0 and item["quality"]["psnr"] is None  # ... but not the measure
