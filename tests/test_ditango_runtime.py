@@ -351,3 +351,38 @@ def test_rotary_tables_reach_the_layers_in_float32():
         wan.uninstall(transformer, handles, processors)
     assert cos.dtype == torch.float64  # before the adapter's hook
     assert c.dtype == s.dtype == torch.float32 and torch.allclose(c.double(), cos, atol=1e-7)
+
+
+def test_budget_scores_touch_no_host_tensor_per_layer():
+    """Bug: the budget planner built a host tensor of ages and copied it to the device in every
+    layer of every step and branch (a copy from pageable memory waits for the GPU stream: ~4,000
+    stalls per 14B item). The state lives on the device; a step copies its compute bits once.
+    On the meta device, any copy from the host shows as an op with a CPU input and a meta output."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class HostToDevice(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.copies = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if any(t.device.type == "cpu" for t in ins) and any(t.device.type == "meta" for t in outs):
+                self.copies.append(func)
+            return out
+
+    layout = ParallelLayout(nodes=1, gpus_per_node=1, strategy="ditango")
+    mesh = build_mesh(layout, 0, (0,))
+    cfg = PlannerConfig(planner="budget", cache_ratio=0.5, warmup=0, cooldown=0)
+    rt = SelectiveRuntime(mesh, Comm(mesh), "torch", cfg, layers=6, heads=H, head_dim=D)
+    rt.groups = 4  # a hand-made layout view with remote groups, as above
+    rt.begin_run(10, B, steps=8, branches=2, local_tokens=10, device="meta")
+    rt.begin_step(0)
+    rt.begin_branch(0)
+    mass_U, drift = torch.ones(rt.units, device="meta"), torch.ones((), device="meta")
+    with HostToDevice() as watch:
+        scores = [rt._budget_scores(layer, mass_U, drift) for layer in range(rt.layers)]
+    assert watch.copies == [] and all(s.device.type == "meta" and s.shape == (rt.units,) for s in scores)

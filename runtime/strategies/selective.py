@@ -200,6 +200,10 @@ class SelectiveRuntime:
         # cache was last refreshed (replicated: the plans are).
         self.rate_NLU = torch.full((N, L, U), -1.0, device=device)
         self.refreshed_LU = torch.full((L, U), -1, dtype=torch.long)
+        # The same on the device, with this step's compute bits there: the budget scores of every
+        # layer read them (a host tensor copied per layer stalls the GPU stream each time).
+        self.refreshed_dev_LU = torch.full((L, U), -1, dtype=torch.long, device=device)
+        self.compute_dev_LU = None
         self._steps_done = 0
         # Planner statistics stay on the compute device; the host sees them once per step.
         self.weights_NLU = torch.zeros(N, L, U, device=device)
@@ -216,6 +220,7 @@ class SelectiveRuntime:
         self.c_ref_NLUBSH = self.c_anchor_NLBSH = self.c_prev_NLBSH = None
         self.weights_NLU = self.alpha_NLU = self.ase_NLU = self.gate_NL = None  # planner statistics too
         self.rate_NLU = self.refreshed_LU = self.scores_LU = self.ran_NL = None
+        self.refreshed_dev_LU = self.compute_dev_LU = None
 
     def reference_bytes(self) -> int:
         """Compressed local states kept for the drift estimate (per branch, layer, unit + anchors)."""
@@ -258,8 +263,10 @@ class SelectiveRuntime:
         self.step_plan = self.planner.plan(step)
         self._check_plan_agrees(self.step_plan)
         self._reset_step_stats()
-        if self.budget and step in self.planner.switches:
-            self.rate_NLU.fill_(-1.0)  # the cached states are the other expert's: no rate to measure
+        if self.budget:
+            self.compute_dev_LU = self.step_plan.compute_LU.to(self._device)  # once a step
+            if step in self.planner.switches:
+                self.rate_NLU.fill_(-1.0)  # the cached states are the other expert's: no rate to measure
 
     def _check_plan_agrees(self, plan: StepPlan) -> None:
         """Raise, before any exchange, when this step's plan differs between ranks: mismatched
@@ -292,6 +299,8 @@ class SelectiveRuntime:
         plan = self.planner.last_plan() if not bool(ran_L.all()) else plan
         if self.budget:
             self.refreshed_LU[plan.compute_LU] = step  # exact steps refresh the cache too (below)
+            done_LU = self.compute_dev_LU if plan is self.step_plan else plan.compute_LU.to(self._device)
+            self.refreshed_dev_LU.masked_fill_(done_LU, step)
         if not self.planner.observes(plan.kind):
             return
         # One vector for every rank (and branch): scores [L, U] then the gate scalar, averaged
@@ -420,7 +429,7 @@ class SelectiveRuntime:
             step_drift = (c_now - prev).norm() / c_norm if self._steps_done else torch.zeros((), device=c_now.device)
             prev.copy_(c_now)
             mass_U = torch.stack([softmax_mass(s.lse_BSH, total.lse_BSH) for s in units])
-            self.ase_NLU[n, layer] = self._budget_scores(layer, compute_U, mass_U, step_drift)
+            self.ase_NLU[n, layer] = self._budget_scores(layer, mass_U, step_drift)
             return
         c_ref_UBSH = self.c_ref_NLUBSH[n, layer]
         if kind == "anchor":
@@ -443,17 +452,20 @@ class SelectiveRuntime:
         anchor = self.c_anchor_NLBSH[n, layer]  # relative drift since the anchor (the gate), kept on device
         self.gate_NL[n, layer] = (c_now - anchor).norm() / anchor.norm().clamp_min(tiny)
 
-    def _budget_scores(self, layer: int, compute_U: list[bool], mass_U, step_drift):
+    def _budget_scores(self, layer: int, mass_U, step_drift):
         """Predicted error of each cell if reused at the next step: its rate times its age then
         (1 for a cell computed now); a cell whose rate is not measured yet takes its mass times
         the local relative drift of one step."""
         rate_U = self.rate_NLU[self.branch, layer]
         rate_U = torch.where(rate_U >= 0, rate_U, mass_U * step_drift)
-        step = self.step_plan.step
-        age_U = torch.tensor(
-            [1 if c else step + 1 - int(r) for c, r in zip(compute_U, self.refreshed_LU[layer], strict=True)]
+        # On the device (no host tensor per layer): 1 for a cell computed now, else since its refresh.
+        computed_U = (
+            self.compute_dev_LU[layer]
+            if self.step_plan.kind == "selective"
+            else torch.ones_like(self.compute_dev_LU[layer])
         )
-        return budget_scores(rate_U, age_U.to(rate_U.device))
+        age_U = torch.where(computed_U, 1, self.step_plan.step + 1 - self.refreshed_dev_LU[layer])
+        return budget_scores(rate_U, age_U)
 
     def item_report(self) -> dict:
         assert self.planner is not None
