@@ -15,6 +15,7 @@ in-flight work and can block forever when a peer is gone.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import random
 import signal
@@ -147,6 +148,74 @@ def current_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+
+
+def choose_gloo_interface(peers: list[str]) -> str | None:
+    """Before a multi-node process group: the network interface gloo is to use (the CPU ranks'
+    backend, and the control group of GPU runs), set as GLOO_SOCKET_IFNAME unless the user set
+    it. Without it gloo binds to what this host's name resolves to, often 127.0.1.1 (Debian's
+    /etc/hosts), which the other nodes cannot reach: the run hung until the setup timeout.
+    The interface is the one this host reaches its first resolvable non-loopback peer through;
+    peers that are loopback addresses (every node on this one host) need none. A host whose
+    route to a peer has no named interface, and whose name resolves to loopback, is refused in
+    one line. Returns the interface set, if any."""
+    if os.environ.get(GLOO_IFNAME_ENV):
+        return None
+    for peer in peers:
+        try:
+            address = socket.gethostbyname(peer)
+        except OSError:
+            continue
+        if ipaddress.ip_address(address).is_loopback:
+            continue  # that node is this host
+        name = interface_of(local_address_towards(address))
+        if name is not None:
+            os.environ[GLOO_IFNAME_ENV] = name
+            return name
+        own = socket.gethostbyname(socket.gethostname())
+        if ipaddress.ip_address(own).is_loopback:
+            raise ConfigError(
+                f"this node's name resolves to {own}, which node {peer} ({address}) cannot reach, and no "
+                f"interface was found for the route to it: set {GLOO_IFNAME_ENV} (and NCCL_SOCKET_IFNAME) "
+                "to the network interface the nodes share, e.g. eth0 or ib0"
+            )
+        return None
+    return None
+
+
+def local_address_towards(address: str) -> str:
+    """The IPv4 address this host sends from to `address` (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        return probe.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface holding IPv4 `address`, else None."""
+    return next((name for name, held in interface_addresses().items() if held == address), None)
+
+
+def interface_addresses() -> dict[str, str]:
+    """{interface: its IPv4 address} of this host (Linux: SIOCGIFADDR; {} elsewhere)."""
+    try:
+        import fcntl
+    except ImportError:
+        return {}
+    import struct
+
+    SIOCGIFADDR = 0x8915
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address on it
+                continue
+            found[name] = socket.inet_ntoa(raw[20:24])
+    return found
 
 
 def join(device: torch.device, *, rank: int, world_size: int, timeout_s: float, init_method: str | None = None) -> None:

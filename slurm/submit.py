@@ -53,7 +53,15 @@ from slurm.jobs import (
     write_jobs,
 )
 from slurm.options import SlurmOptions, submitit_parameters
-from slurm.rank import apply_environment, exit_soon, is_peer_failure, join, rendezvous_port, select_device
+from slurm.rank import (
+    apply_environment,
+    choose_gloo_interface,
+    exit_soon,
+    is_peer_failure,
+    join,
+    rendezvous_port,
+    select_device,
+)
 from slurm.sharding import shard
 from slurm.supervise import Outcome, replica_share, task_report, tasks_with_work
 
@@ -92,8 +100,10 @@ class SlurmRun(submitit.helpers.Checkpointable):
         size = cfg.layout.world_size
         replica, rank = divmod(env.rank, size)
         init = {"rank": env.rank, "world_size": env.world_size}
+        job = submitit.JobEnvironment()
+        if job.num_nodes > 1:  # gloo on the interface the nodes reach each other through
+            choose_gloo_interface([h for h in job.hostnames if h != job.hostname])
         if cfg.replicas > 1:
-            job = submitit.JobEnvironment()
             leader = job.hostnames[(replica * size) // (env.world_size // job.num_nodes)]
             init = {"rank": rank, "world_size": size, "init_method": f"tcp://{leader}:{env.master_port + 1 + replica}"}
         join(device, timeout_s=cfg.setup_timeout_s, **init)

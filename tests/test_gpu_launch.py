@@ -263,6 +263,7 @@ class _DistEnv:
 
 class _JobEnv:
     hostnames = ["gpu-a", "gpu-b"]
+    hostname = "gpu-b"
     num_nodes = 2
     node = 0
 
@@ -285,6 +286,7 @@ def test_slurm_task_binds_its_local_gpu_and_never_destroys_on_error(monkeypatch,
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.update(args=a, kwargs=k))
     monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.__setitem__("destroyed", calls["destroyed"] + 1))
     monkeypatch.setattr(submit, "exit_soon", lambda: calls.__setitem__("deadline", calls["deadline"] + 1))
+    monkeypatch.setattr(submit, "choose_gloo_interface", lambda peers: calls.__setitem__("gloo_peers", peers))
 
     def failing_run(cfg, task, tasks, decided, global_rank, rank, size, replica, device):
         calls.update(run=(global_rank, rank, size, replica, device))
@@ -301,6 +303,7 @@ def test_slurm_task_binds_its_local_gpu_and_never_destroys_on_error(monkeypatch,
     assert kwargs["rank"] == 0 and kwargs["world_size"] == 2 and kwargs["init_method"] == "tcp://gpu-b:29504"
     assert kwargs["timeout"].total_seconds() == 900.0  # setup timeout; per-step groups get 30 s
     assert calls["destroyed"] == 0 and calls["deadline"] == 1
+    assert calls["gloo_peers"] == ["gpu-a"]  # gloo's interface chosen towards the other node
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
@@ -345,3 +348,38 @@ def test_a_broken_flash_attn_falls_back_with_a_warning(monkeypatch):
             kernels.resolve_backend("flash", torch.device("cuda", 0), torch.bfloat16)
     finally:
         kernels.flash_attn_available.cache_clear()
+
+
+def test_gloo_binds_to_the_interface_the_nodes_share(monkeypatch):
+    """Bug: on several nodes gloo (the CPU backend, and GPU runs' control group) bound to what
+    the host name resolves to, often 127.0.1.1, which the other nodes cannot reach: the run hung
+    until the setup timeout. The interface towards a peer is set as GLOO_SOCKET_IFNAME."""
+    import socket
+
+    monkeypatch.delenv(rank_mod.GLOO_IFNAME_ENV, raising=False)
+    addresses = {"node-b": "10.9.8.7", "node-c": "127.0.0.1", "this-host": "127.0.1.1"}
+
+    def resolve(name):
+        if name not in addresses:
+            raise socket.gaierror("unknown host")
+        return addresses[name]
+
+    monkeypatch.setattr(socket, "gethostbyname", resolve)
+    monkeypatch.setattr(socket, "gethostname", lambda: "this-host")
+    # The route to the remote peer leaves through one of this machine's interfaces.
+    held = rank_mod.interface_addresses()
+    own = next((name for name in held if name != "lo"), "lo")
+    monkeypatch.setattr(rank_mod, "local_address_towards", lambda address: held[own])
+    # Peers on this host need nothing; an unknown one is skipped; a remote one picks the interface.
+    assert rank_mod.choose_gloo_interface(["node-c", "nowhere"]) is None
+    assert rank_mod.GLOO_IFNAME_ENV not in os.environ
+    assert rank_mod.choose_gloo_interface(["nowhere", "node-b"]) == own
+    assert os.environ[rank_mod.GLOO_IFNAME_ENV] == own
+    # The user's choice stands.
+    monkeypatch.setenv(rank_mod.GLOO_IFNAME_ENV, "ib0")
+    assert rank_mod.choose_gloo_interface(["node-b"]) is None and os.environ[rank_mod.GLOO_IFNAME_ENV] == "ib0"
+    # No interface for the route, and this host's name is loopback: one line naming the fix.
+    monkeypatch.delenv(rank_mod.GLOO_IFNAME_ENV)
+    monkeypatch.setattr(rank_mod, "interface_of", lambda address: None)
+    with pytest.raises(ConfigError, match=r"resolves to 127\.0\.1\.1, which node node-b \(10\.9\.8\.7\) cannot reach"):
+        rank_mod.choose_gloo_interface(["node-b"])
