@@ -171,11 +171,14 @@ def choose_gloo_interface(peers: list[str]) -> str | None:
             continue
         if ipaddress.ip_address(address).is_loopback:
             continue  # that node is this host
-        name = interface_of(local_address_towards(address))
+        try:
+            name = interface_of(local_address_towards(address))
+            own = socket.gethostbyname(socket.gethostname())
+        except OSError:  # no route to it, or no address for this host: gloo says so itself
+            continue
         if name is not None:
             os.environ[GLOO_IFNAME_ENV] = name
             return name
-        own = socket.gethostbyname(socket.gethostname())
         if ipaddress.ip_address(own).is_loopback:
             raise ConfigError(
                 f"this node's name resolves to {own}, which node {peer} ({address}) cannot reach, and no "

@@ -383,3 +383,16 @@ def test_gloo_binds_to_the_interface_the_nodes_share(monkeypatch):
     monkeypatch.setattr(rank_mod, "interface_of", lambda address: None)
     with pytest.raises(ConfigError, match=r"resolves to 127\.0\.1\.1, which node node-b \(10\.9\.8\.7\) cannot reach"):
         rank_mod.choose_gloo_interface(["node-b"])
+
+
+def test_gloo_interface_choice_survives_a_peer_without_a_route(monkeypatch):
+    import socket
+
+    monkeypatch.delenv(rank_mod.GLOO_IFNAME_ENV, raising=False)
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.9.8.7")
+
+    def unreachable(address):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(rank_mod, "local_address_towards", unreachable)
+    assert rank_mod.choose_gloo_interface(["node-b"]) is None and rank_mod.GLOO_IFNAME_ENV not in os.environ
