@@ -11,3 +11,7 @@ class OutputWriteError(RuntimeError):
     """An output (video, latents, sidecar, report) could not be written: a full disk, a
     read-only or vanished folder. Not retried: the next attempt would meet the same disk; the
     run stops, keeping what it finished, and the same command resumes once it is fixed."""
+
+    @classmethod
+    def of(cls, path, exc: OSError) -> "OutputWriteError":
+        return cls(f"cannot write {path}: {exc.strerror or exc}")

@@ -130,7 +130,7 @@ def fs_clock(out_dir: Path) -> float:
         stamp.touch()
         return stamp.stat().st_mtime
     except OSError as exc:
-        raise OutputWriteError(f"cannot write {stamp}: {exc.strerror or exc}") from None
+        raise OutputWriteError.of(stamp, exc) from None
 
 
 def _sidecars_since(items, out_dir: Path, since: float):

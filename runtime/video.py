@@ -47,7 +47,7 @@ def _atomic(path: Path, write: Callable[[Path], None]) -> None:
             os.close(fd)
         os.replace(tmp, path)
     except OSError as exc:
-        raise OutputWriteError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise OutputWriteError.of(path, exc) from None
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)

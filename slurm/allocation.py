@@ -23,7 +23,7 @@ from pathlib import Path
 from planner.errors import ConfigError
 from runtime.config import RunConfig
 from slurm.aggregate import aggregate
-from slurm.heartbeat import BeatWatch, kill_step, stopped_message
+from slurm.heartbeat import BeatWatch, kill_step, stopped_failure
 from slurm.jobs import run_slurm
 from slurm.options import SlurmOptions
 from slurm.rank import exit_soon, is_peer_failure, rendezvous_port
@@ -91,8 +91,7 @@ def run_steps(
             found = None if stopped else watch.stale(cfg.timeout_s)
             if found is not None:  # a rank stopped (SIGSTOP): its peers may wait on it for the setup timeout
                 rank, seconds, step = found
-                log = folder / f"task-{task}-rank-{rank}.log"
-                stopped = (f"rank {rank} failed: {stopped_message(seconds)} (log: {log})", rank)
+                stopped = stopped_failure(rank, seconds, folder / f"task-{task}-rank-{rank}.log")
                 if not kill_step(step):
                     proc.terminate()  # srun passes it on to the step's tasks
             time.sleep(poll_s)

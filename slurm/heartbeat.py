@@ -81,15 +81,16 @@ class BeatWatch:
     def stale(self, after_s: float) -> tuple[int, float, str] | None:
         """(rank, seconds, its Slurm step) of the rank whose count has stood still longest, when
         that is longer than `after_s` (at least MIN_STALE_S); else None."""
-        now = time.monotonic()
+        now, present = time.monotonic(), set()
         for path in self.folder.glob("rank-*"):
             try:
                 rank, count = int(path.name.removeprefix("rank-")), path.read_bytes()
             except (OSError, ValueError):
                 continue
+            present.add(rank)
             if self._seen.get(rank, (None,))[0] != count:
                 self._seen[rank] = (count, now)
-        for rank in [r for r in self._seen if not (self.folder / f"rank-{r}").exists()]:
+        for rank in set(self._seen) - present:
             del self._seen[rank]  # returned: not stopped
         ages = sorted(((now - at, rank) for rank, (_, at) in self._seen.items()), reverse=True)
         if ages and ages[0][0] > max(after_s, MIN_STALE_S):
@@ -115,3 +116,8 @@ _STEP = re.compile(r"[0-9]+(\.[0-9]+)?")
 
 def stopped_message(seconds: float) -> str:
     return f"stopped answering (no heartbeat for {seconds:.0f} s: a stopped process, e.g. SIGSTOP)"
+
+
+def stopped_failure(rank: int, seconds: float, log: Path) -> tuple[str, int]:
+    """(error, rank) of a launch ended because `rank` stood still, as the supervisor takes it."""
+    return f"rank {rank} failed: {stopped_message(seconds)} (log: {log})", rank

@@ -38,7 +38,7 @@ from runtime.outputs import plan_resume
 from runtime.run import RankContext, SilentObserver, execute
 from slurm.aggregate import aggregate
 from slurm.faults import FaultInjecting
-from slurm.heartbeat import BeatWatch, Heartbeat, kill_step, stopped_message
+from slurm.heartbeat import BeatWatch, Heartbeat, kill_step, stopped_failure
 from slurm.jobs import (
     check_job_id,
     discard_folder,
@@ -365,7 +365,7 @@ def wait(
             if found is not None and not job.done(force_check=True) and job.state == "RUNNING":  # not stale news
                 rank, seconds, step = found
                 log = (job.task(rank) if job.num_tasks > 1 else job).paths.stderr
-                stopped[job.job_id] = (f"rank {rank} failed: {stopped_message(seconds)} (log: {log})", rank)
+                stopped[job.job_id] = stopped_failure(rank, seconds, log)
                 if not kill_step(step):
                     with contextlib.suppress(ConfigError):
                         run_slurm(["scancel", "--signal=KILL", job.job_id])

@@ -458,13 +458,9 @@ class SelectiveRuntime:
         the local relative drift of one step."""
         rate_U = self.rate_NLU[self.branch, layer]
         rate_U = torch.where(rate_U >= 0, rate_U, mass_U * step_drift)
-        # On the device (no host tensor per layer): 1 for a cell computed now, else since its refresh.
-        computed_U = (
-            self.compute_dev_LU[layer]
-            if self.step_plan.kind == "selective"
-            else torch.ones_like(self.compute_dev_LU[layer])
-        )
-        age_U = torch.where(computed_U, 1, self.step_plan.step + 1 - self.refreshed_dev_LU[layer])
+        # On the device (no host tensor per layer): 1 for a cell computed now (every cell of an
+        # exact or anchor step), else since its refresh.
+        age_U = torch.where(self.compute_dev_LU[layer], 1, self.step_plan.step + 1 - self.refreshed_dev_LU[layer])
         return budget_scores(rate_U, age_U)
 
     def item_report(self) -> dict:
