@@ -10,7 +10,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from ditango_cli import generate, jobs, simulate
+from ditango_cli import generate, jobs, rehearse, simulate
 from planner.errors import ConfigError
 from runtime.errors import OutputWriteError
 
@@ -59,7 +59,7 @@ app = typer.Typer(
     help="Batch video generation with Diffusion Transformers.",
 )
 for fn in (generate.generate, generate.check, generate.models, jobs.status, jobs.cancel, jobs.report,
-           simulate.simulate):  # fmt: skip
+           simulate.simulate, rehearse.rehearse):  # fmt: skip
     app.command(fn.__name__)(fn)
 
 

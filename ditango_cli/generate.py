@@ -84,11 +84,12 @@ def slurm_options(s: SlurmArgs) -> SlurmOptions:
 
 def build_run_config(
     m: ModelArgs, i: ItemArgs, o: OutputArgs, p: ParallelArgs, d: DiTangoArgs, g: GuidanceArgs, mem: MemoryArgs, *,
-    where: str, create_out: bool, options: dict | None = None, array: int = 1,
-) -> tuple[RunConfig, ResolvedModel]:  # fmt: skip
+    where: str, create_out: bool, options: dict | None = None, array: int = 1, weights: bool = True,
+) -> tuple[RunConfig, ResolvedModel | None]:  # fmt: skip
     """Validate everything that can be checked before anything runs; `where`: the executor
     (local, srun, sbatch), which decides what the device checks are made against; `array`:
-    the array tasks the items are split over. `generate` and `check` both validate here, so
+    the array tasks the items are split over; `weights` False: a registry name needs no
+    checkpoint (a rehearsal builds it from its configs; the resolved model is then None). `generate` and `check` both validate here, so
     they refuse the same inputs with the same message."""
     from runtime.strategies.selective import check_cache_limit
     from slurm.placement import ranks_device
@@ -156,6 +157,8 @@ def build_run_config(
         options=options or {},
     )  # fmt: skip
     cfg = memory_preflight(cfg, spec.shape, mem.gpu_memory, placement, where == "local", m.dtype is not None)
+    if not weights and resolved is None:
+        return cfg, None
     resolved = resolved or resolve_model(m.model, m.model_root)
     if where == "local" and placement.device.type == "cpu":  # after the model: a missing one is said first
         check_local_cpu_ranks(cfg, spec.shape, placement.dtype.itemsize)

@@ -24,7 +24,12 @@ from planner.errors import ConfigError
 from planner.layout import STRATEGIES
 from runtime.kernels import BACKENDS
 from runtime.models.loading import DTYPES
-from runtime.models.registry import MODEL_ROOT_ENV
+from runtime.models.registry import ALIASES, MODEL_ROOT_ENV
+
+
+def canonical_model(name: str) -> str:
+    """A registry alias (wan2.2-a14b) as its entry's name."""
+    return ALIASES.get(name, name)
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -45,7 +50,13 @@ def _o(*names: str, **kwargs) -> typer.models.OptionInfo:
 @dataclass
 class ModelArgs:
     model: Annotated[
-        str, _o("--model", "-m", help="Registry name (see `ditango models`) or a diffusers directory.")
+        str,
+        _o(
+            "--model",
+            "-m",
+            help="Registry name (see `ditango models`) or a diffusers directory.",
+            callback=canonical_model,
+        ),
     ] = "tiny-wan"
     model_root: Annotated[
         Path | None, _o("--model-root", help=f"Folder of named checkpoints [env: {MODEL_ROOT_ENV}].")

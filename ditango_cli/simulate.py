@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ditango_cli.options import canonical_model
 from planner.errors import ConfigError
 
 NodesOpt = Annotated[int, typer.Option("--nodes", help="Nodes of the cluster to price.")]
@@ -32,7 +33,9 @@ GpuMemOpt = Annotated[str | None, typer.Option("--gpu-memory", help="Per GPU, e.
 
 
 def simulate(
-    model: Annotated[str, typer.Option("--model", "-m", help="A registry name (ditango models).")] = "wan2.1-14b",
+    model: Annotated[
+        str, typer.Option("--model", "-m", help="A registry name (ditango models).", callback=canonical_model)
+    ] = "wan2.1-14b",
     nodes: NodesOpt = 4,
     gpus_per_node: GpusOpt = 8,
     hardware: Annotated[str, typer.Option("--hardware", help="h20, h100, h200, a100, l40s.")] = "h20",

@@ -273,6 +273,7 @@ def estimate(
     own_group: str = "decide",
     plan_kinds: list[str] | None = None,
     planner: str = "hpdc",
+    shard_weights: bool = False,
 ) -> Estimate:
     """Time and bytes of one item. DiTango computes `compute_fraction` of each decision unit
     over all steps (see `attention_time`), or exactly `plan_bits`; `plan_kinds` (each step's
@@ -291,13 +292,20 @@ def estimate(
         link = "inter_node" if len({topo.node_of[r] for r in cp_ranks}) > 1 else "intra_node"
         gather = (layout.cp_degree - 1) * max(sizes) * shape.out_channels * element_bytes / _bw(hw, link)
     step = forwards * (shape.layers * (attn + rest) + gather)
+    if shard_weights and layout.cp_degree > 1:  # FSDP gathers every block each forward, prefetched beside compute
+        cp_ranks = topo.groups["cp"][0]
+        link = "inter_node" if len({topo.node_of[r] for r in cp_ranks}) > 1 else "intra_node"
+        n = layout.cp_degree
+        weights = (n - 1) * (shape.fsdp_gathered_params // n) * element_bytes / _bw(hw, link)
+        step = max(step, forwards * weights)
     if layout.cfg_degree == 2:
         pair = topo.groups["cfg"][0]
         link = topo.link(pair[0], pair[1])
         f, h, w = shape.latent_shape(height, width, frames)
         step += f * h * w * shape.latent_channels * element_bytes / _bw(hw, link) + _lat(hw, link)
     traffic = predict_traffic(layout, shape, height, width, frames, steps, element_bytes=element_bytes,
-                              plan_bits=plan_bits, plan_kinds=plan_kinds, own_group=own_group, planner=planner)  # fmt: skip
+                              plan_bits=plan_bits, plan_kinds=plan_kinds, own_group=own_group, planner=planner,
+                              shard_weights=shard_weights)  # fmt: skip
     if layout.strategy == "ditango" and plan_bits is None:
         fractions = unit_fractions(compute_fraction, layout, own_group)
         for key, n in _fractional_attention_bytes(layout, shape, height, width, frames, element_bytes, fractions,
@@ -391,7 +399,7 @@ def compare_layouts(
             except (ConfigError, ValueError) as exc:
                 notes.append(f"{s} on {n} node(s): {exc}")
                 continue
-            est, plan = _priced(hw, layout, shape, height, width, frames, steps, source)
+            est, plan = _priced(hw, layout, shape, height, width, frames, steps, source, memory.shard_weights)
             mem = memory_row(shape, layout, height, width, frames, memory, vae_parallel, gpu_memory_bytes)
             found.append((est, mem, _plan_summary(plan)))
         exact = [e.e2e_s for e, _, _ in found if e.strategy != "ditango"]
@@ -408,16 +416,19 @@ def compare_layouts(
 
 
 def _priced(hw: Hardware, layout: ParallelLayout, shape: ModelShape, height: int, width: int, frames: int,
-            steps: int, source: PlanSource) -> tuple[Estimate, PlanReplay | float | None]:  # fmt: skip
-    """One layout's estimate; for DiTango, with the plan replayed on it."""
+            steps: int, source: PlanSource, shard: bool = False) -> tuple[Estimate, PlanReplay | float | None]:  # fmt: skip
+    """One layout's estimate; for DiTango, with the plan replayed on it; `shard`: --shard-weights
+    (its weight gathers counted in the bytes)."""
+    shard = shard and layout.strategy != "tp"
     if layout.strategy != "ditango":
-        return estimate(hw, layout, shape, height, width, frames, steps), None
+        return estimate(hw, layout, shape, height, width, frames, steps, shard_weights=shard), None
     plan = source.replay(layout, shape.layers, steps)
     if not isinstance(plan, PlanReplay):  # a flat fraction: no step kinds, no control bytes
         return estimate(hw, layout, shape, height, width, frames, steps, compute_fraction=plan,
-                        own_group=source.own_group), plan  # fmt: skip
+                        own_group=source.own_group, shard_weights=shard), plan  # fmt: skip
     est = estimate(hw, layout, shape, height, width, frames, steps, compute_fraction=plan.unit_fractions,
-                   own_group=source.own_group, plan_kinds=plan.kinds, planner=plan.planner)  # fmt: skip
+                   own_group=source.own_group, plan_kinds=plan.kinds, planner=plan.planner,
+                   shard_weights=shard)  # fmt: skip
     return est, plan
 
 

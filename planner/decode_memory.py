@@ -77,8 +77,11 @@ def tile_grid(vae: VaeShape, h: int, w: int, tile_px: int) -> list[tuple[int, in
     return [(min(size, h - i), min(size, w - j)) for i in range(0, h, stride) for j in range(0, w, stride)]
 
 
-def decode_bytes(vae: VaeShape, latent: tuple[int, int, int], tiled: bool, tile_px: int, ranks: int = 1) -> int:
-    """The largest decode working set of any rank (outputs and video included)."""
+def decode_bytes(
+    vae: VaeShape, latent: tuple[int, int, int], tiled: bool, tile_px: int, ranks: int = 1, rank: int | None = None
+) -> int:
+    """The largest decode working set of any rank (outputs and video included); `rank`: that
+    rank's of a tiled decode over `ranks`."""
     f, h, w = latent
     s = vae.spatial
     video = 3 * output_frames(vae, f) * h * s * w * s * F32
@@ -100,7 +103,7 @@ def decode_bytes(vae: VaeShape, latent: tuple[int, int, int], tiled: bool, tile_
         return caches + out + max(act, video)
     tiles = [region(th, tw) for th, tw in tile_grid(vae, h, w, tile_px)]
     worst = 0
-    for r in range(max(1, ranks)):
+    for r in range(max(1, ranks)) if rank is None else [rank]:
         mine = tiles[r::ranks]
         own = sum(out for _, _, out in mine)
         # a tile's calls beside the rank's earlier tiles; its frames concatenated at the end

@@ -190,6 +190,15 @@ def weight_parts(shape: ModelShape, layout: ParallelLayout, options: MemoryOptio
         "weights_blocks": 2 * shape.block_params * e, "text_encoder": (-(-sharded_te // n) + whole) * e,
         "text_encoder_root": shape.text_encoder_root_params * e, "text_encoder_blocks": 2 * shape.text_encoder_block_params * e,
         "offload_text": whole * e, "offload_transformer": 0,  # sharded modules stay where FSDP put them
+        # FSDP2 all-gathers a unit into one flat buffer and copies it out into the unit's
+        # parameters: while a unit is gathered, its bytes are held twice (traced by `ditango
+        # rehearse`); the largest unit of each forward, the text encoders' (their root) and
+        # the transformer's (a block; its root is gathered once)
+        "gather_buffer_text": max(shape.text_encoder_root_params, shape.text_encoder_block_params) * e,
+        "gather_buffer": max(shape.block_params, shape.root_params) * e,
+        # at load each unit lies whole on the GPU while FSDP shards it: the largest one
+        "shard_transient": max(shape.block_params, shape.root_params, shape.text_encoder_block_params,
+                               shape.text_encoder_root_params) * e,
     }  # fmt: skip
 
 
@@ -276,15 +285,23 @@ def estimate_memory(
     text = w["text_encoder"] - (w["offload_text"] if o.offload_text_encoder else 0)
     transformer = w["weights"] - (w["offload_transformer"] if o.offload_transformer else 0)
     base = {"image_encoder": image, "vae_weights": vae_weights, "text_encoder_root": w["text_encoder_root"]}
+    n = shard_degree(layout, o)
     resident = {
+        # what the loader puts on the GPU before anything runs: every module's shard (FSDP2
+        # shards the roots too until their first forward gathers them)
+        "load": {"weights": w["weights"] + -(-w["weights_root"] // n), "text_encoder": w["text_encoder"]
+                 + -(-w["text_encoder_root"] // n), "image_encoder": image, "vae_weights": vae_weights,
+                 "sharding": w.get("shard_transient", 0)},
         "text_encode": {"weights": w["weights"] + w["weights_root"], "text_encoder": w["text_encoder"],
-                        "text_encoder_blocks": w["text_encoder_blocks"], **base},
+                        "text_encoder_blocks": w["text_encoder_blocks"], **base,
+                        "gather_buffer": w.get("gather_buffer_text", 0)},
         "denoise": {"weights": w["weights"] + w["weights_root"], "weights_blocks": w["weights_blocks"],
-                    "text_encoder": text, **base, "ditango_cache": cache, "block_transient": transient},
+                    "text_encoder": text, **base, "ditango_cache": cache, "block_transient": transient,
+                    "gather_buffer": w.get("gather_buffer", 0)},
         "decode": {"weights": transformer + (w["weights_root"] if transformer else 0), "text_encoder": text, **base,
                    "vae_decode": decode},
     }  # fmt: skip
-    phases = {p: sum(resident[p].values()) for p in PHASES}
+    phases = {p: sum(resident[p].values()) for p in ("load", *PHASES)}
     peak = max(PHASES, key=lambda p: phases[p])
     return MemoryEstimate(stages, phases, phases[peak], peak, resident)
 

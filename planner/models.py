@@ -82,6 +82,12 @@ class ModelShape:
     # For the memory model (planner/memory.py); 0 / None: not known, not counted.
     block_params: int = 0  # the largest transformer block (what FSDP gathers at once)
     root_params: int = 0  # one transformer's parameters outside its blocks (embeddings, head)
+    # What --shard-weights all-gathers in every forward of one transformer: the parameters of
+    # its FSDP units but the root (blocks, and the root's own module lists), less those kept
+    # whole in float32 (runtime/weights.py). The root's (`fsdp_root_gathered_params`) are gathered
+    # at its first forward and stay gathered (FSDP2 does not reshard a root after its forward).
+    fsdp_gathered_params: int = 0
+    fsdp_root_gathered_params: int = 0
     text_encoder_params: int = 0  # all text encoders together, in the transformer's dtype
     text_encoder_block_params: int = 0  # its largest block (what FSDP gathers at once)
     text_encoder_root_params: int = 0  # its parameters outside the blocks (token embeddings, final norm)

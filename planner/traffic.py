@@ -21,9 +21,18 @@ class Traffic:
     """Bytes received, summed over ranks: {purpose: {"intra_node_bytes"|"inter_node_bytes": n}}."""
 
     bytes: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    # The same by receiving rank: {rank: {"intra_node_bytes"|"inter_node_bytes": n}}
+    by_rank: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
 
-    def add(self, purpose: str, link: str, n: int) -> None:
+    def add(self, purpose: str, link: str, n: int, rank: int) -> None:
+        """`rank` received `n` bytes for `purpose` over a `link`."""
         self.bytes[purpose][f"{link}_bytes"] += n
+        self.by_rank[rank][f"{link}_bytes"] += n
+
+    def rank_totals(self, rank: int) -> dict:
+        """What `rank` received: {"intra_node_bytes", "inter_node_bytes"}."""
+        got = self.by_rank.get(rank, {})
+        return {k: got.get(k, 0) for k in ("intra_node_bytes", "inter_node_bytes")}
 
     def totals(self) -> dict:
         out = {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}}
@@ -71,7 +80,7 @@ def tp_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: in
             continue
         received = forwards * shape.layers * sum(ring_all_reduce_bytes(b, n) for b in per_block)
         for i, rank in enumerate(ranks):
-            t.add("tp", topo.link(rank, ranks[(i - 1) % n]), received)
+            t.add("tp", topo.link(rank, ranks[(i - 1) % n]), received, rank)
 
 
 def _ring_hops(t: Traffic, topo: Topology, ranks, block_bytes: list[int], purpose: str, times: int) -> None:
@@ -81,7 +90,7 @@ def _ring_hops(t: Traffic, topo: Topology, ranks, block_bytes: list[int], purpos
     for me in range(P):
         link = topo.link(ranks[me], ranks[(me - 1) % P])
         for k in range(P - 1):
-            t.add(purpose, link, times * block_bytes[(me - k - 1) % P])
+            t.add(purpose, link, times * block_bytes[(me - k - 1) % P], ranks[me])
 
 
 def attention_traffic(
@@ -105,7 +114,8 @@ def attention_traffic(
                 for a, ra in zip(idx, uly, strict=True):
                     for b, rb in zip(idx, uly, strict=True):
                         if ra != rb:  # q, k, v in; our chunk's output back
-                            t.add("attention", topo.link(ra, rb), forwards * L * (3 * sizes[b] + sizes[a]) * h * D * e)
+                            t.add("attention", topo.link(ra, rb), forwards * L * (3 * sizes[b] + sizes[a]) * h * D * e,
+                                  ra)  # fmt: skip
             if layout.ring > 1:
                 for ring in [g for g in topo.groups["ring"] if g[0] in cp_ranks]:
                     spans = [sum(sizes[(cp_ranks.index(r) // u) * u : (cp_ranks.index(r) // u + 1) * u]) for r in ring]
@@ -150,7 +160,7 @@ def _ditango_traffic(
                         continue
                     for c in range(P):  # direct fetch from I*d ahead
                         src = (c + size * d) % P
-                        t.add("attention", topo.link(cp_ranks[c], cp_ranks[src]), kv[src])
+                        t.add("attention", topo.link(cp_ranks[c], cp_ranks[src]), kv[src], cp_ranks[c])
                     for g in range(G):  # then around the group ring: the remote group's other chunks
                         remote = ((g + d) % G) * size
                         _ring_hops(t, topo, groups[g], kv[remote : remote + size], "attention", 1)
@@ -169,7 +179,7 @@ def gather_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e
         for a in cp_ranks:
             for b in cp_ranks:
                 if a != b:
-                    t.add("gather", topo.link(a, b), forwards * block)
+                    t.add("gather", topo.link(a, b), forwards * block, a)
 
 
 def joint_traffic(t: Traffic, topo: Topology, shape: ModelShape, forwards: int) -> None:
@@ -182,7 +192,23 @@ def joint_traffic(t: Traffic, topo: Topology, shape: ModelShape, forwards: int) 
         for a in cp_ranks:
             for b in cp_ranks:
                 if a != b:
-                    t.add("joint", topo.link(a, b), forwards * shape.layers * block)
+                    t.add("joint", topo.link(a, b), forwards * shape.layers * block, a)
+
+
+def fsdp_traffic(t: Traffic, topo: Topology, shape: ModelShape, e: int, forwards: int, roots: int) -> None:
+    """--shard-weights: every forward all-gathers the transformer's FSDP units over each cp
+    group, and `roots` first forwards (one per transformer) its root unit, each rank receiving
+    every peer's shard (a 1/n of every parameter: exact where n divides their first
+    dimensions, as it does for the registry's models on 2..64 ranks)."""
+    for ranks in topo.groups["cp"]:
+        n = len(ranks)
+        if n == 1:
+            continue
+        shard = (forwards * shape.fsdp_gathered_params // n + roots * shape.fsdp_root_gathered_params // n) * e
+        for a in ranks:
+            for b in ranks:
+                if a != b:
+                    t.add("weights", topo.link(a, b), shard, a)
 
 
 def cfg_traffic(t: Traffic, topo: Topology, latent_numel: int, e: int, steps: int) -> None:
@@ -190,7 +216,8 @@ def cfg_traffic(t: Traffic, topo: Topology, latent_numel: int, e: int, steps: in
     for pair in topo.groups["cfg"]:
         if len(pair) == 2:
             a, b = pair
-            t.add("cfg", topo.link(a, b), 2 * steps * latent_numel * e)
+            for receiver in (a, b):
+                t.add("cfg", topo.link(a, b), steps * latent_numel * e, receiver)
 
 
 def control_traffic(
@@ -208,7 +235,7 @@ def control_traffic(
         for a in group:
             for b in group:
                 if a != b:
-                    t.add("control", topo.link(a, b), sum(per_step))
+                    t.add("control", topo.link(a, b), sum(per_step), a)
 
 
 def predict_traffic(
@@ -226,8 +253,13 @@ def predict_traffic(
     node_of: tuple[int, ...] | None = None,
     own_group: str = "decide",
     planner: str = "hpdc",
+    rank: int | None = None,
+    shard_weights: bool = False,
+    roots: int | None = None,
 ) -> dict:
-    """Bytes of one item, summed over ranks, in the report's `comm` format. With DiTango's
+    """Bytes of one item, summed over ranks, in the report's `comm` format (`rank`: only what
+    that rank received, {"intra_node_bytes", "inter_node_bytes"}; `shard_weights`: with FSDP's
+    weight gathers, `roots` of them the transformers' root units). With DiTango's
     `plan_kinds` (each step's kind, from its plan file) the control plane is counted too."""
     topo = Topology(layout, node_of)
     tokens = shape.tokens(height, width, frames)
@@ -239,13 +271,16 @@ def predict_traffic(
         tp_traffic(t, topo, shape, tokens, element_bytes, forwards)
     gather_traffic(t, topo, shape, tokens, element_bytes, forwards)
     joint_traffic(t, topo, shape, forwards)
+    if shard_weights:  # `roots` None: each transformer's root once (the item is a run's first)
+        experts = max(1, round(shape.params / max(1, shape.root_params + shape.fsdp_gathered_params)))
+        fsdp_traffic(t, topo, shape, element_bytes, forwards, experts if roots is None else roots)
     if layout.cfg_degree == 2:
         cfg_traffic(t, topo, math.prod(shape.latent_shape(height, width, frames)) * shape.latent_channels,
                     element_bytes, steps)  # fmt: skip
     if layout.strategy == "ditango" and plan_kinds is not None and layout.groups > 1:
         units = len(plan_bits[0][0]) if plan_bits else len(ditango_units(layout, own_group))
         control_traffic(t, topo, shape.layers, units, plan_kinds, planner)
-    return t.totals()
+    return t.totals() if rank is None else t.rank_totals(rank)
 
 
 def plan_bits_from_log(plan_log: dict, layers: int, branches: int) -> list:

@@ -63,6 +63,15 @@ class NonFiniteLatents(RuntimeError):
     item and layout give the same numbers again, so such an item is failed, not retried."""
 
 
+def host_timesteps(scheduler) -> list[float]:
+    """The scheduler's timesteps as host numbers (one copy from the device)."""
+    return scheduler.timesteps.tolist()
+
+
+def switch_steps(experts: list[int]) -> tuple[int, ...]:
+    return tuple(i for i in range(1, len(experts)) if experts[i] != experts[i - 1])
+
+
 def synchronize(device: torch.device) -> None:
     """Make wall-clock timings honest on asynchronous devices."""
     if device.type == "cuda":
@@ -196,13 +205,15 @@ class WanDenoiser:
         scheduler.set_begin_index(0)
         return scheduler
 
-    def expert_at(self, t: torch.Tensor, scheduler) -> int:
-        """0 for `transformer`, 1 for `transformer_2` (below boundary_ratio x the training
-        timesteps), as diffusers' Wan pipelines choose."""
+    def experts(self, scheduler) -> list[int]:
+        """Per step, 0 for `transformer`, 1 for `transformer_2` (below boundary_ratio x the
+        training timesteps), as diffusers' Wan pipelines choose; read from the host copy of the
+        timesteps once per run (a comparison on the device would wait for it every step)."""
         ratio = self.variant.boundary_ratio
         if ratio is None:
-            return 0
-        return 0 if t >= ratio * scheduler.config.num_train_timesteps else 1
+            return [0] * len(scheduler.timesteps)
+        boundary = ratio * scheduler.config.num_train_timesteps
+        return [0 if t >= boundary else 1 for t in host_timesteps(scheduler)]
 
     def model_input(self, latents_BCFHW: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states, timestep) for the transformer, as diffusers' pipelines form them."""
@@ -247,8 +258,7 @@ class WanDenoiser:
 
     def switches(self, scheduler) -> tuple[int, ...]:
         """Steps where the expert changes (none for one expert)."""
-        experts = [self.expert_at(t, scheduler) for t in scheduler.timesteps]
-        return tuple(i for i in range(1, len(experts)) if experts[i] != experts[i - 1])
+        return switch_steps(self.experts(scheduler))
 
     @torch.no_grad()
     def denoise(
@@ -260,23 +270,28 @@ class WanDenoiser:
         on_step: Callable[[int, int], None] | None = None,
         condition: ImageCondition | None = None,
         guidance_2: float | None = None,
+        run_steps: frozenset[int] | None = None,
     ) -> DenoiseResult:
-        """`guidance_2`: the low-noise expert's CFG scale (default `guidance`, as diffusers)."""
+        """`guidance_2`: the low-noise expert's CFG scale (default `guidance`, as diffusers);
+        `run_steps`: only these steps of the schedule run (a rehearsal's sample), None: all."""
         scheduler = self.new_scheduler(steps)
         result = DenoiseResult(latents_BCFHW)
         latents = latents_BCFHW
         listener, cache = self.listener, self.step_cache
         self._condition = condition
+        experts = self.experts(scheduler)
         if listener is not None:
-            listener.begin_run(latents, steps, self.guidance.local_branches(text), self.switches(scheduler))
+            listener.begin_run(latents, steps, self.guidance.local_branches(text), switch_steps(experts))
         self.guidance.begin_run(steps)
         finite: list[torch.Tensor] = []  # per step, on the device: no host sync inside the loop
         try:
             if cache is not None:
                 cache.begin_run(self.transformers, adapter_for(self.transformers[0]), steps)
             for i, t in enumerate(scheduler.timesteps):
+                if run_steps is not None and i not in run_steps:
+                    continue
                 start = time.perf_counter()
-                self.expert = self.expert_at(t, scheduler)
+                self.expert = experts[i]
                 scale = guidance if self.expert == 0 or guidance_2 is None else guidance_2
                 if listener is not None:
                     listener.begin_step(i)

@@ -19,7 +19,7 @@ import torch
 
 from runtime.calibrate import hold_target, step_cache_ratios, target_quality
 from runtime.comm import Comm
-from runtime.config import Item, RunConfig, plan_memory
+from runtime.config import DecodeOptions, Item, RunConfig, plan_memory
 from runtime.guidance import CfgParallel, Hybrid
 from runtime.inputs import exact_reference, item_inputs
 from runtime.kernels import resolve_backend
@@ -204,11 +204,8 @@ def generate_item(
         start = time.perf_counter()
         reference = exact_reference(denoiser, latents, text, item, condition)
         timing.reference_s = time.perf_counter() - start
-    if "transformer" in cfg.offload:
-        place(denoiser.transformers, torch.device("cpu"))  # the decode needs the room
-    release_device_memory(device)  # what the denoising held (DiTango's cache) goes back before the decode
-    options = cfg.decode if ctx.distributed else replace(cfg.decode, parallel=False)
-    if not (ctx.is_writer or options.parallel):
+    options = before_decode(denoiser, cfg, ctx)
+    if options is None:
         return {}
 
     observer.phase("decode")
@@ -254,6 +251,39 @@ def generate_item(
     )  # fmt: skip
     write_json(paths["sidecar"], record)  # last: its presence marks the item complete
     return record
+
+
+def assemble_denoiser(cfg: RunConfig, ctx: RankContext, spec, components: dict, placement, backend: str) -> WanDenoiser:
+    """The rank's denoiser over loaded `components`: the family's loop, the strategy installed
+    on its transformers, the step cache and the CFG runner the run asks for."""
+    if spec.family == "hunyuanvideo":
+        denoiser = HunyuanDenoiser(components, placement, cfg.max_text_len)
+    else:
+        denoiser = WanDenoiser(components, placement, cfg.max_text_len, spec.variant)
+    if cfg.layout.strategy != "none":
+        denoiser.listener = parallelize(denoiser.transformers, ctx.mesh, ctx.comm, backend, cfg.ditango)
+    if cfg.step_cache is not None:
+        mesh = ctx.mesh  # the ranks that compute the same branch agree every decision to skip
+        denoiser.step_cache = StepCache(cfg.step_cache, ctx.comm, mesh.cp_group, tuple(mesh.cp_ranks))
+        selective = None if denoiser.listener is None else denoiser.listener.ctx.selective
+        if selective is not None:
+            selective.partial_steps = True
+    if cfg.hybrid is not None:
+        denoiser.guidance = Hybrid(ctx.mesh, ctx.comm, cfg.hybrid, denoiser.transformers)
+    elif cfg.layout.cfg_degree == 2:
+        denoiser.guidance = CfgParallel(ctx.mesh, ctx.comm)
+    return denoiser
+
+
+def before_decode(denoiser: WanDenoiser, cfg: RunConfig, ctx: RankContext) -> DecodeOptions | None:
+    """Make room for the decode (the transformer offloaded where the pre-flight chose so, what
+    the denoising held returned to the device) and say how this rank decodes: the options, or
+    None when it takes no part (not the writer, and the decode is not parallel)."""
+    if "transformer" in cfg.offload:
+        place(denoiser.transformers, torch.device("cpu"))  # the decode needs the room
+    release_device_memory(denoiser.device)  # what the denoising held (DiTango's cache) goes back before the decode
+    options = cfg.decode if ctx.distributed else replace(cfg.decode, parallel=False)
+    return options if ctx.is_writer or options.parallel else None
 
 
 def settled_report(cfg: RunConfig, records: dict[str, dict], report_name: str = "report.json") -> dict:
@@ -338,22 +368,7 @@ def execute(
         if shard:
             weights["shard_degree"] = shard_weights(components, ctx.mesh, placement.device)
         weights["param_bytes_per_rank"] = sum(local_param_bytes(components[n]) for n in SHARDED if n in components)
-        if resolved.spec.family == "hunyuanvideo":
-            denoiser = HunyuanDenoiser(components, placement, cfg.max_text_len)
-        else:
-            denoiser = WanDenoiser(components, placement, cfg.max_text_len, resolved.spec.variant)
-        if cfg.layout.strategy != "none":
-            denoiser.listener = parallelize(denoiser.transformers, ctx.mesh, ctx.comm, backend, cfg.ditango)
-        if cfg.step_cache is not None:
-            mesh = ctx.mesh  # the ranks that compute the same branch agree every decision to skip
-            denoiser.step_cache = StepCache(cfg.step_cache, ctx.comm, mesh.cp_group, tuple(mesh.cp_ranks))
-            selective = None if denoiser.listener is None else denoiser.listener.ctx.selective
-            if selective is not None:
-                selective.partial_steps = True
-        if cfg.hybrid is not None:
-            denoiser.guidance = Hybrid(ctx.mesh, ctx.comm, cfg.hybrid, denoiser.transformers)
-        elif cfg.layout.cfg_degree == 2:
-            denoiser.guidance = CfgParallel(ctx.mesh, ctx.comm)
+        denoiser = assemble_denoiser(cfg, ctx, resolved.spec, components, placement, backend)
         first_reference = None
         if denoiser.step_cache is not None and denoiser.step_cache.needs_calibration:
             step_cache_run, first_reference = step_cache_ratios(

@@ -69,7 +69,7 @@ class TiledDecoder:
         min_f, stride_f = vae.tile_sample_min_num_frames // ratio, vae.tile_sample_stride_num_frames // ratio
         if F <= min_f:
             return [slice(0, F)]
-        return [slice(i, i + min_f + 1) for i in range(0, F, stride_f)]
+        return [slice(i, min(i + min_f + 1, F)) for i in range(0, F, stride_f)]
 
     def spatially_tiled(self, H: int, W: int) -> bool:
         lmin = self.min_px // self.ratio
@@ -85,7 +85,7 @@ class TiledDecoder:
             lmin, lstride = self.min_px // self.ratio, self.stride_px // self.ratio
             for r, i in enumerate(range(0, H, lstride)):
                 for k, j in enumerate(range(0, W, lstride)):
-                    tiles.append(Tile(c, r, k, frames, slice(i, i + lmin), slice(j, j + lmin)))
+                    tiles.append(Tile(c, r, k, frames, slice(i, min(i + lmin, H)), slice(j, min(j + lmin, W))))
         return tiles
 
     # -- one tile --------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ def decode_video(vae, z_BCFHW: torch.Tensor, options: DecodeOptions, ctx=None) -
     if ranks == 1:
         return Decoded(decoder.assemble(z_BCFHW, tiles, [mine[k] for k in range(len(tiles))]),
                        {**record, "per_rank_s": [own_s]})  # fmt: skip
-    decoded, received = gather_tiles(ctx.comm, ctx.mesh, mine, len(tiles))
+    decoded, received = gather_tiles(ctx.comm, ctx.mesh, mine, tiles)
     per_rank = ctx.gather((own_s, received))
     record = {**record, "per_rank_s": [s for s, _ in per_rank], "bytes": sum(b for _, b in per_rank)}
     if decoded is None:
@@ -192,12 +192,18 @@ def decode_video(vae, z_BCFHW: torch.Tensor, options: DecodeOptions, ctx=None) -
     return Decoded(decoder.assemble(z_BCFHW, tiles, decoded), record)
 
 
-def gather_tiles(comm: Comm, mesh, mine: dict[int, torch.Tensor], count: int):
+def tile_shapes(comm: Comm, mesh, mine: dict[int, torch.Tensor], tiles: list[Tile]) -> list[dict]:
+    """Every rank's {tile: decoded shape}, over the control group (tiles differ at the edges)."""
+    return comm.gather_objects({k: tuple(t.shape) for k, t in mine.items()}, mesh.control_group,
+                               range(mesh.world_size))  # fmt: skip
+
+
+def gather_tiles(comm: Comm, mesh, mine: dict[int, torch.Tensor], tiles: list[Tile]):
     """Every rank's decoded tiles on the writer, in tile order (None elsewhere), and the bytes
-    this rank received. Shapes go over the control group first (tiles differ at the edges),
-    then each rank's tiles travel to the writer as one flat block on the replica's group."""
-    shapes = comm.gather_objects({k: tuple(t.shape) for k, t in mine.items()}, mesh.control_group,
-                                 range(mesh.world_size))  # fmt: skip
+    this rank received. Shapes go over the control group first, then each rank's tiles travel
+    to the writer as one flat block on the replica's group."""
+    count = len(tiles)
+    shapes = tile_shapes(comm, mesh, mine, tiles)
     before = _received(comm)
     if mesh.rank != 0:
         if mine:

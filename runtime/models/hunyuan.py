@@ -44,7 +44,8 @@ class JointAttention:
         from diffusers.models.embeddings import apply_rotary_emb
 
         assert encoder_hidden_states is not None, "HunyuanVideo blocks always attend the text"
-        assert attention_mask is None or bool(attention_mask.all()), "text padding must be dropped first"
+        # The mask is all valid: drop_text_padding (installed with this processor) cut the padding
+        # and checked the rest once a forward; reading it here would wait for the GPU every block.
 
         def heads(x):
             return x.unflatten(2, (attn.heads, -1))
@@ -77,6 +78,11 @@ def _blocks(transformer) -> list:
     return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
 
 
+def valid_text_tokens(mask_L: torch.Tensor) -> int:
+    """How many text tokens of a (right-padded) mask are valid: a read on the host."""
+    return int(mask_L.sum().item())
+
+
 def install(transformer, ctx) -> tuple[list, list]:
     """Shard `transformer`'s video tokens over `ctx` and route its joint attention through the
     strategy; returns (hook handles, the processors replaced) for `uninstall`."""
@@ -91,7 +97,7 @@ def install(transformer, ctx) -> tuple[list, list]:
         if mask is None or text is None:
             return args, kwargs
         assert mask.shape[0] == 1, "one video per forward"
-        valid = int(mask[0].sum().item())
+        valid = valid_text_tokens(mask[0])
         assert bool(mask[0, :valid].all()), "the valid text tokens must come first (right padding)"
         return args, {**kwargs, "encoder_hidden_states": text[:, :valid], "encoder_attention_mask": mask[:, :valid]}
 

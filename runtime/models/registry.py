@@ -62,6 +62,7 @@ class ModelSpec:
     builtin: bool = False  # shipped inside the package (BUILTIN_DIR)
     variant: wan.WanVariant = wan.WanVariant()
     family: str = "wan"
+    config_key: str = ""  # its entry in CONFIGS (several names share one config)
 
     @property
     def params(self) -> int:
@@ -131,6 +132,26 @@ PARAMS = {
     "wan2.2-ti2v-5b": 4_999_787_712,
     "hunyuanvideo": 12_821_012_544,
 }
+# What --shard-weights gathers in each forward of one transformer (ModelShape.fsdp_gathered_params),
+# counted on each config's meta build (tests/test_rehearse.py rebuilds them).
+FSDP_GATHERED = {
+    "wan2.1-1.3b": 1_392_852_480,
+    "wan2.1-14b": 14_054_133_760,
+    "wan2.1-i2v-14b": 16_160_098_560,
+    "wan2.2-t2v-a14b": 14_054_133_760,
+    "wan2.2-i2v-a14b": 14_054_543_360,
+    "wan2.2-ti2v-5b": 4_908_963_840,
+    "hunyuanvideo": 12_724_631_552,
+}
+FSDP_ROOT_GATHERED = {  # the root unit's (gathered once, at the first forward)
+    "wan2.1-1.3b": 23_017_024,
+    "wan2.1-14b": 205_173_824,
+    "wan2.1-i2v-14b": 205_583_424,
+    "wan2.2-t2v-a14b": 205_173_824,
+    "wan2.2-i2v-a14b": 205_583_424,
+    "wan2.2-ti2v-5b": 79_850_688,
+    "hunyuanvideo": 96_380_992,
+}
 # HunyuanVideo (hunyuanvideo-community/HunyuanVideo): 20 dual-stream + 40 single-stream blocks.
 HUNYUAN_CONFIG = {
     "num_attention_heads": 24, "attention_head_dim": 128, "num_layers": 20, "num_single_layers": 40,
@@ -182,28 +203,38 @@ def _spec(
     shape = with_components(
         shape, adapter, config, variant, TEXT_ENCODERS[family_key],
         CLIP_VIT_H_PARAMS if variant.image_encoder else 0, VAE_CONFIGS[vae_key], VAE_PARAMS[vae_key],
+        FSDP_GATHERED.get(config_key), FSDP_ROOT_GATHERED.get(config_key),
     )  # fmt: skip
     geometry = Defaults(
         vae_stride=vae_stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
         max_text_len=text_len, image=variant.image, experts=variant.experts,
     )  # fmt: skip
     family = "hunyuanvideo" if adapter is hunyuan else "wan"
-    return ModelSpec(name, description, shape, replace(geometry, **defaults), dir_name, builtin, variant, family)
+    return ModelSpec(
+        name, description, shape, replace(geometry, **defaults), dir_name, builtin, variant, family, config_key
+    )
 
 
 def with_components(
     shape: ModelShape, adapter, config: dict, variant: wan.WanVariant, text: tuple[int, int, int, int],
-    image_params: int, vae_config: dict, vae_params: int,
+    image_params: int, vae_config: dict, vae_params: int, fsdp_gathered: int | None = None,
+    fsdp_root_gathered: int | None = None,
 ) -> ModelShape:  # fmt: skip
-    """`shape` with what the memory model needs of the transformer's blocks and the other components."""
+    """`shape` with what the memory model needs of the transformer's blocks and the other
+    components. `fsdp_gathered` None: the blocks less Wan's float32 norm2 and modulation table
+    (8 C a block; the exact count, with the root's module lists, is FSDP_GATHERED's)."""
     per_expert = shape.params // max(1, variant.experts)
     blocks = hunyuan.blocks_params(config) if adapter is hunyuan else shape.layers * wan.block_params(config)
+    if fsdp_gathered is None:
+        fsdp_gathered = blocks if adapter is hunyuan else blocks - 8 * shape.hidden * shape.layers
     try:
         vae = adapter.vae_shape_of(vae_config, vae_params)
     except ConfigError:  # a VAE whose scale factor disagrees with its decoder: its decode is not modelled
         vae = None
     return replace(
         shape, block_params=adapter.block_params(config), root_params=max(0, per_expert - blocks),
+        fsdp_gathered_params=fsdp_gathered,
+        fsdp_root_gathered_params=max(0, per_expert - blocks) if fsdp_root_gathered is None else fsdp_root_gathered,
         text_encoder_params=text[0], text_encoder_block_params=text[1], text_encoder_root_params=text[2],
         text_encoder_whole_params=text[3], image_encoder_params=image_params,
         image_tokens=CLIP_IMAGE_TOKENS if image_params else 0, per_token_time=variant.expand_timesteps, vae=vae,
@@ -241,6 +272,9 @@ REGISTRY: dict[str, ModelSpec] = {
               true_cfg=1.0, frames=129, fps=24, **P720),
     )
 }  # fmt: skip
+
+# Short names users type for a registry entry (--model takes them).
+ALIASES = {"wan2.2-a14b": "wan2.2-t2v-a14b"}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,94 @@
+"""`ditango rehearse`: a generate command's rank program at real shapes, without a GPU or weights
+(runtime/rehearse.py), checked against the memory model and planner/traffic.py."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Annotated
+
+from rich.console import Console
+from rich.table import Table
+
+from ditango_cli.generate import GROUPS, build_run_config
+from ditango_cli.options import _o, command
+from planner.errors import ConfigError
+from planner.memory import GIB, parse_bytes
+
+EXIT_PROBLEMS = 1
+DEFAULT_GPU = "80GiB"  # an H100-80GB, unless --gpu-memory says otherwise
+
+
+@dataclass
+class RehearseArgs:
+    all_ranks: Annotated[bool, _o("--all-ranks", help="Every rank, not only those whose shapes differ.")] = False
+
+
+@command(*GROUPS, RehearseArgs)
+def rehearse(m, i, o, p, d, g, mem, s, r, run: RehearseArgs, options: dict) -> int:
+    """Run the first item's rank program at the real model's shapes on fake GPUs (no weights, no
+    GPU): per rank the peak memory by phase against the memory model, the bytes each step
+    receives by link against the cost model's count, and any problem found. Exit 1 on a problem."""
+    from runtime.config import plan_memory
+    from runtime.models.registry import REGISTRY, resolve_model
+    from runtime.rehearse import rehearse as run_rehearsal
+
+    if m.device.value == "cpu":
+        raise ConfigError("--device cpu: a rehearsal runs the GPU program (fake CUDA); drop --device")
+    if i.prompt is None and i.prompts is None:
+        i = replace(i, prompt="a rehearsal")  # the text decides nothing: every prompt is the longest
+    gpu_bytes = parse_bytes(mem.gpu_memory or DEFAULT_GPU, "--gpu-memory")
+    cfg, resolved = build_run_config(m, i, o, p, d, g, replace(mem, gpu_memory=mem.gpu_memory or DEFAULT_GPU),
+                                     where="sbatch", create_out=False, weights=False)  # fmt: skip
+    spec = REGISTRY[cfg.model] if resolved is None else resolved.spec
+    path = None if resolved is None or spec.builtin else resolved.path
+    if resolved is None and m.model not in REGISTRY:
+        path = resolve_model(m.model, m.model_root).path
+    dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[cfg.dtype or "bfloat16"]
+    cfg = plan_memory(cfg, spec.shape, gpu_bytes, dtype_bytes, cfg.model)  # what each rank's pre-flight decides
+    if cfg.attention_backend in ("auto", "flash"):
+        cfg = replace(cfg, attention_backend="torch")  # torch's flash kernel: flash-attn's has no fake kernel
+    if cfg.replicas > 1:
+        cfg = replace(cfg, replicas=1)  # every replica runs the same program
+    err = Console(stderr=True, soft_wrap=True)
+    world = cfg.layout.world_size
+
+    def progress(report: dict) -> None:
+        err.print(f"rank {report['rank']}/{world}: {len(report['problems'])} problem(s)", highlight=False)
+
+    report = run_rehearsal(cfg, spec, path, gpu_bytes, run.all_ranks, progress)
+    if r.json:
+        print(json.dumps(report, indent=2))
+    else:
+        show(report)
+    return EXIT_PROBLEMS if report["problems"] else 0
+
+
+def show(report: dict) -> None:
+    console = Console()
+    item, layout = report["item"], report["layout"]
+    console.print(
+        f"{report['model']} {item['width']}x{item['height']}x{item['frames']} ({item['tokens']} tokens), "
+        f"{layout['nodes']}x{layout['gpus_per_node']} GPUs of {report['gpu_memory_bytes'] / GIB:.0f} GiB, "
+        f"{layout['strategy']}; steps rehearsed: "
+        + ", ".join(f"{s['step']} ({s['kind']})" for s in report["steps_rehearsed"])
+        + (f"; offloaded: {', '.join(report['offload'])}" if report["offload"] else ""),
+        highlight=False,
+    )
+    table = Table("rank", "node", "load GiB", "encode GiB", "denoise GiB", "decode GiB", "inter-node MB/step",
+                  "intra-node MB/step", "problems", title="traced (modelled)")  # fmt: skip
+    for rank in report["ranks"]:
+        cells = []
+        for phase in ("load", "encode", "denoise", "decode"):
+            got = rank["phases"].get(phase)
+            cells.append("-" if got is None else f"{got['traced_bytes'] / GIB:.2f} ({got['modelled_bytes'] / GIB:.2f})")
+        b, mb = rank["bytes_per_step"], rank["modelled_bytes_per_step"]
+        table.add_row(str(rank["rank"]), str(rank["node"]), *cells,
+                      f"{b['inter_node_bytes'] / 1e6:.1f} ({mb['inter_node_bytes'] / 1e6:.1f})",
+                      f"{b['intra_node_bytes'] / 1e6:.1f} ({mb['intra_node_bytes'] / 1e6:.1f})",
+                      str(len(rank["problems"])))  # fmt: skip
+    console.print(table)
+    for line in report["problems"]:
+        console.print(f"problem: {line}", highlight=False, markup=False)
+    if not report["problems"]:
+        console.print("no problem found", highlight=False)

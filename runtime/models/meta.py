@@ -1,0 +1,190 @@
+"""A model's pipeline components built from their configs on the meta device: every module at
+its real shape and in the dtypes the loader gives it (runtime/models/loading.py), with no
+weight read. `ditango rehearse` (runtime/rehearse.py) moves them onto fake GPUs.
+
+A registry name is built from the configs in runtime/models/registry.py and those below (the
+public checkpoints' text encoders, VAEs and schedulers); a directory from its own
+`<component>/config.json` files and tokenizers. Token ids come from `ShapeTokenizer`: a
+prompt of the longest length the pipeline asks for, which is what the memory model assumes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from planner.errors import ConfigError
+from runtime.models import registry
+from runtime.models.registry import ModelSpec
+
+# The text encoders of the public checkpoints (their text_encoder/config.json; the keys that
+# decide the shape). Parameter counts equal registry.TEXT_ENCODERS (tests/test_rehearse.py).
+UMT5_XXL = {"model_type": "umt5", "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_layers": 24, "num_heads": 64, "vocab_size": 256384,
+            "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
+            "relative_attention_max_distance": 128}  # fmt: skip
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128320, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "max_position_embeddings": 8192}  # fmt: skip
+CLIP_L_TEXT = {"model_type": "clip_text_model", "hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "num_hidden_layers": 12,
+               "max_position_embeddings": 77, "projection_dim": 768}  # fmt: skip
+CLIP_H_VISION = {"model_type": "clip_vision_model", "hidden_size": 1280, "intermediate_size": 5120, "num_attention_heads": 16, "num_hidden_layers": 32,
+                 "patch_size": 14, "image_size": 224, "projection_dim": 1024}  # fmt: skip
+# The schedulers of the public checkpoints (scheduler/scheduler_config.json).
+WAN_SCHEDULER = {"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
+                 "use_flow_sigmas": True, "flow_shift": 3.0, "num_train_timesteps": 1000, "solver_order": 2}  # fmt: skip
+HUNYUAN_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 7.0}
+
+
+class ShapeTokenizer:
+    """Token ids of the right shape for a text encoder: `max_length` tokens with every one
+    valid (the longest prompt, the memory model's case), id 1 (any id inside the vocabulary
+    gives the same shapes). Enough of a tokenizer for diffusers' prompt encoding."""
+
+    model_max_length = 1 << 20
+
+    def __init__(self, length: int = 16) -> None:
+        self.length = length  # without padding="max_length"
+
+    def __call__(self, text, padding=None, max_length=None, return_tensors="pt", **kwargs):
+        from transformers import BatchEncoding
+
+        batch = 1 if isinstance(text, str) else len(text)
+        n = max_length if padding == "max_length" and max_length else self.length
+        ids = torch.ones(batch, n, dtype=torch.long)
+        return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+    def batch_decode(self, ids, **kwargs) -> list[str]:
+        return [""] * len(ids)
+
+
+def _keep_float32(module, dtype: torch.dtype) -> None:
+    """`module` in `dtype` as from_pretrained leaves it: diffusers keeps the parameters of its
+    `_keep_in_fp32_modules` in float32 (any dtype), transformers only under float16; buffers
+    (rotary tables) stay as the class made them."""
+    from diffusers import ModelMixin
+
+    keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
+    if not isinstance(module, ModelMixin) and dtype != torch.float16:
+        keep = set()
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if not param.is_floating_point():
+                continue
+            want = torch.float32 if keep & set(name.split(".")) else dtype
+            if param.dtype != want:
+                param.data = param.data.to(want)
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path / 'config.json'}: {exc}") from None
+
+
+def _transformers_model(class_name: str, config: dict):
+    """A transformers model from a config.json's keys (its `model_type` names the config class)."""
+    import transformers
+
+    keys = {
+        k: v for k, v in config.items() if not k.startswith("_") and k not in ("architectures", "torch_dtype", "dtype")
+    }
+    model_type = keys.pop("model_type", None)
+    if model_type is None or not hasattr(transformers, class_name):
+        raise ConfigError(f"cannot build a {class_name} from its config (no model_type, or an unknown class)")
+    return getattr(transformers, class_name)(transformers.AutoConfig.for_model(model_type, **keys))
+
+
+def _named_configs(spec: ModelSpec, key: str) -> dict:
+    """{component: (class name, config)} of a registry model."""
+    if spec.family == "hunyuanvideo":
+        return {
+            "transformer": ("HunyuanVideoTransformer3DModel", registry.HUNYUAN_CONFIG),
+            "vae": ("AutoencoderKLHunyuanVideo", registry.VAE_CONFIGS["hunyuanvideo"]),
+            "text_encoder": ("LlamaModel", LLAMA_8B),
+            "text_encoder_2": ("CLIPTextModel", CLIP_L_TEXT),
+            "scheduler": ("FlowMatchEulerDiscreteScheduler", HUNYUAN_SCHEDULER),
+        }
+    vae_key = key if key in registry.VAE_CONFIGS else "wan"
+    parts = {
+        "transformer": ("WanTransformer3DModel", registry.CONFIGS[key]),
+        "vae": ("AutoencoderKLWan", registry.VAE_CONFIGS[vae_key]),
+        "text_encoder": ("UMT5EncoderModel", UMT5_XXL),
+        "scheduler": ("UniPCMultistepScheduler", WAN_SCHEDULER),
+    }
+    if spec.variant.experts == 2:
+        parts["transformer_2"] = parts["transformer"]
+    if spec.variant.image_encoder:
+        parts["image_encoder"] = ("CLIPVisionModel", CLIP_H_VISION)
+    return parts
+
+
+def _dir_configs(path: Path) -> dict:
+    """{component: (class name, config)} of a diffusers directory (model_index.json)."""
+    try:
+        index = json.loads((path / "model_index.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path / 'model_index.json'}: {exc}") from None
+    parts = {}
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or entry[1] is None:
+            continue
+        if name.startswith("tokenizer") or name.endswith("processor"):
+            continue
+        if name == "scheduler":
+            file = path / name / "scheduler_config.json"
+            parts[name] = (entry[1], json.loads(file.read_text(encoding="utf-8")))
+        else:
+            parts[name] = (entry[1], _read_config(path / name))
+    return parts
+
+
+def meta_components(spec: ModelSpec, path: Path | None, dtype: torch.dtype, max_text_len: int) -> dict:
+    """The components `load_components` returns, on the meta device: transformers and text
+    encoders in `dtype` (their float32 modules kept), the VAE and the CLIP image encoder in
+    float32. `path` None: a registry name's built-in configs."""
+    import diffusers
+
+    if path is None and spec.builtin:
+        path = registry.BUILTIN_DIR
+    parts = _dir_configs(path) if path is not None else _named_configs(spec, spec.config_key)
+    components: dict = {}
+    for name, (class_name, config) in parts.items():
+        if name == "scheduler":
+            cls = getattr(diffusers, class_name)
+            components[name] = cls.from_config({k: v for k, v in config.items() if k != "_class_name"})
+            continue
+        with torch.device("meta"):
+            if hasattr(diffusers, class_name):
+                cls = getattr(diffusers, class_name)
+                module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+            else:
+                module = _transformers_model(class_name, config)
+        want = torch.float32 if name in ("vae", "image_encoder") else dtype
+        _keep_float32(module, want)
+        components[name] = module.eval().requires_grad_(False)
+    tokenizers = ("tokenizer", "tokenizer_2") if "text_encoder_2" in components else ("tokenizer",)
+    for name in tokenizers:
+        components[name] = ShapeTokenizer()
+    if "image_encoder" in components:
+        from transformers import CLIPImageProcessor
+
+        components["image_processor"] = CLIPImageProcessor()
+    return components
+
+
+def materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give a meta module uninitialised tensors on `device` (under FakeTensorMode: fake ones),
+    keeping tied parameters tied (`to_empty` cannot swap a parameter two modules hold)."""
+    made: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    empty = torch.empty_like(t, device=device)
+                    made[id(t)] = torch.nn.Parameter(empty, requires_grad=False) if table is sub._parameters else empty
+                table[name] = made[id(t)]
