@@ -21,11 +21,20 @@ installed). Prints one markdown table and exits 1 when any row fails. Sections:
 4. cache: DiTango's cache allocated at its target size (Wan2.1-14B, 1280x720x81 = 75,600
    tokens, CP 16, groups of 2, two CFG branches, bf16): bytes equal the formula, the
    automatic cap from free memory, a user cap that composes, memory returned after the item;
-5. generate: `ditango generate` on the built-in model on CUDA (bf16, fp32; one rank, and
-   ring over one rank): latents against the CPU float32 run of the same prompt and seed.
+5. generate: `ditango generate --executor local` on the built-in model on CUDA (bf16, fp32;
+   one rank, and ring over one rank), each run bounded by GENERATE_TIMEOUT_S: latents against
+   the CPU float32 run of the same prompt and seed;
+6. sharding: FSDP2 (runtime/weights.py) and DTensor tensor parallelism (wan.install_tp) on a
+   one-rank NCCL mesh, which the runtime skips on one rank: a random-weight Wan forward
+   equals the whole model's, and every TP shard owns only its own bytes;
+7. memory: the memory model against `torch.cuda.max_memory_allocated` for one
+   Wan2.1-14B-width block at 75,600 tokens in bf16 and a random-weight Wan VAE decode at
+   1280x720x81, untiled and tiled.
 
-Sections 2 and 4 are in benchmarks/gpu/runtime_checks.py. The CPU suite runs sections 1, 3 and 4 on the CPU at small sizes, and section 2's bring-up
-and collectives over gloo (tests/test_gpu_check.py); section 5 and the P2P of section 2 need CUDA.
+Sections 2 and 4 are in benchmarks/gpu/runtime_checks.py, 6 and 7 in benchmarks/gpu/model_checks.py.
+The CPU suite runs sections 1, 3, 4, 6 and 7 on the CPU at small sizes (7's peak traced by torch's
+MemTracker), and section 2's bring-up and collectives over gloo (tests/test_gpu_check.py);
+section 5 and the P2P of section 2 need CUDA.
 """
 
 from __future__ import annotations
@@ -45,10 +54,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu.model_checks import memory_rows, sharding_rows  # noqa: E402
 from benchmarks.gpu.runtime_checks import Row, _rand, cache_rows, nccl_rows  # noqa: E402
 from runtime.kernels import attention, flash_attn_available, reference_attention  # noqa: E402
 from runtime.state import merge_all  # noqa: E402
 
+GENERATE_TIMEOUT_S = 300  # one built-in-model run takes seconds on a GPU; a hang fails its row
 # Max abs error of out against float64, per compute dtype (inputs ~ N(0, 1)).
 OUT_TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 LSE_TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
@@ -134,13 +145,12 @@ WAN_1_3B = dict(
 
 
 def _cast_like_from_pretrained(model, dtype: torch.dtype):
-    """`dtype`, except the modules diffusers keeps in float32 when loading (rope, norms, time
-    embedding), as `from_pretrained(torch_dtype=dtype)` leaves a real checkpoint."""
-    keep = getattr(model, "_keep_in_fp32_modules", None) or []
-    model.to(dtype)
-    for name, module in model.named_modules():
-        if any(k in name.split(".") for k in keep):
-            module.to(torch.float32)
+    """`dtype`, except the parameters diffusers keeps in float32 when loading (norms, time
+    embedding); buffers (the rotary tables) as the class made them, never through `dtype`
+    (runtime/models/meta.py `cast_like_loader`, what `from_pretrained(torch_dtype=dtype)` leaves)."""
+    from runtime.models.meta import cast_like_loader
+
+    cast_like_loader(model, dtype)
     return model
 
 
@@ -222,13 +232,18 @@ def generate_rows() -> list[Row]:
     from safetensors.torch import load_file
 
     exe = [sys.executable, "-c", "from ditango_cli.app import main; main()"]
-    base = ["generate", "--prompt", "a red circle moving left on a black background", "--save-latents", "--quiet"]
+    # --executor local: on a Slurm node `auto` would submit the two-rank run as a job
+    base = ["generate", "--prompt", "a red circle moving left on a black background", "--save-latents", "--quiet",
+            "--executor", "local"]  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
 
         def run(name: str, *extra: str) -> torch.Tensor | None:
             out = Path(tmp) / name
-            done = subprocess.run([*exe, *base, "--out", str(out), *extra], cwd=ROOT)
+            try:
+                done = subprocess.run([*exe, *base, "--out", str(out), *extra], cwd=ROOT, timeout=GENERATE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                return None  # a hung run is a failed row, not a hung check
             files = list(out.glob("*.latents.safetensors"))
             return load_file(files[0])["latents"] if done.returncode == 0 and files else None
 
@@ -251,6 +266,8 @@ SECTIONS: dict[str, Callable[[], list[Row]]] = {
     "processor": processor_rows,
     "cache": cache_rows,
     "generate": generate_rows,
+    "sharding": sharding_rows,
+    "memory": memory_rows,
 }
 
 

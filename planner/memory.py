@@ -20,7 +20,9 @@ scaled by factors calibrated on CPU against measured peaks (benchmarks/memory.py
 transformer forwards within 4.2% (mean 2.2%) in float32 and bfloat16, VAE decodes within
 12.5% (mean 9.5%), weights within 8 MiB. Weights and the DiTango cache are exact counts.
 Not modelled: the text encoders' own activations (under 1% of their weights at 512 tokens),
-allocator fragmentation and the CUDA context (`HEADROOM_*` keeps room for them).
+allocator fragmentation and the CUDA context (`HEADROOM_*` keeps room for them). Estimated,
+not measured: NCCL's buffers (`NCCL_COMM_BYTES` per communicator). `ditango rehearse` traces
+the rest at real shapes (README: its table).
 
 Legend: S tokens (a rank's largest chunk), C transformer width, F FFN width, T text tokens,
 e bytes per element of the transformer dtype; B batch (1), H heads, D head dim.
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from planner.decode_memory import decode_bytes
 from planner.errors import ConfigError
-from planner.layout import ParallelLayout, chunk_sizes
+from planner.layout import ParallelLayout, chunk_sizes, rank_groups
 from planner.models import ModelShape
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -44,6 +46,11 @@ ACTIVATION_FACTOR = {2: 1.0, 4: 1.1}
 # Room the allocator's peak does not show: CUDA context, cuBLAS/NCCL workspaces, fragmentation.
 HEADROOM_BYTES = GIB
 HEADROOM_FRACTION = 0.05
+# Each NCCL communicator a rank holds keeps device buffers for its channels and peers (NCCL's
+# NCCL_BUFFSIZE staging, 4 MiB by default, per channel and direction, for each protocol; NVLink
+# SHARP adds its own on NVSwitch systems): an estimate per communicator, not traced (a
+# rehearsal's process groups have no buffers). runtime/mesh.py makes one per distinct rank set.
+NCCL_COMM_BYTES = 512 * 2**20
 MAX_SUGGESTED_GPUS = 64
 GPUS_PER_NODE_MAX = 8  # more ranks fill a node to this before adding nodes
 PHASES = ("text_encode", "denoise", "decode")
@@ -126,6 +133,16 @@ class MemoryOptions:
             raise ConfigError(f"memory model: cfg_branches_per_rank must be 1 or 2, got {self.cfg_branches_per_rank}")
         if self.tile_px < 8:
             raise ConfigError(f"--vae-tile must be >= 8 pixels, got {self.tile_px}")
+
+
+def communicators(layout: ParallelLayout) -> int:
+    """The NCCL communicators rank 0 holds: one per distinct set of two or more ranks among its
+    groups (cp, Ulysses, ring, DiTango's near group, CFG partners) and the world, as build_mesh
+    makes them (every rank holds as many)."""
+    if layout.world_size == 1:
+        return 0
+    sets = {g for groups in rank_groups(layout).values() for g in groups if 0 in g and len(g) > 1}
+    return len(sets | {tuple(range(layout.world_size))})
 
 
 def cfg_branches(guidance: float, cfg_degree: int) -> int:
@@ -212,6 +229,19 @@ def tp_split_params(shape: ModelShape) -> int:
     return experts * shape.layers * (shape.block_params - 11 * shape.hidden)
 
 
+def forward_inputs_bytes(shape: ModelShape, tokens: int, e: int) -> int:
+    """The forward's full-length tensors beside a block's own: the patch-embedded input
+    [S_full, C] lives through the first block; per-token time projections [S_full, 7C] (a
+    narrow view keeps them whole); latents, noise predictions and their float32 copies;
+    cross-attention keys and values."""
+    C = shape.hidden
+    full = tokens * C * e + (tokens * 7 * C * e if shape.per_token_time else 0)
+    full += 4 * tokens * shape.out_channels * F32
+    if not shape.joint_text:
+        full += 2 * (shape.text_len + shape.image_tokens) * C * e
+    return full
+
+
 def block_bytes(shape: ModelShape, layout: ParallelLayout, tokens: int, options: MemoryOptions) -> tuple[int, int, int]:
     """(activations, attention_states, denoise transient) of the largest block's forward on the
     rank with the largest chunk; batch 1 per branch (CFG branches on one rank run in turn)."""
@@ -242,13 +272,7 @@ def block_bytes(shape: ModelShape, layout: ParallelLayout, tokens: int, options:
     if layout.ring > 1 or (layout.strategy == "ditango" and layout.cp_degree > 1):
         # running and partial out fp32 and the merge's result, their lse; two KV blocks [2, S, H, D]
         states = s * (3 * C * F32 + 3 * shape.heads * F32 + 4 * C * e)
-    # The forward's full-length tensors: the patch-embedded input [S_full, C] lives through the
-    # first block; per-token time projections [S_full, 7C] (a narrow view keeps them whole);
-    # latents, noise predictions and their float32 copies; cross-attention keys and values.
-    full = tokens * C * e + (tokens * 7 * C * e if shape.per_token_time else 0)
-    full += 4 * tokens * shape.out_channels * F32
-    if not shape.joint_text:
-        full += 2 * (shape.text_len + shape.image_tokens) * C * e
+    full = forward_inputs_bytes(shape, tokens, e)
     largest, factor = max(attention, *others), ACTIVATION_FACTOR[e]
     activations = round(factor * s * largest) + full
     transient = max(round(factor * s * attention) + states, round(factor * s * max(others)))
@@ -279,19 +303,20 @@ def estimate_memory(
         "weights": w["weights"], "weights_gathered": w["weights_root"] + w["weights_blocks"],
         "text_encoder": w["text_encoder"], "text_encoder_gathered": w["text_encoder_root"] + w["text_encoder_blocks"],
         "image_encoder": image, "activations": activations, "attention_states": states, "ditango_cache": cache,
-        "vae_weights": vae_weights, "vae_decode": decode,
+        "vae_weights": vae_weights, "vae_decode": decode, "nccl": communicators(layout) * NCCL_COMM_BYTES,
     }  # fmt: skip
     # What stays between phases; the roots stay gathered once they have run (later items).
     text = w["text_encoder"] - (w["offload_text"] if o.offload_text_encoder else 0)
     transformer = w["weights"] - (w["offload_transformer"] if o.offload_transformer else 0)
-    base = {"image_encoder": image, "vae_weights": vae_weights, "text_encoder_root": w["text_encoder_root"]}
+    base = {"image_encoder": image, "vae_weights": vae_weights, "text_encoder_root": w["text_encoder_root"],
+            "nccl": stages["nccl"]}  # fmt: skip
     n = shard_degree(layout, o)
     resident = {
         # what the loader puts on the GPU before anything runs: every module's shard (FSDP2
         # shards the roots too until their first forward gathers them)
         "load": {"weights": w["weights"] + -(-w["weights_root"] // n), "text_encoder": w["text_encoder"]
                  + -(-w["text_encoder_root"] // n), "image_encoder": image, "vae_weights": vae_weights,
-                 "sharding": w.get("shard_transient", 0)},
+                 "sharding": w.get("shard_transient", 0), "nccl": stages["nccl"]},
         "text_encode": {"weights": w["weights"] + w["weights_root"], "text_encoder": w["text_encoder"],
                         "text_encoder_blocks": w["text_encoder_blocks"], **base,
                         "gather_buffer": w.get("gather_buffer_text", 0)},

@@ -277,7 +277,7 @@ def predict_traffic(
     if layout.cfg_degree == 2:
         cfg_traffic(t, topo, math.prod(shape.latent_shape(height, width, frames)) * shape.latent_channels,
                     element_bytes, steps)  # fmt: skip
-    if layout.strategy == "ditango" and plan_kinds is not None and layout.groups > 1:
+    if layout.strategy == "ditango" and plan_kinds is not None:  # the plan check runs with one group too
         units = len(plan_bits[0][0]) if plan_bits else len(ditango_units(layout, own_group))
         control_traffic(t, topo, shape.layers, units, plan_kinds, planner)
     return t.totals() if rank is None else t.rank_totals(rank)

@@ -329,14 +329,43 @@ def _move_fake_states(params, buffers, device) -> None:
 
 
 def _fake_module_to(module: torch.nn.Module, device):
-    """`module.to(device)` after FSDP2: what it left on the CPU (the parameters it ignores, the
-    buffers) moved as `_move_fake_states` moves them (nn.Module.to would swap fake tensors that
-    the fake mode still references)."""
+    """`module.to(device)` (and `move_unsplit`) after FSDP2 or a tensor-parallel split: what is
+    left elsewhere (the parameters FSDP ignores, what tp keeps whole, the buffers) replaced by
+    copies on `device`; DTensors stay (nn.Module.to would swap fake tensors that the fake mode
+    still references)."""
     from torch.distributed.tensor import DTensor
 
-    plain = [p for p in module.parameters() if not isinstance(p, DTensor)]
-    _move_fake_states(plain, list(module.buffers()), torch.device(device))
+    device = torch.device(device)
+    moved: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in table.items():
+                if t is None or isinstance(t, DTensor) or t.device == device:
+                    continue
+                if id(t) not in moved:
+                    copy = t.detach().to(device)
+                    moved[id(t)] = torch.nn.Parameter(copy, requires_grad=False) if table is sub._parameters else copy
+                table[name] = moved[id(t)]
     return module
+
+
+def _to_current(current: torch.device):
+    """FakeTensor.to("cuda"): the current GPU, as after the launcher's torch.cuda.set_device
+    (the stand-in device guard would answer "meta"; DTensor moves a split weight with it)."""
+    to = torch.Tensor.to
+
+    def call(self, *args, **kwargs):
+        def fix(d):
+            if isinstance(d, (str, torch.device)) and torch.device(d).type == "cuda" and torch.device(d).index is None:
+                return current
+            return d
+
+        args = tuple(fix(a) if i == 0 else a for i, a in enumerate(args))
+        if "device" in kwargs:
+            kwargs["device"] = fix(kwargs["device"])
+        return to(self, *args, **kwargs)
+
+    return call
 
 
 def _nested(shape, fill):
@@ -378,7 +407,7 @@ def fake_cuda(gpus_per_node: int, local: int, gpu_bytes: int, allocated):
     props = SimpleNamespace(total_memory=gpu_bytes, name="rehearsal GPU", major=9, minor=0,
                             multi_processor_count=132)  # fmt: skip
     patches = {
-        "device_count": lambda: gpus_per_node, "current_device": lambda: local,
+        "device_count": lambda: gpus_per_node, "current_device": lambda: local, "is_initialized": lambda: True,
         "set_device": lambda device: None, "synchronize": lambda device=None: None, "empty_cache": lambda: None,
         "get_device_properties": lambda device=None: props, "get_device_capability": lambda device=None: (9, 0),
         "is_bf16_supported": lambda *a, **k: True, "mem_get_info": lambda device=None: (gpu_bytes - allocated(), gpu_bytes),
@@ -391,6 +420,7 @@ def fake_cuda(gpus_per_node: int, local: int, gpu_bytes: int, allocated):
         stack.enter_context(mock.patch.multiple(torch.cuda, **patches))
         stack.enter_context(cuda_device_guard())
         stack.enter_context(mock.patch.object(FakeTensor, "tolist", _tolist))
+        stack.enter_context(mock.patch.object(FakeTensor, "to", _to_current(torch.device("cuda", local))))
         yield
 
 
@@ -489,7 +519,7 @@ def rehearsed_ranks(cfg: RunConfig, all_ranks: bool) -> list[int]:
     return sorted(ranks)
 
 
-def _inference_tracker():
+def inference_tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class InferenceMemTracker(MemTracker):
@@ -514,7 +544,8 @@ def modelled_phases(cfg: RunConfig, shape, rank: int, dtype_bytes: int) -> dict[
     options = replace(options, offload_text_encoder="text_encoder" in cfg.offload,
                       offload_transformer="transformer" in cfg.offload)  # fmt: skip
     est = estimate_memory(shape, cfg.layout, h, w, f, options)
-    phases = {"load": est.phases["load"], **{p: est.phases[m] for p, m in MODEL_PHASE.items()}}
+    nccl = est.stages["nccl"]  # NCCL's buffers: estimated, a fake process group has none to trace
+    phases = {"load": est.phases["load"] - nccl, **{p: est.phases[m] - nccl for p, m in MODEL_PHASE.items()}}
     decode = est.resident["decode"].get("vae_decode", 0)
     if options.vae_parallel and shape.vae is not None:  # this rank's tiles (the writer: all of them, blended)
         latent = shape.latent_shape(h, w, f)
@@ -564,15 +595,16 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
 
     import runtime.models.hunyuan as hunyuan
     import runtime.pipeline as pipeline
+    import runtime.run as run_module
     import runtime.vae as vae_module
     from runtime.comm import Comm
     from runtime.kernels import resolve_backend
     from runtime.mesh import build_mesh
     from runtime.models.loading import placement_on
     from runtime.models.meta import materialize, meta_components
-    from runtime.run import RankContext, assemble_denoiser, before_decode
+    from runtime.run import RankContext, assemble_denoiser, before_decode, host_loaded
     from runtime.vae import decode_video
-    from runtime.weights import SHARDED, shard_weights
+    from runtime.weights import shard_weights
 
     layout, item = cfg.layout, cfg.items[0]
     node_of = virtual_node_map(layout)
@@ -582,7 +614,7 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
     expected = {"transformer": dtype, "transformer_2": dtype, "text_encoder": dtype, "text_encoder_2": dtype,
                 "vae": torch.float32, "image_encoder": torch.float32}  # fmt: skip
     watch = Watch(rank, device, node_of, expected)
-    tracker = _inference_tracker()
+    tracker = inference_tracker()
     traced: dict[str, int] = {}
 
     def allocated() -> int:
@@ -627,16 +659,18 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
                     mesh = build_mesh(layout, rank, node_of, cfg.timeout_s, device, control_backend="fake")
                     ctx = RankContext(mesh, Comm(mesh))
                     components = meta_components(spec, path, dtype, cfg.max_text_len)
-                    shard = cfg.shard_weights and ctx.distributed
+                    on_cpu = host_loaded(cfg, ctx)
                     for name, module in components.items():
                         if isinstance(module, torch.nn.Module):
-                            materialize(module, torch.device("cpu") if shard and name in SHARDED else device)
-                    if shard:  # its closing module.to(device) as for fake tensors (see _move_fake_states)
-                        with mock.patch.object(torch.nn.Module, "to", _fake_module_to):
-                            shard_weights(components, mesh, device)
+                            materialize(module, torch.device("cpu") if name in on_cpu else device)
                     backend = "diffusers" if layout.strategy == "none" else resolve_backend(
                         cfg.attention_backend, device, dtype)  # fmt: skip
-                    denoiser = assemble_denoiser(cfg, ctx, spec, components, placement, backend)
+                    # modules moved to the GPU as for fake tensors (see _move_fake_states)
+                    with mock.patch.object(torch.nn.Module, "to", _fake_module_to), \
+                            mock.patch.object(run_module, "move_unsplit", _fake_module_to):  # fmt: skip
+                        if cfg.shard_weights and ctx.distributed:
+                            shard_weights(components, mesh, device)
+                        denoiser = assemble_denoiser(cfg, ctx, spec, components, placement, backend)
                     _on_component(watch, components)
                     listener = denoiser.listener
                     selective = None if listener is None else listener.ctx.selective

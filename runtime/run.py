@@ -35,7 +35,7 @@ from runtime.report import SCHEMA, ItemTiming, item_record, peak_memory, run_rep
 from runtime.step_cache import StepCache
 from runtime.strategies import parallelize
 from runtime.video import write_json, write_latents, write_mp4
-from runtime.weights import SHARDED, local_param_bytes, place, shard_weights
+from runtime.weights import SHARDED, local_param_bytes, move_unsplit, place, shard_weights
 
 
 class Observer(Protocol):
@@ -253,15 +253,33 @@ def generate_item(
     return record
 
 
+TP_SPLIT = ("transformer", "transformer_2")
+
+
+def host_loaded(cfg: RunConfig, ctx: RankContext) -> tuple[str, ...]:
+    """Components loaded onto the CPU first, so that no GPU ever holds them whole: those
+    --shard-weights shards (runtime/weights.py moves the shards), and the transformers tensor
+    parallelism splits (each rank's slices go to its GPU as they are cut; the rest follows)."""
+    if not ctx.distributed:
+        return ()
+    if cfg.shard_weights:
+        return SHARDED
+    return TP_SPLIT if cfg.layout.strategy == "tp" else ()
+
+
 def assemble_denoiser(cfg: RunConfig, ctx: RankContext, spec, components: dict, placement, backend: str) -> WanDenoiser:
     """The rank's denoiser over loaded `components`: the family's loop, the strategy installed
-    on its transformers, the step cache and the CFG runner the run asks for."""
+    on its transformers, the step cache and the CFG runner the run asks for. Transformers
+    split by tensor parallelism from a host copy move to the device once split."""
     if spec.family == "hunyuanvideo":
         denoiser = HunyuanDenoiser(components, placement, cfg.max_text_len)
     else:
         denoiser = WanDenoiser(components, placement, cfg.max_text_len, spec.variant)
     if cfg.layout.strategy != "none":
         denoiser.listener = parallelize(denoiser.transformers, ctx.mesh, ctx.comm, backend, cfg.ditango)
+    if "transformer" in host_loaded(cfg, ctx) and not cfg.shard_weights:
+        for transformer in denoiser.transformers:  # what tp keeps whole: norms, embeddings, head
+            move_unsplit(transformer, placement.device)
     if cfg.step_cache is not None:
         mesh = ctx.mesh  # the ranks that compute the same branch agree every decision to skip
         denoiser.step_cache = StepCache(cfg.step_cache, ctx.comm, mesh.cp_group, tuple(mesh.cp_ranks))
@@ -364,11 +382,11 @@ def execute(
             total = torch.cuda.get_device_properties(placement.device).total_memory
             cfg = plan_memory(cfg, resolved.spec.shape, total, placement.dtype.itemsize, cfg.model)
         shard = cfg.shard_weights and ctx.distributed
-        components = load_components(resolved, placement, on_cpu=SHARDED if shard else ())
+        components = load_components(resolved, placement, on_cpu=host_loaded(cfg, ctx))
         if shard:
             weights["shard_degree"] = shard_weights(components, ctx.mesh, placement.device)
-        weights["param_bytes_per_rank"] = sum(local_param_bytes(components[n]) for n in SHARDED if n in components)
         denoiser = assemble_denoiser(cfg, ctx, resolved.spec, components, placement, backend)
+        weights["param_bytes_per_rank"] = sum(local_param_bytes(components[n]) for n in SHARDED if n in components)
         first_reference = None
         if denoiser.step_cache is not None and denoiser.step_cache.needs_calibration:
             step_cache_run, first_reference = step_cache_ratios(

@@ -22,16 +22,18 @@ from runtime.mesh import Mesh
 SHARDED = ("transformer", "transformer_2", "text_encoder")
 
 
-def shard_weights(components: dict, mesh: Mesh, device: torch.device) -> int:
+def shard_weights(components: dict, mesh: Mesh, device: torch.device, min_degree: int = 2) -> int:
     """Shard `components`' transformers and text encoder over `mesh`'s cp group in place;
-    return the shard degree (1: a single rank, nothing sharded). Modules end on `device`."""
+    return the shard degree (1: a single rank, nothing sharded). Modules end on `device`.
+    `min_degree` 1: FSDP over a one-rank group too (the GPU check runs FSDP on one GPU)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     degree = mesh.layout.cp_degree
-    if degree == 1 or mesh.cp_group is None:
+    if degree < min_degree or (mesh.cp_group is None and degree > 1):
         return 1
-    dmesh = DeviceMesh.from_group(mesh.cp_group, device.type)
+    dmesh = DeviceMesh.from_group(mesh.cp_group or dist.group.WORLD, device.type)
     for name in SHARDED:
         module = components.get(name)
         if module is None:
@@ -54,6 +56,17 @@ def block_stacks(module: nn.Module) -> list[nn.Module]:
         if isinstance(child, nn.ModuleList) and len(child) > 1 and not inside:
             stacks.append((name, child))
     return [block for _, stack in stacks for block in stack if any(True for _ in block.parameters())]
+
+
+def move_unsplit(module: nn.Module, device: torch.device) -> None:
+    """Move what a split left whole (plain parameters and buffers) to `device`; the DTensor
+    parameters tensor parallelism made are there already."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for tensor in (*module.parameters(), *module.buffers()):
+            if not isinstance(tensor, DTensor) and tensor.device != device:
+                tensor.data = tensor.data.to(device)
 
 
 def place(modules: list[nn.Module], device: torch.device) -> None:

@@ -102,3 +102,69 @@ def test_cache_section_fails_buffers_kept_after_the_item(monkeypatch):
     rows = gpu_check.cache_rows(device="cpu", shape=SMALL_CACHE, name="small")
     (left,) = [r for r in rows if "after the item" in r.check]
     assert not left.ok and left.value > 0, left
+
+
+def test_rope_tables_are_not_rounded_through_bf16():
+    """The check cast the whole model to bf16 and the float32 modules back: the rotary tables
+    (buffers) came back rounded. As from_pretrained leaves them, they keep their values."""
+    from diffusers import WanTransformer3DModel
+
+    fresh = WanTransformer3DModel(**TINY)
+    cast = gpu_check._cast_like_from_pretrained(WanTransformer3DModel(**TINY), torch.bfloat16)
+    for name, table in fresh.rope.named_buffers():
+        assert torch.equal(getattr(cast.rope, name), table), name
+    assert cast.blocks[0].ffn.net[2].weight.dtype == torch.bfloat16
+    assert cast.blocks[0].norm2.weight.dtype == torch.float32  # a module diffusers keeps in float32
+
+
+def test_generate_runs_locally_and_a_hung_run_fails_its_row(monkeypatch):
+    """The generate section runs `--executor local` (on a Slurm node `auto` submitted a job) and
+    bounds each run: a run that does not end is a failed row, not a hung check."""
+    import subprocess
+
+    calls = []
+
+    def hung(args, **kwargs):
+        calls.append((args, kwargs))
+        raise subprocess.TimeoutExpired(args, kwargs.get("timeout"))
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", hung)
+    rows = gpu_check.generate_rows()
+    assert rows and not any(r.ok for r in rows)
+    assert all(kw.get("timeout") == gpu_check.GENERATE_TIMEOUT_S for _, kw in calls)
+    assert all(args[args.index("--executor") + 1] == "local" for args, _ in calls)
+
+
+SMALL_WAN = dict(TINY, num_layers=2)
+
+
+def test_sharding_section_on_cpu():
+    """FSDP2 and DTensor TP on a one-rank gloo mesh (the runtime skips both on one rank)."""
+    from benchmarks.gpu.model_checks import sharding_rows
+
+    rows = sharding_rows(device="cpu", backend="gloo", config=SMALL_WAN, latent_shape=(2, 8, 8), text_len=7)
+    assert len(rows) == 3 and all(r.ok for r in rows), rows
+
+
+def test_sharding_section_fails_when_nothing_is_split(monkeypatch):
+    from benchmarks.gpu.model_checks import sharding_rows
+    from runtime.models import wan
+
+    monkeypatch.setattr(wan, "install_tp", lambda transformer, tp: ([], []))
+    rows = sharding_rows(device="cpu", backend="gloo", config=SMALL_WAN, latent_shape=(2, 8, 8), text_len=7)
+    assert any(not r.ok and "DTensor TP" in r.check for r in rows), rows
+
+
+def test_memory_section_on_cpu(monkeypatch):
+    """The memory model against a traced peak at small sizes; a model off by 2x fails."""
+    from benchmarks.gpu import model_checks
+
+    small = dict(device="cpu", heads=4, head_dim=64, ffn=1024, tokens=2048, text_len=64, video=(64, 96, 9))
+    rows = model_checks.memory_rows(**small)
+    assert len(rows) == 3 and all(r.ok for r in rows), rows
+    import planner.decode_memory
+
+    real = planner.decode_memory.decode_bytes
+    monkeypatch.setattr(planner.decode_memory, "decode_bytes", lambda *a, **k: 2 * real(*a, **k))
+    rows = model_checks.memory_rows(**small)
+    assert [r.ok for r in rows] == [True, False, False], rows

@@ -150,6 +150,7 @@ def test_one_gpu_14b_720p_needs_more_than_40_gib_and_its_phases_add_up():
     assert est.peak_bytes > 40 * GIB and est.peak_stage == "decode"
     assert est.phases["denoise"] > est.phases["text_encode"] > est.stages["weights"]
     assert est.phases["decode"] == sum(est.stages[k] for k in ("weights", "text_encoder", "vae_weights", "vae_decode"))
+    assert est.stages["nccl"] == 0  # one rank: no communicator
     tiled = estimate_memory(WAN14, ONE, *P720, MemoryOptions(vae_tiling=True))
     assert tiled.peak_stage == "denoise" and tiled.peak_bytes == est.phases["denoise"] > 40 * GIB
     assert est.stages["attention_states"] == 0 and est.stages["ditango_cache"] == 0  # one rank: no ring, no cache
@@ -289,3 +290,18 @@ def test_plan_memory_turns_the_fitted_offloads_into_the_runs():
     assert plan_memory(cfg, WAN14, 141 * GIB, 2, "wan2.1-14b").offload == ()
     short = plan_memory(cfg, WAN14, 48 * GIB, 2, "wan2.1-14b")  # the untiled decode beside 26.6 GiB of weights
     assert "transformer" in short.offload and short.gpu_memory == 48 * GIB
+
+
+def test_each_distinct_communicator_is_budgeted():
+    from planner.memory import NCCL_COMM_BYTES, communicators
+
+    # ring without CFG: cp, ring and world are one set; near/ulysses/cfg groups have one member
+    assert communicators(ParallelLayout(4, 8, strategy="ring")) == 1
+    # usp 4x8 (ulysses 8): the node's Ulysses group, the ring across nodes, the world
+    assert communicators(ParallelLayout(4, 8, strategy="usp").with_default_ulysses(40)) == 3
+    # ditango, group = node: the near group (the node) and the world
+    assert communicators(ParallelLayout(4, 8, strategy="ditango", group_size=8)) == 2
+    # cfg-parallel: each branch's cp group, the CFG pair and the world
+    assert communicators(ParallelLayout(1, 8, cfg_degree=2, strategy="ring")) == 3
+    usp = estimate_memory(WAN14, ParallelLayout(4, 8, strategy="usp").with_default_ulysses(40), *P720)
+    assert usp.stages["nccl"] == 3 * NCCL_COMM_BYTES and all(usp.resident[p]["nccl"] for p in usp.resident)

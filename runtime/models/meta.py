@@ -59,7 +59,7 @@ class ShapeTokenizer:
         return [""] * len(ids)
 
 
-def _keep_float32(module, dtype: torch.dtype) -> None:
+def cast_like_loader(module, dtype: torch.dtype) -> None:
     """`module` in `dtype` as from_pretrained leaves it: diffusers keeps the parameters of its
     `_keep_in_fp32_modules` in float32 (any dtype), transformers only under float16; buffers
     (rotary tables) stay as the class made them."""
@@ -163,7 +163,7 @@ def meta_components(spec: ModelSpec, path: Path | None, dtype: torch.dtype, max_
             else:
                 module = _transformers_model(class_name, config)
         want = torch.float32 if name in ("vae", "image_encoder") else dtype
-        _keep_float32(module, want)
+        cast_like_loader(module, want)
         components[name] = module.eval().requires_grad_(False)
     tokenizers = ("tokenizer", "tokenizer_2") if "text_encoder_2" in components else ("tokenizer",)
     for name in tokenizers:

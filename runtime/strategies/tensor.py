@@ -45,16 +45,20 @@ class TensorParallel:
     On a group of one rank nothing is split.
     """
 
-    def __init__(self, mesh: Mesh, comm: Comm, backend: Backend) -> None:
+    def __init__(self, mesh: Mesh, comm: Comm, backend: Backend, split_one: bool = False) -> None:
+        """`split_one`: split on a group of one rank too (DTensors over a one-rank mesh: the
+        GPU check exercises the DTensor path on one GPU; the runtime never asks for it)."""
         self.mesh, self.comm, self.backend = mesh, comm, backend
         self.ranks = mesh.cp_ranks
         self.degree = len(self.ranks)
         self.index = mesh.cp_index
+        self.split = self.degree > 1 or split_one
         self.device_mesh = None
-        if self.degree > 1:
+        if self.split:
+            import torch.distributed as dist
             from torch.distributed.device_mesh import DeviceMesh
 
-            self.device_mesh = DeviceMesh.from_group(mesh.cp_group, mesh.device.type)
+            self.device_mesh = DeviceMesh.from_group(mesh.cp_group or dist.group.WORLD, mesh.device.type)
 
     def __repr__(self) -> str:
         return f"TensorParallel(degree={self.degree}, index={self.index}, ranks={self.ranks})"
@@ -82,7 +86,7 @@ class TensorParallel:
     def norm(self, parent: nn.Module, name: str) -> Undo:
         """`parent.<name>` (an RMSNorm over C) becomes one over this rank's c channels, exact."""
         whole = getattr(parent, name)
-        if self.degree == 1:
+        if not self.split:
             return _nothing
         setattr(parent, name, HeadShardedRMSNorm(whole, self))
         return lambda: setattr(parent, name, whole)
@@ -98,7 +102,7 @@ class TensorParallel:
 
         whole = getattr(parent, name)
         assert type(whole) is nn.Linear, f"tp splits plain Linear layers, got {type(whole).__name__} at {name}"
-        if self.degree == 1:
+        if not self.split:
             return _nothing
         # A fresh module takes the parameters, so the plan's hooks leave with it on undo.
         split = _linear_from(whole.weight, whole.bias)
