@@ -211,6 +211,17 @@ def fsdp_traffic(t: Traffic, topo: Topology, shape: ModelShape, e: int, forwards
                     t.add("weights", topo.link(a, b), shard, a)
 
 
+def step_cache_traffic(t: Traffic, topo: Topology, agreements: int) -> None:
+    """A step cache's decisions agreed over each cp group (runtime/step_cache.py, the control
+    convention): `agreements` all-reduces of two float32 sums (first-block: every forward
+    but those of the first step, which has no previous residual)."""
+    for ranks in topo.groups["cp"]:
+        for a in ranks:
+            for b in ranks:
+                if a != b:
+                    t.add("control", topo.link(a, b), agreements * 8, a)
+
+
 def cfg_traffic(t: Traffic, topo: Topology, latent_numel: int, e: int, steps: int) -> None:
     """CFG-parallel: each rank receives its partner's full prediction once per step."""
     for pair in topo.groups["cfg"]:
@@ -256,10 +267,13 @@ def predict_traffic(
     rank: int | None = None,
     shard_weights: bool = False,
     roots: int | None = None,
+    step_cache: str | None = None,
+    first_step: bool = True,
 ) -> dict:
     """Bytes of one item, summed over ranks, in the report's `comm` format (`rank`: only what
     that rank received, {"intra_node_bytes", "inter_node_bytes"}; `shard_weights`: with FSDP's
-    weight gathers, `roots` of them the transformers' root units). With DiTango's
+    weight gathers, `roots` of them the transformers' root units; `step_cache`: its agreements,
+    none on the first step when `first_step`). With DiTango's
     `plan_kinds` (each step's kind, from its plan file) the control plane is counted too."""
     topo = Topology(layout, node_of)
     tokens = shape.tokens(height, width, frames)
@@ -274,6 +288,8 @@ def predict_traffic(
     if shard_weights:  # `roots` None: each transformer's root once (the item is a run's first)
         experts = max(1, round(shape.params / max(1, shape.root_params + shape.fsdp_gathered_params)))
         fsdp_traffic(t, topo, shape, element_bytes, forwards, experts if roots is None else roots)
+    if step_cache == "first-block":  # its agreement, on every step but the run's first
+        step_cache_traffic(t, topo, forwards - (forwards // steps if first_step else 0))
     if layout.cfg_degree == 2:
         cfg_traffic(t, topo, math.prod(shape.latent_shape(height, width, frames)) * shape.latent_channels,
                     element_bytes, steps)  # fmt: skip

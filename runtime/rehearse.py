@@ -556,7 +556,7 @@ def modelled_phases(cfg: RunConfig, shape, rank: int, dtype_bytes: int) -> dict[
 
 
 def modelled_step_bytes(cfg: RunConfig, shape, rank: int, plan: StepPlan | None, dtype_bytes: int,
-                        roots: int = 0) -> dict:  # fmt: skip
+                        roots: int = 0, step: int = 0) -> dict:  # fmt: skip
     """planner/traffic.py's bytes received by `rank` in one step of `plan` (None: exact); `roots`:
     transformers whose first forward it is (FSDP gathers their root units then)."""
     from planner.traffic import predict_traffic
@@ -571,6 +571,7 @@ def modelled_step_bytes(cfg: RunConfig, shape, rank: int, plan: StepPlan | None,
                  "own_group": planner.own_group, "planner": planner.planner}  # fmt: skip
     return predict_traffic(cfg.layout, shape, item.height, item.width, item.frames, 1, guidance=guidance,
                            element_bytes=dtype_bytes, rank=rank, shard_weights=cfg.shard_weights, roots=roots,
+                           step_cache=None if cfg.step_cache is None else cfg.step_cache.name, first_step=step == 0,
                            **extra)  # fmt: skip
 
 
@@ -750,7 +751,7 @@ def rank_report(cfg, spec, rank, traced, watch: Watch, plans, steps_run, dtype_b
         got = watch.steps.get(step, StepBytes())
         plan = plans.get(step) if plans else None
         first = step == next(s for s in steps_run if experts[s] == experts[step])  # the expert's first forward
-        model = modelled_step_bytes(cfg, spec.shape, rank, plan, dtype_bytes, roots=int(first))
+        model = modelled_step_bytes(cfg, spec.shape, rank, plan, dtype_bytes, roots=int(first), step=step)
         steps.append({"step": step, "kind": plan.kind if plan else "exact",
                       "intra_node_bytes": got.intra_node_bytes, "inter_node_bytes": got.inter_node_bytes,
                       "modelled_intra_node_bytes": model["intra_node_bytes"],
