@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, replace
 from typing import Annotated
 
@@ -65,7 +66,7 @@ def rehearse(m, i, o, p, d, g, mem, s, r, run: RehearseArgs, options: dict) -> i
 
 
 def show(report: dict) -> None:
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)  # piped: no column cut to 80
     item, layout = report["item"], report["layout"]
     console.print(
         f"{report['model']} {item['width']}x{item['height']}x{item['frames']} ({item['tokens']} tokens), "
@@ -75,18 +76,16 @@ def show(report: dict) -> None:
         + (f"; offloaded: {', '.join(report['offload'])}" if report["offload"] else ""),
         highlight=False,
     )
-    table = Table("rank", "node", "load GiB", "encode GiB", "denoise GiB", "decode GiB", "inter-node MB/step",
-                  "intra-node MB/step", "problems", title="traced (modelled)")  # fmt: skip
+    table = Table("rank", "node", "load", "encode", "denoise", "decode", "inter GB", "intra GB", "problems",
+                  title="per step and phase: traced/modelled (GiB; GB received per step)")  # fmt: skip
     for rank in report["ranks"]:
         cells = []
         for phase in ("load", "encode", "denoise", "decode"):
             got = rank["phases"].get(phase)
-            cells.append("-" if got is None else f"{got['traced_bytes'] / GIB:.2f} ({got['modelled_bytes'] / GIB:.2f})")
+            cells.append("-" if got is None else f"{got['traced_bytes'] / GIB:.1f}/{got['modelled_bytes'] / GIB:.1f}")
         b, mb = rank["bytes_per_step"], rank["modelled_bytes_per_step"]
-        table.add_row(str(rank["rank"]), str(rank["node"]), *cells,
-                      f"{b['inter_node_bytes'] / 1e6:.1f} ({mb['inter_node_bytes'] / 1e6:.1f})",
-                      f"{b['intra_node_bytes'] / 1e6:.1f} ({mb['intra_node_bytes'] / 1e6:.1f})",
-                      str(len(rank["problems"])))  # fmt: skip
+        links = [f"{b[k] / 1e9:.2f}/{mb[k] / 1e9:.2f}" for k in ("inter_node_bytes", "intra_node_bytes")]
+        table.add_row(str(rank["rank"]), str(rank["node"]), *cells, *links, str(len(rank["problems"])))
     console.print(table)
     for line in report["problems"]:
         console.print(f"problem: {line}", highlight=False, markup=False)

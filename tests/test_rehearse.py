@@ -128,3 +128,20 @@ def test_a_tensor_made_without_device_is_a_problem(monkeypatch):
     named = [p for p in report["problems"] if "runtime/strategies/ring.py" in p and "cpu" in p]
     assert named, report["problems"]  # the op mixing devices, in the strategy that called it
     assert all(p.startswith("rank ") for p in report["problems"])
+
+
+def test_the_table_names_every_problem(capsys):
+    """Without --json: one row per rank (traced/modelled) and every problem on its own line."""
+    from ditango_cli.rehearse import show
+
+    phase = {"traced_bytes": 3 * 2**30, "modelled_bytes": 2 * 2**30, "ratio": 1.5}
+    rank = {"rank": 7, "node": 1, "phases": {"denoise": phase}, "peak": phase, "problems": ["x"],
+            "bytes_per_step": {"inter_node_bytes": 10**9, "intra_node_bytes": 0},
+            "modelled_bytes_per_step": {"inter_node_bytes": 10**9, "intra_node_bytes": 0}}  # fmt: skip
+    report = {"model": "m", "item": {"width": 8, "height": 8, "frames": 1, "tokens": 4}, "gpu_memory_bytes": 80 * 2**30,
+              "layout": {"nodes": 2, "gpus_per_node": 4, "strategy": "ring"}, "steps_rehearsed": [], "offload": [],
+              "ranks": [rank], "problems": ["rank 7: traced peak 3.00 GiB, the memory model says 2.00 GiB (1.5x)"]}  # fmt: skip
+    show(report)
+    out = capsys.readouterr().out
+    assert "3.0/2.0" in out and "1.00/1.00" in out and "problem: rank 7: traced peak 3.00 GiB" in out
+    assert "no problem found" not in out
