@@ -44,11 +44,12 @@ def case(model: str, layout: str, strategy: str) -> dict:
                                  *extra, "--json"])  # fmt: skip
     if not report or "ranks" not in report:
         return {"model": model, "layout": layout, "strategy": strategy, "error": (report or {}).get("error")}
+    steps = report["item"]["steps"]
     _, sim, _ = run(["ditango", "simulate", "--model", model, "--nodes", nodes, "--gpus-per-node", gpus, "--parallel",
-                     strategy, "--hardware", "h100", "--gpu-memory", "80GiB", "--json", *size[:6]])  # fmt: skip
+                     strategy, "--hardware", "h100", "--gpu-memory", "80GiB", "--steps", str(steps), "--json",
+                     *size[:6]])  # fmt: skip
     row = next((r for r in (sim or {}).get("rows", []) if r["nodes"] == int(nodes)), None)
     writer = report["ranks"][0]
-    steps = report["item"]["steps"]
     return {
         "model": model, "layout": layout, "strategy": strategy, "exit": code, "seconds": round(seconds),
         "problems": report["problems"],
