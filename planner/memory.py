@@ -2,7 +2,10 @@
 
 What one rank holds in each phase of an item, as the runtime runs it (every component is
 loaded onto every GPU at the start; with `shard_weights` the transformers and the text
-encoder are sharded on the CPU first, runtime/weights.py):
+encoder are sharded on the CPU first, runtime/weights.py; tensor parallelism splits the
+transformers on the CPU, runtime/run.py):
+  load         every component (or its shard; sharding holds one unit whole at a time), no
+               forward yet (`ditango rehearse` reports it; never above text_encode);
   text_encode  the transformer (or its shard), the text encoder (and the blocks FSDP gathers),
                the CLIP image encoder, VAE weights;
   denoise      the same but the text encoder's gathered blocks; the transformer's gathered
@@ -159,9 +162,10 @@ class MemoryEstimate:
     "text_encoder" and "text_encoder_gathered" the same for the text encoders; "image_encoder";
     "activations" the largest block's tensors and the forward's full-length inputs,
     "attention_states" ring states and KV blocks in flight, "ditango_cache", "vae_weights",
-    "vae_decode" the decoder's working set and outputs). `phases`: the peak of each phase
-    (not always a sum of components: the attention states and the FFN's tensors never
-    coexist). `peak_stage` is the phase that peaks; `peak_component` its largest component.
+    "vae_decode" the decoder's working set and outputs, "nccl" the communicators' buffers).
+    `phases`: the peak of each phase (not always a sum of components: the attention states
+    and the FFN's tensors never coexist), and "load", which never peaks. `peak_stage` is the
+    phase that peaks; `peak_component` its largest component.
     """
 
     stages: dict[str, int]
