@@ -176,10 +176,9 @@ class Watch(TorchDispatchMode):
             for peer, n in zip(ranks, out_splits, strict=True):
                 self._received(peer, n * row)
         elif name in ("allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "all_gather_into_tensor"):
-            inputs = args[1] if name == "allgather_" else args[0]
+            # each peer's input: (outputs, inputs, ...) for the c10d ops, (input, ...) for the functional one
+            inputs = args[0] if name == "all_gather_into_tensor" else args[1]
             size = sum(nbytes(t) for t in inputs) if isinstance(inputs, list) else nbytes(inputs)
-            if name == "_allgather_base_":
-                size = nbytes(args[1])
             for peer in ranks:
                 self._received(peer, size)
         elif name == "recv_":
@@ -506,14 +505,10 @@ def rehearsed_ranks(cfg: RunConfig, all_ranks: bool) -> list[int]:
     layout = cfg.layout
     if all_ranks:
         return list(range(layout.world_size))
-    tokens = max(item.tokens() for item in cfg.items[:1])
-    sizes = chunk_sizes(tokens, layout.cp_degree) if layout.strategy != "tp" else [tokens] * layout.cp_degree
-    ranks = {0, layout.world_size - 1}
-    seen: set[int] = set()
-    for c, size in enumerate(sizes):
-        if size not in seen:
-            seen.add(size)
-            ranks.add(c)
+    tokens = cfg.items[0].tokens()
+    sizes = chunk_sizes(tokens, layout.cp_degree) if layout.strategy != "tp" else [tokens]
+    first_of_size = {size: c for c, size in reversed(list(enumerate(sizes)))}
+    ranks = {0, layout.world_size - 1, *first_of_size.values()}
     if layout.cfg_degree == 2:
         ranks.add(layout.cp_degree)
     return sorted(ranks)
@@ -599,6 +594,7 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
     import runtime.run as run_module
     import runtime.vae as vae_module
     from runtime.comm import Comm
+    from runtime.inputs import item_inputs
     from runtime.kernels import resolve_backend
     from runtime.mesh import build_mesh
     from runtime.models.loading import placement_on
@@ -644,7 +640,7 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
             stack.enter_context(fake_cuda(layout.gpus_per_node, device.index, gpu_bytes, allocated))
             watch.modules = stack.enter_context(ModTracker())
             stack.enter_context(watch)
-            stack.enter_context(mock.patch.object(pipeline, "host_timesteps", lambda s: real_timesteps(s)))
+            stack.enter_context(mock.patch.object(pipeline, "host_timesteps", real_timesteps))
             stack.enter_context(mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", CONSTANT_LIMIT))
             stack.enter_context(mock.patch.object(fsdp_init, "_move_states_to_device", _move_fake_states))
             stack.enter_context(mock.patch.object(hunyuan, "valid_text_tokens", lambda mask_L: mask_L.shape[0]))
@@ -678,16 +674,15 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
                     if selective is not None:
                         _replay(selective, plans)
                 with phase("encode"):
-                    text, latents, condition = pipeline_inputs(denoiser, item, cfg)
+                    text, latents, condition = item_inputs(denoiser, item, cfg)
                 with phase("denoise"):
-                    pending = list(steps_run)
-                    watch.step = pending[0] if listener is None else None
+                    watch.step = steps_run[0] if listener is None else None
                     if listener is not None:
                         begin = listener.begin_step
                         listener.begin_step = lambda i: (setattr(watch, "step", i), begin(i))[1]
 
                     def step_done(done: int, steps: int) -> None:
-                        later = [s for s in pending if s >= done]
+                        later = [s for s in steps_run if s >= done]
                         watch.step = later[0] if listener is None and later else None
 
                     result = denoiser.denoise(latents, text, item.steps, item.cfg_scale, on_step=step_done,
@@ -707,12 +702,6 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
     finally:
         dist.destroy_process_group()
     return rank_report(cfg, spec, rank, traced, watch, plans, steps_run, dtype.itemsize, error is not None, experts)
-
-
-def pipeline_inputs(denoiser, item, cfg):
-    from runtime.inputs import item_inputs
-
-    return item_inputs(denoiser, item, cfg)
 
 
 def _replay(selective, plans: dict[int, StepPlan] | None) -> None:
@@ -793,9 +782,9 @@ def rehearse(cfg: RunConfig, spec, path, gpu_bytes: int, all_ranks: bool = False
     item = cfg.items[0]
     experts = [0] * item.steps
     if spec.variant.experts == 2:
-        from runtime.models.meta import meta_components
+        from runtime.models.meta import meta_scheduler
 
-        scheduler = meta_components(spec, path, torch.float32, cfg.max_text_len)["scheduler"]
+        scheduler = meta_scheduler(spec, path)
         scheduler.set_timesteps(item.steps, device="cpu")
         boundary = spec.variant.boundary_ratio * scheduler.config.num_train_timesteps
         experts = [0 if t >= boundary else 1 for t in scheduler.timesteps.tolist()]

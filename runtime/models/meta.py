@@ -141,20 +141,30 @@ def _dir_configs(path: Path) -> dict:
     return parts
 
 
+def _parts(spec: ModelSpec, path: Path | None) -> dict:
+    """{component: (class name, config)}: `path`'s, else a registry name's built-in configs."""
+    if path is None and spec.builtin:
+        path = registry.BUILTIN_DIR
+    return _dir_configs(path) if path is not None else _named_configs(spec, spec.config_key)
+
+
+def meta_scheduler(spec: ModelSpec, path: Path | None):
+    """The model's scheduler, from its config (nothing else built)."""
+    import diffusers
+
+    class_name, config = _parts(spec, path)["scheduler"]
+    return getattr(diffusers, class_name).from_config({k: v for k, v in config.items() if k != "_class_name"})
+
+
 def meta_components(spec: ModelSpec, path: Path | None, dtype: torch.dtype, max_text_len: int) -> dict:
     """The components `load_components` returns, on the meta device: transformers and text
     encoders in `dtype` (their float32 modules kept), the VAE and the CLIP image encoder in
     float32. `path` None: a registry name's built-in configs."""
     import diffusers
 
-    if path is None and spec.builtin:
-        path = registry.BUILTIN_DIR
-    parts = _dir_configs(path) if path is not None else _named_configs(spec, spec.config_key)
-    components: dict = {}
-    for name, (class_name, config) in parts.items():
+    components: dict = {"scheduler": meta_scheduler(spec, path)}
+    for name, (class_name, config) in _parts(spec, path).items():
         if name == "scheduler":
-            cls = getattr(diffusers, class_name)
-            components[name] = cls.from_config({k: v for k, v in config.items() if k != "_class_name"})
             continue
         with torch.device("meta"):
             if hasattr(diffusers, class_name):
