@@ -1,0 +1,129 @@
+"""How often one run returns to a file it already left: a call trace of one item, CLI to MP4.
+
+Runs `ditango generate` in this process (the built-in model, one rank, 2 steps; the local
+launcher's rank runs in-process instead of a spawned one, with a one-rank gloo group), and
+records with `sys.setprofile` every call from one project file into another. Prints the
+stops (file-to-file transitions), the files entered, and the returns: stops into a file the
+trace had already entered and left. A layout where each concern lives in one place returns
+less often.
+
+    .venv/bin/python benchmarks/walk.py [--strategy ring] [--top 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("ditango_cli", "runtime", "planner", "slurm")
+
+
+def project_file(filename: str) -> str | None:
+    """`filename` relative to the checkout when it is project code, else None."""
+    try:
+        rel = Path(filename).resolve().relative_to(ROOT)
+    except ValueError:
+        return None
+    return str(rel) if rel.parts and rel.parts[0] in PACKAGES else None
+
+
+class Trace:
+    """File-level stops of the calls that cross from one project file into another."""
+
+    def __init__(self) -> None:
+        self.stops: list[str] = []
+        self.cache: dict[str, str | None] = {}
+
+    def _file(self, frame) -> str | None:
+        name = frame.f_code.co_filename
+        if name not in self.cache:
+            self.cache[name] = project_file(name)
+        return self.cache[name]
+
+    def __call__(self, frame, event, arg) -> None:
+        if event != "call":
+            return
+        callee = self._file(frame)
+        if callee is None:
+            return
+        caller = frame.f_back
+        while caller is not None and self._file(caller) is None:
+            caller = caller.f_back  # through library frames (a hook diffusers calls) to project code
+        if caller is None or self._file(caller) == callee:
+            return
+        if not self.stops:
+            self.stops.append(self._file(caller))
+        if self.stops[-1] != callee:
+            self.stops.append(callee)
+
+
+def in_process_ranks(target, world_size, args=(), **_):
+    """`slurm.local.run_ranks` for one rank, in this process (so the trace sees it)."""
+    import torch.distributed as dist
+
+    from slurm.launch import rank_main
+
+    assert world_size == 1 and target is rank_main, "the walk traces a one-rank run"
+    with tempfile.TemporaryDirectory() as rdzv:
+        dist.init_process_group("gloo", init_method=f"file://{rdzv}/store", rank=0, world_size=1)
+        try:
+            events = mock.Mock(replica=0, rank=0)
+            return [target(0, 1, events, *args)]
+        finally:
+            dist.destroy_process_group()
+
+
+def walk(strategy: str | None, out: Path) -> Trace:
+    from typer.testing import CliRunner
+
+    from ditango_cli.app import app
+
+    argv = ["generate", "--prompt", "a red circle", "--steps", "2", "--out", str(out), "--quiet"]
+    if strategy is not None:
+        argv += ["--parallel", strategy]
+    trace = Trace()
+    with mock.patch("slurm.launch.run_ranks", in_process_ranks):
+        sys.setprofile(trace)
+        try:
+            result = CliRunner().invoke(app, argv)
+        finally:
+            sys.setprofile(None)
+    if result.exit_code != 0:
+        raise SystemExit(f"the traced run failed ({result.exit_code}): {result.output or result.exception}")
+    if not (out / "item-0001.mp4").exists() and not list(out.glob("*.mp4")):
+        raise SystemExit("the traced run wrote no MP4")
+    return trace
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", default=None, help="--parallel for the one rank (default: none)")
+    parser.add_argument("--top", type=int, default=10, help="files listed by returns")
+    args = parser.parse_args()
+    os.environ.setdefault("DITANGO_NO_PROGRESS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = walk(args.strategy, Path(tmp) / "out")
+    seen: set[str] = set()
+    returns: collections.Counter[str] = collections.Counter()
+    for f in trace.stops:
+        if f in seen:
+            returns[f] += 1
+        seen.add(f)
+    print("| stops | files | returns to a file already left |")
+    print("|---|---|---|")
+    print(f"| {len(trace.stops)} | {len(seen)} | {sum(returns.values())} |")
+    print()
+    print("| file | returns |")
+    print("|---|---|")
+    for f, n in returns.most_common(args.top):
+        print(f"| {f} | {n} |")
+
+
+if __name__ == "__main__":
+    main()
