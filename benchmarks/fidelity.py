@@ -51,9 +51,9 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.ditango import ASPECTS, MODEL, Config, fmt, mean  # noqa: E402
+from runtime.denoiser import Denoiser  # noqa: E402
 from runtime.models.loading import load_components, resolve_placement  # noqa: E402
 from runtime.models.registry import resolve_model  # noqa: E402
-from runtime.pipeline import WanDenoiser  # noqa: E402
 from runtime.plots import Series, write_xy_plot  # noqa: E402
 from runtime.quality import psnr, ssim  # noqa: E402
 from tiny_wan.data import eval_prompts  # noqa: E402
@@ -267,7 +267,7 @@ def main() -> None:
     exe = Path(sys.executable).with_name("ditango")
     resolved = resolve_model(MODEL)
     placement = resolve_placement("cpu")
-    denoiser = WanDenoiser(load_components(resolved, placement), placement, resolved.spec.defaults.max_text_len)
+    denoiser = Denoiser(load_components(resolved, placement), placement, resolved.spec.defaults.max_text_len)
 
     rows, ring = [], {}
     for k, (name, family, run_args) in enumerate(chosen):

@@ -26,9 +26,9 @@ import diffusers.utils.logging
 import transformers.utils.logging
 from safetensors.torch import load_file
 
+from runtime.denoiser import Denoiser
 from runtime.models.loading import load_components, resolve_placement
 from runtime.models.registry import REGISTRY, resolve_model
-from runtime.pipeline import WanDenoiser
 from runtime.quality import latent_rel_err, psnr
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     base, base_dir = items["1 process"]
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
-    decoder = WanDenoiser(load_components(resolve_model("tiny-wan"), resolve_placement("cpu")),
+    decoder = Denoiser(load_components(resolve_model("tiny-wan"), resolve_placement("cpu")),
                           resolve_placement("cpu"), 32)  # fmt: skip
     base_latents = load_file(base_dir / base["latents"])["latents"]
     base_video = decoder.decode(base_latents)

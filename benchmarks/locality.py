@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from planner.layout import chunk_sizes  # noqa: E402
+from runtime.denoiser import Denoiser  # noqa: E402
 from runtime.models.loading import load_components, resolve_placement  # noqa: E402
 from runtime.models.registry import resolve_model  # noqa: E402
 from runtime.models.wan import apply_rotary  # noqa: E402
-from runtime.pipeline import WanDenoiser  # noqa: E402
 from tiny_wan.data import eval_prompts  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def main() -> None:
     d = resolved.spec.defaults
     steps = args.steps or d.steps
     placement = resolve_placement("auto")
-    denoiser = WanDenoiser(load_components(resolved, placement), placement, d.max_text_len)
+    denoiser = Denoiser(load_components(resolved, placement), placement, d.max_text_len)
     stats: dict = {}
     recorders = []
     for layer, block in enumerate(denoiser.transformer.blocks):

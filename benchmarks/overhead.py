@@ -32,9 +32,9 @@ from diffusers.utils import export_to_video
 from safetensors.torch import load_file
 
 from runtime.config import Item, RunConfig
+from runtime.denoiser import Denoiser
 from runtime.models.loading import load_components, resolve_placement
 from runtime.models.registry import resolve_model
-from runtime.pipeline import WanDenoiser
 from runtime.run import execute
 
 
@@ -61,7 +61,7 @@ def main() -> None:
     pipe.set_progress_bar_config(disable=True)
     prompt, negative, seed = "a red circle moving left on a black background", "", 0
     size = dict(height=args.height, width=args.width, num_frames=args.frames)
-    text = WanDenoiser(components, placement, text_len).encode_text(prompt, negative, args.guidance)
+    text = Denoiser(components, placement, text_len).encode_text(prompt, negative, args.guidance)
     out = Path(tempfile.mkdtemp(prefix="ditango-overhead-"))
     geometry = {"vae_stride": resolved.spec.defaults.vae_stride, "patch": resolved.spec.defaults.patch}
     item = Item(

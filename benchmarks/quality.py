@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runtime.denoiser import Denoiser  # noqa: E402
 from runtime.models.loading import load_components, resolve_placement  # noqa: E402
 from runtime.models.registry import resolve_model  # noqa: E402
-from runtime.pipeline import WanDenoiser  # noqa: E402
 from runtime.quality import latent_rel_err, psnr, ssim  # noqa: E402
 from tiny_wan.data import eval_prompts  # noqa: E402
 from tiny_wan.judge import judge  # noqa: E402
@@ -75,7 +75,7 @@ def main() -> None:
 
     resolved = resolve_model("tiny-wan")
     placement = resolve_placement("cpu")
-    denoiser = WanDenoiser(load_components(resolved, placement), placement, resolved.spec.defaults.max_text_len)
+    denoiser = Denoiser(load_components(resolved, placement), placement, resolved.spec.defaults.max_text_len)
     decoded: dict[str, dict[str, tuple]] = {}
     for name, extra in runs:
         latents = generate(exe, prompt_file, root / name, args.steps, extra)

@@ -27,9 +27,9 @@ import diffusers.utils.logging
 import transformers.utils.logging
 from safetensors.torch import load_file
 
+from runtime.denoiser import Denoiser
 from runtime.models.loading import load_components, resolve_placement
 from runtime.models.registry import resolve_model
-from runtime.pipeline import WanDenoiser
 from runtime.plots import write_bars
 from runtime.quality import psnr
 
@@ -76,7 +76,7 @@ def main() -> None:
         })  # fmt: skip
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
-    decoder = WanDenoiser(load_components(resolve_model("tiny-wan"), resolve_placement("cpu")),
+    decoder = Denoiser(load_components(resolve_model("tiny-wan"), resolve_placement("cpu")),
                           resolve_placement("cpu"), 32)  # fmt: skip
 
     def frames(row):

@@ -70,7 +70,7 @@ def calibrate(
     """Bisect the cache ratio in [0, `upper`] on `item` (its encoded `inputs`: text, latents,
     condition) against its exact final latents; returns the calibration record (chosen
     ratio, trials)."""
-    selective = denoiser.listener.ctx.selective
+    selective = denoiser.ditango
     base = selective.planner_cfg
     target = cfg.ditango.target_psnr
     options = cfg.decode.on_one_rank()  # the writer decodes, tiled as the run, as --reference exact does
@@ -125,7 +125,7 @@ def writer_decode(denoiser, latents, options, cfg):
 def apply_calibration(denoiser, cfg, record: dict):
     """`cfg` (and the installed runtime) with the calibrated cache ratio."""
     planner = replace(cfg.ditango.planner, cache_ratio=record["cache_ratio"])
-    denoiser.listener.ctx.selective.planner_cfg = planner
+    denoiser.ditango.planner_cfg = planner
     return replace(cfg, ditango=replace(cfg.ditango, planner=planner))
 
 

@@ -30,7 +30,7 @@ import torch
 from planner.hybrid import HybridConfig, HybridSchedule
 from runtime.comm import Comm
 from runtime.mesh import Mesh
-from runtime.models.families import adapter_for
+from runtime.models.families import family_of
 
 
 class BlockCounter:
@@ -131,7 +131,7 @@ class Hybrid(CfgParallel):
         super().__init__(mesh, comm)
         self.cfg = cfg
         transformers = list(transformers) if isinstance(transformers, (list, tuple)) else [transformers]
-        self.adapter = adapter_for(transformers[0])
+        self.adapter = family_of(transformers[0])
         self.split = cfg.split_for(len(self.adapter.segment_blocks(transformers[0])))
         self.counter = BlockCounter(transformers, self.adapter)
         self.schedule: HybridSchedule | None = None

@@ -427,8 +427,10 @@ class ReplayPlanner:
     """DiTango's planner replaced by fixed plans per step (a rehearsal has no attention
     states to plan from): the interface SelectiveRuntime uses."""
 
-    def __init__(self, plans: dict[int, StepPlan], budget: bool) -> None:
-        self.plans, self.budget = plans, budget
+    def __init__(self, plans: dict[int, StepPlan], planner_class) -> None:
+        self.plans = plans
+        self.observes_anchors = planner_class.observes_anchors
+        self.keeps_exact_states = planner_class.keeps_exact_states
         self.switches: tuple[int, ...] = ()
         self._last: StepPlan | None = None
 
@@ -446,7 +448,7 @@ class ReplayPlanner:
         return StepPlan(p.step, p.kind, bits, p.epsilon)
 
     def observes(self, kind: str) -> bool:
-        return kind == "selective" or (kind == "anchor" and self.budget)
+        return kind == "selective" or (kind == "anchor" and self.observes_anchors)
 
     def observe(self, step, scores_LU, gate) -> None: ...
 
@@ -589,9 +591,9 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
     from torch.distributed.fsdp._fully_shard import _fsdp_init as fsdp_init
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    import runtime.assembly as assembly
+    import runtime.denoiser as denoiser_module
     import runtime.models.hunyuan as hunyuan
-    import runtime.pipeline as pipeline
-    import runtime.run as run_module
     import runtime.vae as vae_module
     from runtime.comm import Comm
     from runtime.inputs import item_inputs
@@ -599,7 +601,7 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
     from runtime.mesh import build_mesh
     from runtime.models.loading import placement_on
     from runtime.models.meta import materialize, meta_components
-    from runtime.run import RankContext, assemble_denoiser, before_decode, host_loaded
+    from runtime.run import RankContext, before_decode, denoiser_for_run, run_host_loaded
     from runtime.vae import decode_video
     from runtime.weights import shard_weights
 
@@ -627,7 +629,7 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
     def real_timesteps(scheduler) -> list[float]:
         with (
             unset_fake_temporarily(),
-            mock.patch.object(denoiser, "placement", replace(placement, device=torch.device("cpu"))),
+            mock.patch.object(denoiser.model, "device", torch.device("cpu")),
         ):
             return denoiser.new_scheduler(len(scheduler.timesteps)).timesteps.tolist()
 
@@ -640,7 +642,7 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
             stack.enter_context(fake_cuda(layout.gpus_per_node, device.index, gpu_bytes, allocated))
             watch.modules = stack.enter_context(ModTracker())
             stack.enter_context(watch)
-            stack.enter_context(mock.patch.object(pipeline, "host_timesteps", real_timesteps))
+            stack.enter_context(mock.patch.object(denoiser_module, "host_timesteps", real_timesteps))
             stack.enter_context(mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", CONSTANT_LIMIT))
             stack.enter_context(mock.patch.object(fsdp_init, "_move_states_to_device", _move_fake_states))
             stack.enter_context(mock.patch.object(hunyuan, "valid_text_tokens", lambda mask_L: mask_L.shape[0]))
@@ -656,7 +658,7 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
                     mesh = build_mesh(layout, rank, node_of, cfg.timeout_s, device, control_backend="fake")
                     ctx = RankContext(mesh, Comm(mesh))
                     components = meta_components(spec, path, dtype, cfg.max_text_len)
-                    on_cpu = host_loaded(cfg, ctx)
+                    on_cpu = run_host_loaded(cfg, ctx)
                     for name, module in components.items():
                         if isinstance(module, torch.nn.Module):
                             materialize(module, torch.device("cpu") if name in on_cpu else device)
@@ -664,15 +666,14 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
                         cfg.attention_backend, device, dtype)  # fmt: skip
                     # modules moved to the GPU as for fake tensors (see _move_fake_states)
                     with mock.patch.object(torch.nn.Module, "to", _fake_module_to), \
-                            mock.patch.object(run_module, "move_unsplit", _fake_module_to):  # fmt: skip
+                            mock.patch.object(assembly, "move_unsplit", _fake_module_to):  # fmt: skip
                         if cfg.shard_weights and ctx.distributed:
                             shard_weights(components, mesh, device)
-                        denoiser = assemble_denoiser(cfg, ctx, spec, components, placement, backend)
+                        denoiser = denoiser_for_run(cfg, ctx, spec, components, placement, backend)
                     _on_component(watch, components)
                     listener = denoiser.listener
-                    selective = None if listener is None else listener.ctx.selective
-                    if selective is not None:
-                        _replay(selective, plans)
+                    if denoiser.ditango is not None:
+                        _replay(denoiser.ditango, plans)
                 with phase("encode"):
                     text, latents, condition = item_inputs(denoiser, item, cfg)
                 with phase("denoise"):
@@ -706,11 +707,11 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
 
 def _replay(selective, plans: dict[int, StepPlan] | None) -> None:
     """DiTango's runtime with the replayed plans, its agreed cache cap the rank's own."""
-    begin_run, agree = selective.begin_run, selective._agree_min
+    allocate, agree = selective.allocate, selective._agree_min
 
-    def replayed_begin_run(*args, **kwargs):
-        begin_run(*args, **kwargs)
-        selective.planner = ReplayPlanner(plans or {}, selective.budget)
+    def replayed_allocate(*args, **kwargs):
+        allocate(*args, **kwargs)
+        selective.planner = ReplayPlanner(plans or {}, selective.planner_class)
 
     def replayed_end_step(step: int) -> None:
         """end_step's collectives (the statistics a planner would observe), without its host
@@ -721,7 +722,7 @@ def _replay(selective, plans: dict[int, StepPlan] | None) -> None:
             stats = torch.zeros(selective.layers * selective.units + 1, device=selective._device)
             selective.comm.all_reduce(stats, dist.ReduceOp.SUM, group, ranks)
 
-    selective.begin_run = replayed_begin_run
+    selective.allocate = replayed_allocate
     selective.end_step = replayed_end_step
     selective._agree_min = lambda value: (agree(value), value)[1]
 
@@ -777,7 +778,7 @@ def rank_report(cfg, spec, rank, traced, watch: Watch, plans, steps_run, dtype_b
 def rehearse(cfg: RunConfig, spec, path, gpu_bytes: int, all_ranks: bool = False, on_rank=None) -> dict:
     """Rehearse the first item of `cfg` on the ranks whose shapes differ (all with
     `all_ranks`); `on_rank(report)` after each. The report `ditango rehearse --json` prints."""
-    from runtime.pipeline import switch_steps
+    from runtime.denoiser import switch_steps
 
     item = cfg.items[0]
     experts = [0] * item.steps

@@ -17,25 +17,23 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from runtime.assembly import build_denoiser, host_loaded
 from runtime.calibrate import hold_target, step_cache_ratios, target_quality
 from runtime.comm import Comm
 from runtime.config import DecodeOptions, Item, RunConfig, plan_memory
-from runtime.guidance import CfgParallel, Hybrid
+from runtime.denoiser import Denoiser, synchronize
 from runtime.inputs import exact_reference, item_inputs
 from runtime.kernels import resolve_backend
+from runtime.loop_types import DenoiseResult, NonFiniteLatents
 from runtime.mesh import Mesh, build_mesh
-from runtime.models.families import adapter_for
 from runtime.models.loading import load_components, placement_on, resolve_placement
 from runtime.models.registry import resolve_model
 from runtime.outputs import mark_running, output_paths, plan_resume, record_failure
-from runtime.pipeline import DenoiseResult, HunyuanDenoiser, NonFiniteLatents, WanDenoiser, synchronize
 from runtime.plots import write_heatmap, write_rel_mae_plot
 from runtime.quality import quality_record
 from runtime.report import SCHEMA, ItemTiming, item_record, peak_memory, run_report
-from runtime.step_cache import StepCache
-from runtime.strategies import parallelize
 from runtime.video import write_json, write_latents, write_mp4
-from runtime.weights import SHARDED, local_param_bytes, move_unsplit, place, shard_weights
+from runtime.weights import SHARDED, local_param_bytes, place, shard_weights
 
 
 class Observer(Protocol):
@@ -110,10 +108,9 @@ def sum_comm(per_rank: list[dict]) -> dict:
     return total
 
 
-def attention_record(denoiser: WanDenoiser, ctx: RankContext) -> dict | None:
+def attention_record(denoiser: Denoiser, ctx: RankContext) -> dict | None:
     """DiTango's per-item plan record, with every rank's plan hash (they must be equal)."""
-    listener = denoiser.listener
-    ditango = None if listener is None else listener.ctx.selective
+    ditango = denoiser.ditango
     if ditango is None:
         return None
     record = ditango.item_report()
@@ -122,14 +119,14 @@ def attention_record(denoiser: WanDenoiser, ctx: RankContext) -> dict | None:
     return record
 
 
-def step_cache_record(denoiser: WanDenoiser, ctx: RankContext) -> dict | None:
+def step_cache_record(denoiser: Denoiser, ctx: RankContext) -> dict | None:
     """The step cache's per-item record, with every rank's decisions checked: the ranks that
     compute the same branch (one cp group) must have evaluated the same blocks and attention
     layers at every step, or their exchanges could not have paired up."""
     cache = denoiser.step_cache
     if cache is None:
         return None
-    layers = len(adapter_for(denoiser.transformers[0]).probes(denoiser.transformers[0]))
+    layers = len(denoiser.family.probes(denoiser.transformers[0]))
     decisions = ctx.gather((ctx.mesh.cfg_index, cache.record(layers)["per_step"]))
     if not all(d == next(e for c, e in decisions if c == i) for i, d in decisions):
         raise RuntimeError(f"step cache decisions differ across the ranks of a branch: {decisions}")
@@ -165,7 +162,7 @@ def check_finite(result: DenoiseResult, item: Item, ctx: RankContext) -> None:
 
 
 def generate_item(
-    denoiser: WanDenoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer, reference=None
+    denoiser: Denoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer, reference=None
 ) -> dict:
     """One item on this rank; `reference`: its exact final latents when already computed."""
     paths = output_paths(cfg.out_dir, item.id)
@@ -253,47 +250,21 @@ def generate_item(
     return record
 
 
-TP_SPLIT = ("transformer", "transformer_2")
+def denoiser_for_run(cfg: RunConfig, ctx: RankContext, spec, components: dict, placement, backend: str) -> Denoiser:
+    """The rank's denoiser over loaded `components`, as `cfg` asks (runtime/assembly.py)."""
+    split = "transformer" in run_host_loaded(cfg, ctx) and not cfg.shard_weights
+    return build_denoiser(
+        components, placement, cfg.max_text_len, variant=spec.variant, mesh=ctx.mesh, comm=ctx.comm, backend=backend,
+        ditango=cfg.ditango, step_cache=cfg.step_cache, hybrid=cfg.hybrid, split_on_host=split,
+    )  # fmt: skip
 
 
-def host_loaded(cfg: RunConfig, ctx: RankContext) -> tuple[str, ...]:
-    """Components loaded onto the CPU first, so that no GPU ever holds them whole: those
-    --shard-weights shards (runtime/weights.py moves the shards), and the transformers tensor
-    parallelism splits (each rank's slices go to its GPU as they are cut; the rest follows)."""
-    if not ctx.distributed:
-        return ()
-    if cfg.shard_weights:
-        return SHARDED
-    return TP_SPLIT if cfg.layout.strategy == "tp" else ()
+def run_host_loaded(cfg: RunConfig, ctx: RankContext) -> tuple[str, ...]:
+    """What `cfg` loads onto the CPU first on this rank (runtime/assembly.py's `host_loaded`)."""
+    return host_loaded(cfg.layout.strategy, cfg.shard_weights, ctx.distributed)
 
 
-def assemble_denoiser(cfg: RunConfig, ctx: RankContext, spec, components: dict, placement, backend: str) -> WanDenoiser:
-    """The rank's denoiser over loaded `components`: the family's loop, the strategy installed
-    on its transformers, the step cache and the CFG runner the run asks for. Transformers
-    split by tensor parallelism from a host copy move to the device once split."""
-    if spec.family == "hunyuanvideo":
-        denoiser = HunyuanDenoiser(components, placement, cfg.max_text_len)
-    else:
-        denoiser = WanDenoiser(components, placement, cfg.max_text_len, spec.variant)
-    if cfg.layout.strategy != "none":
-        denoiser.listener = parallelize(denoiser.transformers, ctx.mesh, ctx.comm, backend, cfg.ditango)
-    if "transformer" in host_loaded(cfg, ctx) and not cfg.shard_weights:
-        for transformer in denoiser.transformers:  # what tp keeps whole: norms, embeddings, head
-            move_unsplit(transformer, placement.device)
-    if cfg.step_cache is not None:
-        mesh = ctx.mesh  # the ranks that compute the same branch agree every decision to skip
-        denoiser.step_cache = StepCache(cfg.step_cache, ctx.comm, mesh.cp_group, tuple(mesh.cp_ranks))
-        selective = None if denoiser.listener is None else denoiser.listener.ctx.selective
-        if selective is not None:
-            selective.partial_steps = True
-    if cfg.hybrid is not None:
-        denoiser.guidance = Hybrid(ctx.mesh, ctx.comm, cfg.hybrid, denoiser.transformers)
-    elif cfg.layout.cfg_degree == 2:
-        denoiser.guidance = CfgParallel(ctx.mesh, ctx.comm)
-    return denoiser
-
-
-def before_decode(denoiser: WanDenoiser, cfg: RunConfig, ctx: RankContext) -> DecodeOptions | None:
+def before_decode(denoiser: Denoiser, cfg: RunConfig, ctx: RankContext) -> DecodeOptions | None:
     """Make room for the decode (the transformer offloaded where the pre-flight chose so, what
     the denoising held returned to the device) and say how this rank decodes: the options, or
     None when it takes no part (not the writer, and the decode is not parallel)."""
@@ -382,10 +353,10 @@ def execute(
             total = torch.cuda.get_device_properties(placement.device).total_memory
             cfg = plan_memory(cfg, resolved.spec.shape, total, placement.dtype.itemsize, cfg.model)
         shard = cfg.shard_weights and ctx.distributed
-        components = load_components(resolved, placement, on_cpu=host_loaded(cfg, ctx))
+        components = load_components(resolved, placement, on_cpu=run_host_loaded(cfg, ctx))
         if shard:
             weights["shard_degree"] = shard_weights(components, ctx.mesh, placement.device)
-        denoiser = assemble_denoiser(cfg, ctx, resolved.spec, components, placement, backend)
+        denoiser = denoiser_for_run(cfg, ctx, resolved.spec, components, placement, backend)
         weights["param_bytes_per_rank"] = sum(local_param_bytes(components[n]) for n in SHARDED if n in components)
         first_reference = None
         if denoiser.step_cache is not None and denoiser.step_cache.needs_calibration:

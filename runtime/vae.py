@@ -25,6 +25,7 @@ import torch
 
 from runtime.comm import Comm
 from runtime.config import STRIDE_FRACTION, DecodeOptions
+from runtime.models.families import family_of_vae
 
 
 class Tile(NamedTuple):
@@ -53,23 +54,15 @@ class TiledDecoder:
                                   tile_sample_stride_height=stride, tile_sample_stride_width=stride)  # fmt: skip
         else:
             vae.disable_tiling()
-        self.hunyuan = type(vae).__name__ == "AutoencoderKLHunyuanVideo"
+        self.family = family_of_vae(vae)
         self.ratio = vae.spatial_compression_ratio
         self.min_px, self.stride_px = vae.tile_sample_min_height, vae.tile_sample_stride_height
-        self.patch = None if self.hunyuan else vae.config.patch_size
+        self.patch = vae.config.get("patch_size")  # pixel blocks as channels (Wan2.2's VAE)
 
     # -- the grid ------------------------------------------------------------------------------
     def chunks(self, F: int) -> list[slice]:
-        """Frame chunks of the latent: HunyuanVideo decodes overlapping chunks (one latent frame
-        shared) when framewise decoding is on, as diffusers' `_temporal_tiled_decode`."""
-        vae = self.vae
-        if not self.hunyuan or not vae.use_framewise_decoding:
-            return [slice(0, F)]
-        ratio = vae.temporal_compression_ratio
-        min_f, stride_f = vae.tile_sample_min_num_frames // ratio, vae.tile_sample_stride_num_frames // ratio
-        if F <= min_f:
-            return [slice(0, F)]
-        return [slice(i, min(i + min_f + 1, F)) for i in range(0, F, stride_f)]
+        """Frame chunks of the latent, as the family's VAE decodes them."""
+        return self.family.vae_chunks(self.vae, F)
 
     def spatially_tiled(self, H: int, W: int) -> bool:
         lmin = self.min_px // self.ratio
@@ -92,49 +85,17 @@ class TiledDecoder:
     @torch.no_grad()
     def decode_tile(self, z_BCFHW: torch.Tensor, tile: Tile) -> torch.Tensor:
         """The decoder's output for one tile: before blending, unpatchify and clamp."""
-        vae = self.vae
-        z = z_BCFHW[:, :, tile.frames, tile.rows, tile.cols]
-        if self.hunyuan:
-            return vae.decoder(vae.post_quant_conv(z))
-        # Wan: frame by frame through the causal caches, as its tiled_decode does.
-        vae.clear_cache()
-        out = []
-        for k in range(z.shape[2]):
-            vae._conv_idx = [0]
-            x = vae.post_quant_conv(z[:, :, k : k + 1])
-            out.append(vae.decoder(x, feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=k == 0))
-        vae.clear_cache()
-        return torch.cat(out, dim=2)
+        return self.family.decode_tile(self.vae, z_BCFHW[:, :, tile.frames, tile.rows, tile.cols])
 
     # -- blending ----------------------------------------------------------------------------------
     def assemble(self, z_BCFHW: torch.Tensor, tiles: list[Tile], decoded: list[torch.Tensor]) -> torch.Tensor:
         """The video [B, C, F, H, W] from every tile's decode (in `tiles` order)."""
         _, _, F, H, W = z_BCFHW.shape
-        vae = self.vae
         by_chunk: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
         for tile, out in zip(tiles, decoded, strict=True):
             by_chunk.setdefault(tile.chunk, {})[(tile.row, tile.col)] = out
         chunks = [self._blend_spatial(by_chunk[c], H, W) for c in sorted(by_chunk)]
-        if self.hunyuan and len(chunks) > 1:
-            ratio = vae.temporal_compression_ratio
-            blend_f = vae.tile_sample_min_num_frames - vae.tile_sample_stride_num_frames
-            stride_f = vae.tile_sample_stride_num_frames
-            chunks = [c if i == 0 else c[:, :, 1:] for i, c in enumerate(chunks)]
-            out = []
-            for i, chunk in enumerate(chunks):
-                if i > 0:
-                    chunk = vae.blend_t(chunks[i - 1], chunk, blend_f)
-                out.append(chunk[:, :, : stride_f + (1 if i == 0 else 0)])
-            video = torch.cat(out, dim=2)[:, :, : (F - 1) * ratio + 1]
-        else:
-            video = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
-        if self.hunyuan:
-            return video
-        if self.patch is not None:
-            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
-            video = unpatchify(video, patch_size=self.patch)
-        return torch.clamp(video, min=-1.0, max=1.0)
+        return self.family.join_chunks(self.vae, chunks, F)
 
     def _blend_spatial(self, grid: dict[tuple[int, int], torch.Tensor], H: int, W: int) -> torch.Tensor:
         if len(grid) == 1 and not self.spatially_tiled(H, W):

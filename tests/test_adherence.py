@@ -10,9 +10,9 @@ import imageio.v3 as iio
 import pytest
 
 from ditango_cli.app import app
+from runtime.denoiser import Denoiser
 from runtime.models.loading import load_components, resolve_placement
 from runtime.models.registry import resolve_model
-from runtime.pipeline import WanDenoiser
 from tiny_wan.data import eval_prompts
 from tiny_wan.judge import judge
 
@@ -25,7 +25,7 @@ def adherence(n_prompts: int, seed: int = 0) -> dict[str, float]:
     resolved = resolve_model("tiny-wan")
     d = resolved.spec.defaults
     placement = resolve_placement("cpu")
-    den = WanDenoiser(load_components(resolved, placement), placement, d.max_text_len)
+    den = Denoiser(load_components(resolved, placement), placement, d.max_text_len)
     hits = {"colour": 0, "direction": 0, "background": 0}
     for prompt in prompts:
         text = den.encode_text(prompt.caption, d.negative_prompt, d.guidance)

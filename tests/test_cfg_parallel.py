@@ -10,12 +10,11 @@ import torch
 from planner.ditango import DiTangoOptions, PlannerConfig
 from planner.hybrid import HybridConfig
 from planner.layout import ParallelLayout, virtual_node_map
+from runtime.assembly import build_denoiser
 from runtime.comm import Comm
-from runtime.guidance import CfgParallel, Hybrid
+from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.pipeline import WanDenoiser
-from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
 from tiny_wan import build_tiny_wan
@@ -25,24 +24,23 @@ TIMEOUT_S = 90
 STEPS = 8
 
 
-def generate(denoiser: WanDenoiser) -> torch.Tensor:
+def generate(denoiser: Denoiser) -> torch.Tensor:
     text = denoiser.encode_text("a yellow circle moving down", "blurry", 4.0)
     x = denoiser.initial_latents(5, 48, 80, 5)
     return denoiser.denoise(x, text, STEPS, 4.0).latents_BCFHW
 
 
 def _target(rank, world, events, runs):
-    denoiser = WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN)
+    components = build_tiny_wan(CP_MODEL)
     out = {}
     for name, strategy, hybrid, ditango in runs:
         group = 1 if strategy == "ditango" else None  # 2 cp ranks, 2 groups: one remote unit to plan
         layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, cfg_degree=2, strategy=strategy, group_size=group)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
         comm = Comm(mesh)
-        handle = parallelize(denoiser.transformers, mesh, comm, "torch", ditango) if strategy != "none" else None
-        denoiser.listener = handle
-        runner = Hybrid(mesh, comm, hybrid, denoiser.transformer) if hybrid else CfgParallel(mesh, comm)
-        denoiser.guidance = runner
+        denoiser = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=comm,
+                                  ditango=ditango, hybrid=hybrid)  # fmt: skip
+        runner = denoiser.guidance
         if name.endswith("_bf16"):  # last run of a list: the model stays in bf16 afterwards
             denoiser.transformer.to(torch.bfloat16)
         latents = generate(denoiser)
@@ -50,18 +48,18 @@ def _target(rank, world, events, runs):
         if hybrid:
             runner.counter.remove()
         plan = None
-        if handle and handle.ctx.selective:
-            report = handle.ctx.selective.item_report()
+        if denoiser.ditango:
+            report = denoiser.ditango.item_report()
             plan = (report["plan_hash"], report["computed_fraction_all_steps"])
-        if handle:
-            handle.remove()
+        if denoiser.parallel:
+            denoiser.parallel.remove()
         out[name] = (latents, comm.totals(), record, plan)
     return out
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return generate(WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN))
+    return generate(Denoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN))
 
 
 HYB = dict(window=2, slope=10.0, tau_cap=2)  # tau1 = 2 (the cap; the rule starts at i = L = 2): pipeline from step 3
@@ -129,7 +127,7 @@ def test_hybrid_in_bf16_keeps_ranks_identical(two_ranks):
 def hybrid_reference(first_text: str, k: int, tau1: int) -> torch.Tensor:
     """Hybridiff in one process without the runtime's segment machinery: full forwards with
     a hook that records segment A's output and a pre-hook that feeds segment B a boundary."""
-    den = WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN)
+    den = Denoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN)
     blocks, split = den.transformer.blocks, CP_MODEL.layers // 2
     text = den.encode_text("a yellow circle moving down", "blurry", 4.0)
     first = text.cond_BLE if first_text == "cond" else text.uncond_BLE

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from ditango_cli.app import app
 from planner.errors import ConfigError
+from runtime.denoiser import Denoiser
 from runtime.outputs import check_writable
-from runtime.pipeline import WanDenoiser
 
 FAST = ["--steps", "2", "--height", "16", "--width", "16", "--frames", "1", "--device", "cpu"]
 # The saved test model's VAE compresses 8x: 32x32 pixels are 4 tokens, enough for two ranks.
@@ -179,13 +179,13 @@ def test_nan_weight_fails_the_item_once_and_the_batch_goes_on(runner, tmp_path, 
     (deterministic: exactly one attempt), the other items are done and generate exits 1."""
     model = _nan_model(saved_model_dir, tmp_path, "blue")
     runs: list[int] = []
-    denoise = WanDenoiser.denoise
+    denoise = Denoiser.denoise
 
     def counting(self, *args, **kwargs):
         runs.append(1)
         return denoise(self, *args, **kwargs)
 
-    monkeypatch.setattr(WanDenoiser, "denoise", counting)
+    monkeypatch.setattr(Denoiser, "denoise", counting)
     out = tmp_path / "out"
     args = ["generate", "--model", str(model), "--prompts", str(_prompts(tmp_path)), "--out", str(out),
             "--retries", "2", *NAN_FAST]  # fmt: skip

@@ -16,13 +16,11 @@ from planner.layout import ParallelLayout, virtual_node_map
 from planner.models import ModelShape
 from planner.plan import KINDS
 from planner.traffic import ditango_units, plan_bits_from_log, predict_traffic
+from runtime.assembly import build_denoiser
 from runtime.comm import Comm
-from runtime.guidance import CfgParallel, SequentialCfg
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.pipeline import WanDenoiser
 from runtime.run import sum_comm
-from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
 from tiny_wan import build_tiny_wan
@@ -45,19 +43,17 @@ RUNS = [  # name, layout kwargs, ditango options
 
 
 def _target(rank, world, events):
-    denoiser = WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN)
+    components = build_tiny_wan(CP_MODEL)
     out = {}
     for name, kwargs, opts in RUNS:
         layout = ParallelLayout(nodes=2, gpus_per_node=2, **kwargs)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=90)
         comm = Comm(mesh)
-        handle = parallelize(denoiser.transformers, mesh, comm, "torch", opts)
-        denoiser.listener = handle
-        denoiser.guidance = CfgParallel(mesh, comm) if layout.cfg_degree == 2 else SequentialCfg()
+        denoiser = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=comm, ditango=opts)
         text = denoiser.encode_text("a yellow circle moving down", "blurry", 4.0)
         denoiser.denoise(denoiser.initial_latents(5, H, W, F), text, STEPS, 4.0)
-        log = handle.ctx.selective.item_report()["plan_log"] if handle.ctx.selective else None
-        handle.remove()
+        log = denoiser.ditango.item_report()["plan_log"] if denoiser.ditango else None
+        denoiser.parallel.remove()
         out[name] = (comm.totals(), log)
     return out
 

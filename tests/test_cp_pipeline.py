@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 from ditango_cli.app import app
 from planner.layout import ParallelLayout, chunk_sizes, virtual_node_map
+from runtime.assembly import build_denoiser
 from runtime.comm import Comm
+from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.pipeline import WanDenoiser
-from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tiny_wan import TinyWanConfig, build_tiny_wan
 
@@ -28,29 +28,29 @@ SIZE = dict(height=48, width=80, frames=5)  # latent 2 x 6 x 10 -> 2 * 3 * 5 = 3
 TEXT_LEN = 16
 
 
-def denoise(denoiser: WanDenoiser) -> torch.Tensor:
+def denoise(denoiser: Denoiser) -> torch.Tensor:
     text = denoiser.encode_text(GEN["prompt"], GEN["negative"], GEN["guidance"])
     x = denoiser.initial_latents(GEN["seed"], SIZE["height"], SIZE["width"], SIZE["frames"])
     return denoiser.denoise(x, text, GEN["steps"], GEN["guidance"]).latents_BCFHW
 
 
 def _pipeline_target(rank, world, events, strategies, nodes):
-    denoiser = WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN)
+    components = build_tiny_wan(CP_MODEL)
     out = {}
     for strategy, ulysses in strategies:
         layout = ParallelLayout(nodes=nodes, gpus_per_node=world // nodes, strategy=strategy, ulysses_degree=ulysses)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
         comm = Comm(mesh)
-        handle = parallelize(denoiser.transformers, mesh, comm, "torch")
+        denoiser = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=comm)
         latents = denoise(denoiser)
-        handle.remove()
+        denoiser.parallel.remove()
         out[strategy] = (latents, comm.totals())
     return out
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return denoise(WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN))
+    return denoise(Denoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN))
 
 
 @pytest.mark.parametrize(

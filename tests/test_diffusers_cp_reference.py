@@ -12,11 +12,10 @@ import torch
 from diffusers import WanPipeline
 
 from planner.layout import ParallelLayout, virtual_node_map
+from runtime.assembly import build_denoiser
 from runtime.comm import Comm
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.pipeline import WanDenoiser
-from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tests.diffusers_cp import DEFAULT_MODEL_CONFIG, diffusers_cp_latents
 from tiny_wan import build_tiny_wan
@@ -50,16 +49,17 @@ def single_process_latents() -> torch.Tensor:
 
 def _ours_target(rank, world, events):
     """Our runtime on the same model and inputs: ring and Ulysses over the 2 ranks."""
-    denoiser = WanDenoiser(build_tiny_wan(DEFAULT_MODEL_CONFIG), resolve_placement("cpu"), GEN["max_sequence_length"])
+    components = build_tiny_wan(DEFAULT_MODEL_CONFIG)
     out = {}
     for strategy in ("ring", "ulysses"):
         layout = ParallelLayout(gpus_per_node=world, strategy=strategy)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=60)
-        handle = parallelize(denoiser.transformers, mesh, Comm(mesh), "torch")
+        denoiser = build_denoiser(components, resolve_placement("cpu"), GEN["max_sequence_length"], mesh=mesh,
+                                  comm=Comm(mesh))  # fmt: skip
         text = denoiser.encode_text(GEN["prompt"], GEN["negative_prompt"], GEN["guidance_scale"])
         x = denoiser.initial_latents(SEED, GEN["height"], GEN["width"], GEN["num_frames"])
         out[strategy] = denoiser.denoise(x, text, GEN["num_inference_steps"], GEN["guidance_scale"]).latents_BCFHW
-        handle.remove()
+        denoiser.parallel.remove()
     return out
 
 

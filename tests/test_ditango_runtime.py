@@ -10,12 +10,11 @@ import torch
 
 from planner.ditango import DiTangoOptions, PlannerConfig, StepPlan, unit_offsets
 from planner.layout import ParallelLayout, chunk_bounds, chunk_sizes, virtual_node_map
+from runtime.assembly import build_denoiser
 from runtime.comm import Comm
 from runtime.kernels import reference_attention
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.pipeline import WanDenoiser
-from runtime.strategies import parallelize
 from runtime.strategies.selective import SelectiveRuntime
 from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
@@ -41,7 +40,7 @@ def _gap_target(rank, world, events, group_size, own_group):
     ref = reference_attention(q, k, v, D**-0.5)[0][:, a:b]
     cfg = PlannerConfig(warmup=0, cooldown=0, own_group=own_group)
     rt = SelectiveRuntime(mesh, comm, "torch", cfg, layers=1, heads=H, head_dim=D)
-    rt.begin_run(b - a, B, steps=4, branches=1)
+    rt.allocate(b - a, B, steps=4, branches=1)
     units = rt.units
     rt.step_plan = StepPlan(0, "anchor", torch.ones(1, units, dtype=torch.bool), None)
     out = rt.attention(0, q[:, a:b], k[:, a:b], v[:, a:b], D**-0.5, sizes).out_BSHD
@@ -97,20 +96,18 @@ STEPS = 10
 
 
 def _pipeline_target(rank, world, events, runs):
-    denoiser = WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN)
+    components = build_tiny_wan(CP_MODEL)
     out = {}
     for name, layout_kwargs, opts in runs:
         layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, **layout_kwargs)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
         comm = Comm(mesh)
-        handle = parallelize(denoiser.transformers, mesh, comm, "torch", opts)
-        denoiser.listener = handle
+        denoiser = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=comm, ditango=opts)
         text = denoiser.encode_text("a yellow circle moving down", "blurry", 4.0)
         x = denoiser.initial_latents(5, 48, 80, 5)
         latents = denoiser.denoise(x, text, STEPS, 4.0).latents_BCFHW
-        report = handle.ctx.selective.item_report() if handle.ctx.selective else None
-        handle.remove()
-        denoiser.listener = None
+        report = denoiser.ditango.item_report() if denoiser.ditango else None
+        denoiser.parallel.remove()
         out[name] = (latents, comm.totals(), report)
     return out
 
@@ -284,7 +281,7 @@ def _mismatch_target(rank, world, events):
     layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy="ditango", group_size=1)
     mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
     rt = SelectiveRuntime(mesh, Comm(mesh), "torch", PlannerConfig(warmup=0, cooldown=0), layers=1, heads=H, head_dim=D)
-    rt.begin_run(10, B, steps=4, branches=1)
+    rt.allocate(10, B, steps=4, branches=1)
     rt.begin_step(0)  # identical plans: passes
     if rank == 1:  # a rank whose planner went its own way (e.g. non-identical statistics)
         plan = rt.planner.plan
@@ -306,7 +303,7 @@ def test_cache_is_preallocated_per_item_and_freed_after_it():
     # One rank has no remote group; a hand-made layout view with 4 groups exercises the sizes.
     rt = SelectiveRuntime(mesh, Comm(mesh), "torch", PlannerConfig(), layers=3, heads=H, head_dim=D)
     rt.groups = 4
-    rt.begin_run(11, B, steps=8, branches=2, local_tokens=10)
+    rt.allocate(11, B, steps=8, branches=2, local_tokens=10)
     # out [N=2, L=3, U=3, B, S=10, H, D] fp32 + lse; references [N, L, U, B, S, H] + anchors [N, L, B, S, H]
     slots = 2 * 3 * 3 * B * 10 * H
     assert rt.cache.nbytes() == slots * (D + 1) * 4 and rt.cache.out_NLUBSHD.dtype == torch.float32
@@ -379,10 +376,10 @@ def test_budget_scores_touch_no_host_tensor_per_layer():
     cfg = PlannerConfig(planner="budget", cache_ratio=0.5, warmup=0, cooldown=0)
     rt = SelectiveRuntime(mesh, Comm(mesh), "torch", cfg, layers=6, heads=H, head_dim=D)
     rt.groups = 4  # a hand-made layout view with remote groups, as above
-    rt.begin_run(10, B, steps=8, branches=2, local_tokens=10, device="meta")
+    rt.allocate(10, B, steps=8, branches=2, local_tokens=10, device="meta")
     rt.begin_step(0)
     rt.begin_branch(0)
     mass_U, drift = torch.ones(rt.units, device="meta"), torch.ones((), device="meta")
     with HostToDevice() as watch:
-        scores = [rt._budget_scores(layer, mass_U, drift) for layer in range(rt.layers)]
+        scores = [rt.stats.layer_scores(0, layer, rt.step_plan, mass_U, drift) for layer in range(rt.layers)]
     assert watch.copies == [] and all(s.device.type == "meta" and s.shape == (rt.units,) for s in scores)

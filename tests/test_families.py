@@ -13,13 +13,12 @@ from PIL import Image
 
 from planner.ditango import DiTangoOptions, PlannerConfig
 from planner.layout import ParallelLayout, virtual_node_map
+from runtime.assembly import build_denoiser
 from runtime.comm import Comm
-from runtime.guidance import CfgParallel, SequentialCfg
+from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
 from runtime.models.wan import WanVariant
-from runtime.pipeline import WanDenoiser
-from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tiny_wan import TinyWanConfig, build_tiny_wan
 from tiny_wan.build import pipeline_kwargs
@@ -60,7 +59,7 @@ def test_image() -> Image.Image:
 test_image.__test__ = False  # a helper, not a test
 
 
-def ours(den: WanDenoiser, cfg: TinyWanConfig, with_image: bool, steps: int = STEPS, s: dict | None = None):
+def ours(den: Denoiser, cfg: TinyWanConfig, with_image: bool, steps: int = STEPS, s: dict | None = None):
     s = s or size(cfg)
     text = den.encode_text(GEN["prompt"], GEN["negative"], GEN["guidance"])
     x = den.initial_latents(GEN["seed"], s["height"], s["width"], s["frames"])
@@ -92,7 +91,7 @@ def diffusers_latents(cfg: TinyWanConfig, with_image: bool) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def references() -> dict:
     return {
-        name: ours(WanDenoiser(build_tiny_wan(cfg), resolve_placement("cpu"), TEXT_LEN, variant(cfg)), cfg, image)
+        name: ours(Denoiser(build_tiny_wan(cfg), resolve_placement("cpu"), TEXT_LEN, variant(cfg)), cfg, image)
         for name, (cfg, image) in FAMILIES.items()
     }
 
@@ -113,10 +112,10 @@ def test_both_experts_run_and_the_switch_is_mid_run(name, references):
     and the latents must differ from a run that keeps the first expert throughout."""
     cfg, with_image = FAMILIES[name]
     components = build_tiny_wan(cfg)
-    den = WanDenoiser(components, resolve_placement("cpu"), TEXT_LEN, variant(cfg))
+    den = Denoiser(components, resolve_placement("cpu"), TEXT_LEN, variant(cfg))
     switches = den.switches(den.new_scheduler(STEPS))
     assert len(switches) == 1 and 0 < switches[0] < STEPS, switches
-    one = WanDenoiser(components, resolve_placement("cpu"), TEXT_LEN, WanVariant(pipeline=variant(cfg).pipeline))
+    one = Denoiser(components, resolve_placement("cpu"), TEXT_LEN, WanVariant(pipeline=variant(cfg).pipeline))
     single = ours(one, cfg, with_image)
     assert (single - references[name]).abs().max().item() > 1e-3
 
@@ -125,7 +124,7 @@ def _target(rank, world, events, names):
     out = {}
     for name in names:
         cfg, with_image = FAMILIES[name]
-        den = WanDenoiser(build_tiny_wan(cfg), resolve_placement("cpu"), TEXT_LEN, variant(cfg))
+        components = build_tiny_wan(cfg)
         ditango = {"strategy": "ditango", "group_size": 2}
         runs = [
             ("ring", {"strategy": "ring"}, None),
@@ -139,14 +138,11 @@ def _target(rank, world, events, names):
             layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, **kwargs)
             mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
             comm = Comm(mesh)
-            den.listener = parallelize(den.transformers, mesh, comm, "torch", opts)
-            if layout.cfg_degree == 2:
-                den.guidance = CfgParallel(mesh, comm)
+            den = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, variant=variant(cfg), mesh=mesh,
+                                 comm=comm, ditango=opts)  # fmt: skip
             latents = ours(den, cfg, with_image)
-            selective = den.listener.ctx.selective
-            report = None if selective is None else selective.item_report()
-            den.listener.remove()
-            den.listener, den.guidance = None, SequentialCfg()
+            report = None if den.ditango is None else den.ditango.item_report()
+            den.parallel.remove()
             out[(name, run)] = (latents, comm.totals(), report)
     return out
 
@@ -161,16 +157,17 @@ def _small_target(rank, world, events, names):
     out = {}
     for name in names:
         cfg, with_image = FAMILIES[name]
-        den = WanDenoiser(build_tiny_wan(cfg), resolve_placement("cpu"), TEXT_LEN, variant(cfg))
+        components = build_tiny_wan(cfg)
+        den = Denoiser(components, resolve_placement("cpu"), TEXT_LEN, variant(cfg))
         strategies = ("ring", "ulysses") if world == 2 else ("ring",)  # 4 heads: no Ulysses 3
         out[(name, None)] = ours(den, cfg, with_image, s=small_size(cfg, world))  # in-process reference
         for strategy in strategies:
             layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy=strategy)
             mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
-            den.listener = parallelize(den.transformers, mesh, Comm(mesh), "torch")
+            den = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, variant=variant(cfg), mesh=mesh,
+                                 comm=Comm(mesh))  # fmt: skip
             out[(name, strategy)] = ours(den, cfg, with_image, s=small_size(cfg, world))
-            den.listener.remove()
-            den.listener = None
+            den.parallel.remove()
     return out
 
 
@@ -197,11 +194,13 @@ def _cfg_target(rank, world, events, names):
     out = {}
     for name in names:
         cfg, with_image = FAMILIES[name]
-        den = WanDenoiser(build_tiny_wan(cfg), resolve_placement("cpu"), TEXT_LEN, variant(cfg))
+        components = build_tiny_wan(cfg)
         layout = ParallelLayout(nodes=1, gpus_per_node=2, strategy="none", cfg_degree=2)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
-        sequential = ours(den, cfg, with_image)  # one process's loop, in this process (same threads)
-        den.guidance = CfgParallel(mesh, Comm(mesh))
+        # one process's loop, in this process (same threads)
+        sequential = ours(Denoiser(components, resolve_placement("cpu"), TEXT_LEN, variant(cfg)), cfg, with_image)
+        den = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, variant=variant(cfg), mesh=mesh,
+                             comm=Comm(mesh))  # fmt: skip
         out[name] = (ours(den, cfg, with_image), sequential)
     return out
 
@@ -325,14 +324,13 @@ def test_image_to_video_from_a_prompt_file(runner, tmp_path):
 
 def _hybrid_target(rank, world, events):
     from planner.hybrid import HybridConfig
-    from runtime.guidance import Hybrid
 
     cfg, with_image = FAMILIES["t2v-a14b"]
-    den = WanDenoiser(build_tiny_wan(cfg), resolve_placement("cpu"), TEXT_LEN, variant(cfg))
     layout = ParallelLayout(nodes=1, gpus_per_node=2, strategy="none", cfg_degree=2)
     mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
     # tau_cap 1: tau1 = 1, so the pipeline window is steps 2..5 and spans the switch at step 4.
-    den.guidance = Hybrid(mesh, Comm(mesh), HybridConfig(k=4, tau_cap=1), den.transformers)
+    den = build_denoiser(build_tiny_wan(cfg), resolve_placement("cpu"), TEXT_LEN, variant=variant(cfg), mesh=mesh,
+                         comm=Comm(mesh), hybrid=HybridConfig(k=4, tau_cap=1))  # fmt: skip
     latents = ours(den, cfg, with_image)
     return latents, den.guidance.record(), den.switches(den.new_scheduler(STEPS))
 

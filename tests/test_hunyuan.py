@@ -8,12 +8,11 @@ import torch
 
 from planner.ditango import DiTangoOptions, PlannerConfig
 from planner.layout import ParallelLayout, chunk_sizes, virtual_node_map
+from runtime.assembly import build_denoiser
 from runtime.comm import Comm
-from runtime.guidance import CfgParallel, SequentialCfg
+from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.pipeline import HunyuanDenoiser
-from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tiny_wan.hunyuan import build_tiny_hunyuan, prompt_template
 
@@ -28,14 +27,14 @@ SIZES = {
 }
 
 
-def denoiser() -> HunyuanDenoiser:
-    components = build_tiny_hunyuan()
-    return HunyuanDenoiser(components, resolve_placement("cpu"), TEXT_LEN, prompt_template(components["tokenizer"]))
+def denoiser(components: dict | None = None, **parallel) -> Denoiser:
+    components = components or build_tiny_hunyuan()
+    template = prompt_template(components["tokenizer"])
+    return build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, prompt_template=template, **parallel)
 
 
-def ours(den: HunyuanDenoiser, size: dict, true_cfg: float = 1.0, embedded: float = 6.0) -> torch.Tensor:
-    den.embedded_guidance = embedded
-    text = den.encode_text(PROMPT, NEGATIVE if true_cfg > 1 else None, true_cfg)
+def ours(den: Denoiser, size: dict, true_cfg: float = 1.0, embedded: float = 6.0) -> torch.Tensor:
+    text = den.encode_text(PROMPT, NEGATIVE if true_cfg > 1 else None, true_cfg, embedded)
     x = den.initial_latents(3, size["height"], size["width"], size["frames"])
     return den.denoise(x, text, STEPS, true_cfg).latents_BCFHW
 
@@ -64,36 +63,31 @@ def test_one_process_equals_the_pipeline(true_cfg):
 
 def test_the_adapter_on_one_rank_equals_the_pipeline():
     """Dropped text padding and our joint-attention processor, without any peer: diffusers' numbers."""
-    den = denoiser()
     mesh = build_mesh(ParallelLayout(strategy="ring"), 0, (0,))
-    den.listener = parallelize(den.transformers, mesh, Comm(mesh), "torch")
-    got = ours(den, SIZES[4], 4.0)
+    got = ours(denoiser(mesh=mesh, comm=Comm(mesh)), SIZES[4], 4.0)
     assert (got - diffusers_latents(SIZES[4], 4.0)).abs().max().item() <= 1e-5
 
 
 def _target(rank, world, events, runs):
-    den = denoiser()
+    components = build_tiny_hunyuan()
     out = {}
     for name, kwargs, opts, true_cfg in runs:
         if kwargs is None:  # this process alone: the sequential loop with this rank's threads
-            den.listener, den.guidance = None, SequentialCfg()
-            out[name] = (ours(den, SIZES[world], true_cfg), None, None, [])
+            out[name] = (ours(denoiser(components), SIZES[world], true_cfg), None, None, [])
             continue
         layout = ParallelLayout(nodes=2 if world == 4 else 1, gpus_per_node=world // (2 if world == 4 else 1), **kwargs)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
         comm = Comm(mesh)
-        den.listener = parallelize(den.transformers, mesh, comm, "torch", opts) if layout.cp_degree > 1 else None
-        den.guidance = CfgParallel(mesh, comm) if layout.cfg_degree == 2 else SequentialCfg()
+        den = denoiser(components, mesh=mesh, comm=comm, ditango=opts)
         texts = []  # the text stream after the last block, every forward: must agree across ranks
         hook = den.transformer.single_transformer_blocks[-1].register_forward_hook(
             lambda module, args, output, texts=texts: texts.append(output[1].clone())
         )
         latents = ours(den, SIZES[world], true_cfg)
         hook.remove()
-        selective = None if den.listener is None else den.listener.ctx.selective
-        report = None if selective is None else selective.item_report()
-        if den.listener is not None:
-            den.listener.remove()
+        report = None if den.ditango is None else den.ditango.item_report()
+        if den.parallel is not None:
+            den.parallel.remove()
         out[name] = (latents, comm.totals(), report, texts)
     return out
 

@@ -59,7 +59,7 @@ def test_ditango_cache_bytes_are_what_the_runtime_allocates(dtype, group, own_gr
         group,
     )  # the one-rank mesh sized as the layout (as test_ditango_runtime does)
     tokens = 41 if group == 1 else 81  # the largest chunk is 11 either way
-    rt.begin_run(11, 1, steps=6, branches=2)  # 41 tokens over 4 ranks: the largest chunk is 11
+    rt.allocate(11, 1, steps=6, branches=2)  # 41 tokens over 4 ranks: the largest chunk is 11
     shape = replace(WAN14, layers=layers, heads=heads, head_dim=head_dim)
     element = torch.empty((), dtype=dtype).element_size()
     assert rt.cache_peak_bytes == ditango_cache_bytes(shape, layout, tokens, 2, element, own_group, planner) > 0

@@ -8,8 +8,8 @@ from diffusers import WanPipeline
 from safetensors.torch import load_file
 
 from ditango_cli.app import app
+from runtime.denoiser import Denoiser
 from runtime.models.loading import resolve_placement
-from runtime.pipeline import WanDenoiser
 
 PARITY_ATOL = 1e-5  # the issue's bound for float32 on CPU
 TEXT_LEN = 32
@@ -44,7 +44,7 @@ def test_denoise_matches_wan_pipeline(parity_components, guidance, negative, hei
     kwargs = dict(prompt="a blue square moving up", negative=negative, seed=seed, steps=steps, guidance=guidance)
     ref = reference_latents(parity_components, height=height, width=width, frames=frames, **kwargs)
 
-    denoiser = WanDenoiser(parity_components, resolve_placement("cpu"), TEXT_LEN)
+    denoiser = Denoiser(parity_components, resolve_placement("cpu"), TEXT_LEN)
     init = denoiser.initial_latents(seed, height, width, frames)
     # Same seed => the same initial noise as WanPipeline's CPU generator.
     expected_init = torch.randn(init.shape, generator=torch.Generator("cpu").manual_seed(seed))
@@ -61,7 +61,7 @@ def test_denoise_matches_wan_pipeline(parity_components, guidance, negative, hei
 
 def test_guidance_changes_result(parity_components):
     """Guards against a loop that silently drops the unconditional branch."""
-    denoiser = WanDenoiser(parity_components, resolve_placement("cpu"), TEXT_LEN)
+    denoiser = Denoiser(parity_components, resolve_placement("cpu"), TEXT_LEN)
     init = denoiser.initial_latents(3, 32, 32, 5)
     a = denoiser.denoise(init, denoiser.encode_text("a red ball", "", 1.0), 3, 1.0).latents_BCFHW
     b = denoiser.denoise(init, denoiser.encode_text("a red ball", "", 6.0), 3, 6.0).latents_BCFHW
@@ -104,7 +104,7 @@ def test_decode_matches_wan_pipeline(parity_components):
         parity_components, prompt="a red ball", negative="", seed=9, steps=2, guidance=5.0, height=32, width=48,
         frames=5,
     )  # fmt: skip
-    ours = WanDenoiser(parity_components, resolve_placement("cpu"), TEXT_LEN).decode(latents)
+    ours = Denoiser(parity_components, resolve_placement("cpu"), TEXT_LEN).decode(latents)
     assert ours.shape == theirs.shape == (5, 32, 48, 3)
     expected = (theirs.clip(0, 1) * 255).round().astype("uint8")
     assert (ours == expected).all()

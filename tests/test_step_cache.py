@@ -13,12 +13,12 @@ from ditango_cli.app import app
 from planner.ditango import DiTangoOptions, PlannerConfig
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout, virtual_node_map
+from runtime.assembly import build_denoiser
 from runtime.comm import Comm
+from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.pipeline import WanDenoiser
 from runtime.step_cache import StepCache, parse_step_cache
-from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tiny_wan import TinyWanConfig, build_tiny_wan
 
@@ -46,7 +46,7 @@ def cache_for(text: str, comm=None, mesh=None) -> StepCache:
     return StepCache(spec, comm, group, ranks, mag_ratios=RATIOS if spec.name == "magcache" else None)
 
 
-def denoise(denoiser: WanDenoiser) -> torch.Tensor:
+def denoise(denoiser: Denoiser) -> torch.Tensor:
     text = denoiser.encode_text(GEN["prompt"], GEN["negative"], GEN["guidance"])
     x = denoiser.initial_latents(GEN["seed"], SIZE["height"], SIZE["width"], SIZE["frames"])
     return denoiser.denoise(x, text, GEN["steps"], GEN["guidance"]).latents_BCFHW
@@ -55,7 +55,7 @@ def denoise(denoiser: WanDenoiser) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def one_process():
     """Per setting: (latents, the cache's record) on one process; and the exact latents."""
-    denoiser = WanDenoiser(build_tiny_wan(MODEL), resolve_placement("cpu"), TEXT_LEN)
+    denoiser = Denoiser(build_tiny_wan(MODEL), resolve_placement("cpu"), TEXT_LEN)
     exact = denoise(denoiser)
     out = {}
     for text in ON + OFF:
@@ -91,23 +91,25 @@ def test_caching_on_skips_work_and_changes_the_result(one_process):
 
 
 def _ranks_target(rank, world, events, strategy, texts):
-    denoiser = WanDenoiser(build_tiny_wan(MODEL), resolve_placement("cpu"), TEXT_LEN)
+    components = build_tiny_wan(MODEL)
     layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, strategy=strategy)
     mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
     comm = Comm(mesh)
     ditango = DiTangoOptions(PlannerConfig(warmup=2, cooldown=1, cache_ratio=0.5)) if strategy == "ditango" else None
-    denoiser.listener = handle = parallelize(denoiser.transformers, mesh, comm, "torch", ditango)
     out = {}
     for text in texts:
-        denoiser.step_cache = cache_for(text, comm, mesh)
-        if handle.ctx.selective is not None:
-            handle.ctx.selective.partial_steps = True
+        spec = parse_step_cache(text)
+        denoiser = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=comm,
+                                  ditango=ditango, step_cache=spec)  # fmt: skip
+        if spec.name == "magcache":
+            denoiser.step_cache.mag_ratios = RATIOS
         latents = denoise(denoiser)
         plan = None
-        if handle.ctx.selective is not None:
-            report = handle.ctx.selective.item_report()
+        if denoiser.ditango is not None:
+            report = denoiser.ditango.item_report()
             plan = (report["plan_hash"], report["plan"]["kinds"], report["plan"]["compute_map"])
         out[text] = (latents, denoiser.step_cache.record(MODEL.layers), plan)
+        denoiser.parallel.remove()
     return out
 
 
@@ -247,7 +249,7 @@ def test_two_experts_follow_the_steps_of_the_run():
 
     two = TinyWanConfig(seed=7, heads=2, head_dim=12, layers=2, ffn_dim=32, text_dim=24, text_heads=2,
                         experts=2, boundary_ratio=0.8)  # fmt: skip
-    den = WanDenoiser(build_tiny_wan(two), resolve_placement("cpu"), TEXT_LEN, WanVariant(boundary_ratio=0.8))
+    den = Denoiser(build_tiny_wan(two), resolve_placement("cpu"), TEXT_LEN, WanVariant(boundary_ratio=0.8))
     (switch,) = den.switches(den.new_scheduler(GEN["steps"]))
     assert 2 < switch < GEN["steps"] - 2  # mid-run
     before, interval = 2, 3
@@ -260,12 +262,10 @@ def test_two_experts_follow_the_steps_of_the_run():
 
 
 def _calibration_target(rank, world, events):
-    denoiser = WanDenoiser(build_tiny_wan(MODEL), resolve_placement("cpu"), TEXT_LEN)
     layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy="ring")
     mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
-    comm = Comm(mesh)
-    parallelize(denoiser.transformers, mesh, comm, "torch")
-    denoiser.step_cache = StepCache(parse_step_cache("magcache"), comm, mesh.cp_group, tuple(mesh.cp_ranks))
+    denoiser = build_denoiser(build_tiny_wan(MODEL), resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=Comm(mesh),
+                              step_cache=parse_step_cache("magcache"))  # fmt: skip
     denoiser.step_cache.calibrating = True
     denoise(denoiser)
     return denoiser.step_cache.take_calibration()
@@ -274,7 +274,7 @@ def _calibration_target(rank, world, events):
 def test_magcache_ratios_measured_over_chunks_equal_one_process():
     """The calibration ratio is a mean over tokens: each rank holds a chunk, so the sum and the
     count are all-reduced; two ranks measure what one process measures."""
-    denoiser = WanDenoiser(build_tiny_wan(MODEL), resolve_placement("cpu"), TEXT_LEN)
+    denoiser = Denoiser(build_tiny_wan(MODEL), resolve_placement("cpu"), TEXT_LEN)
     denoiser.step_cache = StepCache(parse_step_cache("magcache"))
     denoiser.step_cache.calibrating = True
     denoise(denoiser)

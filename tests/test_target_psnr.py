@@ -83,9 +83,7 @@ def test_an_item_below_the_target_recalibrates_between_zero_and_the_ratio_in_for
     monkeypatch.setattr(calibrate, "calibrate", bisect)
     planner = PlannerConfig(cache_ratio=0.7, planner="budget")
     cfg = Cfg(tmp_path, DiTangoOptions(planner, target_psnr=40.0), "tiny-wan", ParallelLayout())
-    denoiser = SimpleNamespace(
-        listener=SimpleNamespace(ctx=SimpleNamespace(selective=SimpleNamespace(planner_cfg=planner)))
-    )
+    denoiser = SimpleNamespace(ditango=SimpleNamespace(planner_cfg=planner))
     ctx = SimpleNamespace(is_writer=True, from_writer=lambda obj: obj)
     record = {"target_psnr": 40.0, "cache_ratio": 0.7, "planner": "budget", "item": "a", "trials": []}
     item = SimpleNamespace(id="b")
@@ -99,7 +97,7 @@ def test_an_item_below_the_target_recalibrates_between_zero_and_the_ratio_in_for
         denoiser, item, cfg, ctx, print, "report.json", record, {"quality": {"psnr": 37.9}}
     )
     assert calls == [("b", "exact latents", 0.7)] and redo == "exact latents"
-    assert out.ditango.planner.cache_ratio == 0.3 and denoiser.listener.ctx.selective.planner_cfg.cache_ratio == 0.3
+    assert out.ditango.planner.cache_ratio == 0.3 and denoiser.ditango.planner_cfg.cache_ratio == 0.3
     assert record["cache_ratio"] == 0.3 and record["recalibrated"][0]["from"] == 0.7
     assert (record["item"], record["calibrated_psnr"]) == ("b", 40.5)  # what is in force, and where it was measured
     stored = json.loads(calibrate.calibration_path(tmp_path, "report.json").read_text())
@@ -127,7 +125,7 @@ def test_the_calibration_decodes_as_the_run_with_the_transformer_offloaded_and_t
     monkeypatch.setattr(calibrate, "psnr", lambda a, b: 50.0)
     planner = PlannerConfig(cache_ratio=0.5)
     denoiser = SimpleNamespace(
-        listener=SimpleNamespace(ctx=SimpleNamespace(selective=SimpleNamespace(planner_cfg=planner))),
+        ditango=SimpleNamespace(planner_cfg=planner),
         transformers=["the transformer"],
         device=torch.device("cuda", 0),
         decode_with=lambda latents, options, ctx=None: events.append(("decode", options)) or ("frames", {}),

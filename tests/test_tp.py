@@ -14,12 +14,12 @@ from planner.layout import ParallelLayout, replica_layout, virtual_node_map
 from planner.memory import estimate_memory
 from planner.models import ModelShape
 from planner.traffic import predict_traffic
+from runtime.assembly import build_denoiser
 from runtime.comm import Comm
-from runtime.guidance import CfgParallel, SequentialCfg
+from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models import hunyuan
 from runtime.models.loading import resolve_placement
-from runtime.pipeline import WanDenoiser
 from runtime.run import sum_comm
 from runtime.strategies import parallelize
 from slurm.local import run_ranks
@@ -64,8 +64,8 @@ def _target(rank, world, events):
     from torch.distributed.tensor.debug import CommDebugMode
 
     out = {}
-    den = WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN)
-    model = den.transformers[0]
+    components = build_tiny_wan(CP_MODEL)
+    model = components["transformer"]
     x = forward_inputs(CP_MODEL.z_dim, CP_MODEL.text_dim, TEXT_LEN)
     with torch.no_grad():
         reference = model(**x)[0]  # one process's forward, on every rank
@@ -74,16 +74,13 @@ def _target(rank, world, events):
         layout = ParallelLayout(nodes=NODES, gpus_per_node=world // NODES, cfg_degree=cfg_degree, strategy="tp")
         mesh = meshes[name] = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
         comm = Comm(mesh)
-        handle = parallelize(den.transformers, mesh, comm, "torch")
+        den = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=comm)
         with torch.no_grad(), CommDebugMode() as debug:
             forward = model(**x)[0]
         forward_bytes = comm.totals()
         comm.reset()
-        den.listener = handle
-        den.guidance = CfgParallel(mesh, comm) if layout.cfg_degree == 2 else SequentialCfg()
         latents = denoise(den)
-        handle.remove()
-        den.listener, den.guidance = None, SequentialCfg()
+        den.parallel.remove()
         with torch.no_grad():
             restored = model(**x)[0]
         out[name] = dict(forward_err=(forward - reference).abs().max().item(), collectives=_collective_counts(debug),
@@ -105,7 +102,7 @@ def _target(rank, world, events):
 
 @pytest.fixture(scope="module")
 def reference():
-    return denoise(WanDenoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN))
+    return denoise(Denoiser(build_tiny_wan(CP_MODEL), resolve_placement("cpu"), TEXT_LEN))
 
 
 def ring_received(nbytes: int, n: int) -> int:

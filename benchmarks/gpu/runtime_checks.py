@@ -97,7 +97,7 @@ def nccl_rows(device: str = "cuda", backend: str = "nccl") -> list[Row]:
         layout = ParallelLayout(nodes=1, gpus_per_node=4, strategy="ditango", group_size=1)  # 4 groups, 3 remote
         dmesh = mesh_for(layout)
         rt = SelectiveRuntime(dmesh, Comm(dmesh), "torch", PlannerConfig(warmup=0, cooldown=0), 1, H, D)
-        rt.begin_run(S, B, steps=4, branches=1, device=device, local_tokens=S)
+        rt.allocate(S, B, steps=4, branches=1, device=device, local_tokens=S)
         units = rt.units
         worst = 0.0
         patterns = [[True] * units, [False] * units, [True, False, True][:units], [False, True, False][:units]]
@@ -158,7 +158,7 @@ def cache_rows(device: str = "cuda", shape: dict = CACHE_14B, name: str = "14B 7
     base = allocated()
     rt = SelectiveRuntime(mesh, Comm(mesh), "torch", PlannerConfig(), layers, heads, head_dim)
     start = time.perf_counter()
-    rt.begin_run(local, 1, steps=50, branches=branches, device=device, local_tokens=local)
+    rt.allocate(local, 1, steps=50, branches=branches, device=device, local_tokens=local)
     if cuda:
         torch.cuda.synchronize()
     alloc_s = time.perf_counter() - start
@@ -182,7 +182,7 @@ def cache_rows(device: str = "cuda", shape: dict = CACHE_14B, name: str = "14B 7
     capped = SelectiveRuntime(
         mesh, Comm(mesh), "torch", PlannerConfig(), layers, heads, head_dim, cache_limit_bytes=cap
     )
-    capped.begin_run(local, 1, steps=50, branches=branches, device=device, local_tokens=local)
+    capped.allocate(local, 1, steps=50, branches=branches, device=device, local_tokens=local)
     held = capped.cache.nbytes() + capped.reference_bytes()
     rows.append(Row("cache", f"a cap of half the units: composed k={capped.compose}, {capped.units} units (GB held)",
                     held / 1e9, f"<= {cap / 1e9:.2f}", held <= cap and capped.compose > 1))  # fmt: skip

@@ -13,32 +13,34 @@ weights over the cp group (runtime/strategies/tensor.py).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from planner.ditango import DiTangoOptions
-from planner.layout import chunk_bounds, chunk_sizes, token_count
+from planner.layout import chunk_bounds, chunk_sizes
 from runtime.comm import Comm
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
-from runtime.models.families import adapter_for
+from runtime.models.families import family_of
 from runtime.state import AttentionState, merge, merge_all
-from runtime.strategies.ring import ring_attention
+from runtime.strategies.exact import EXACT
 from runtime.strategies.selective import CACHE_DTYPES, SelectiveRuntime
 from runtime.strategies.tensor import TensorParallel, check_unsharded
-from runtime.strategies.ulysses import heads_to_seq, seq_to_heads
 
 
 @dataclass
 class ShardContext:
-    """Per-model parallel state shared by the hooks and processors (reset per forward)."""
+    """Per-model parallel state shared by the hooks and processors (reset per forward).
+    `strategy`: how the local queries attend the whole sequence (`attend(ctx, q, k, v, scale,
+    layer, extra_kv)`): the exact composition, or DiTango's runtime."""
 
     mesh: Mesh
     comm: Comm
     backend: Backend
+    strategy: object = EXACT
     seq_sizes: list[int] = field(default_factory=list)  # cp chunk sizes of the current forward
-    selective: SelectiveRuntime | None = None  # DiTango's runtime side, for --parallel ditango
 
     @property
     def cp(self) -> int:
@@ -77,45 +79,7 @@ class ShardContext:
         `extra_kv`: (k, v) [B, L, H, D] held whole on every rank (a joint model's text tokens):
         a partition every query also attends, computed fresh here (never sent, never reused).
         """
-        if self.selective is not None:
-            state = self.selective.attention(layer, q_BSHD, k_BSHD, v_BSHD, scale, self.seq_sizes)
-            return self._with_extra(state, q_BSHD, extra_kv, scale).out_BSHD.to(q_BSHD.dtype)
-        mesh, comm = self.mesh, self.comm
-        u, r = mesh.layout.ulysses, mesh.layout.ring
-        if self.cp == 1:
-            state = attention(q_BSHD, k_BSHD, v_BSHD, scale, self.backend)
-            return self._with_extra(state, q_BSHD, extra_kv, scale).out_BSHD.to(q_BSHD.dtype)
-        cp_index = mesh.cp_index
-        uly_me = cp_index % u
-        ring_me = cp_index // u
-        # Ulysses group = cp indices [ring_me * u, (ring_me + 1) * u): their chunk sizes.
-        uly_sizes = self.seq_sizes[ring_me * u : (ring_me + 1) * u]
-        dtype = q_BSHD.dtype
-        if u > 1:
-            qkv = seq_to_heads(
-                torch.stack([q_BSHD, k_BSHD, v_BSHD], dim=2), uly_sizes, comm, mesh.ulysses_ranks, mesh.ulysses_group
-            )
-            q_BSHD, k_BSHD, v_BSHD = qkv.unbind(dim=2)
-            if extra_kv is not None:  # this member's heads of the whole-held partition (seq_to_heads' split)
-                h = q_BSHD.shape[2]
-                extra_kv = tuple(t[:, :, uly_me * h : (uly_me + 1) * h] for t in extra_kv)
-        if r > 1:
-            spans = [sum(self.seq_sizes[i * u : (i + 1) * u]) for i in range(r)]
-            state: AttentionState = ring_attention(
-                q_BSHD, k_BSHD, v_BSHD, scale=scale, backend=self.backend, comm=comm,
-                ring_ranks=mesh.ring_ranks, ring_group=mesh.ring_group, kv_sizes=spans,
-            )  # fmt: skip
-        else:
-            state = attention(q_BSHD, k_BSHD, v_BSHD, scale, self.backend)
-        out = self._with_extra(state, q_BSHD, extra_kv, scale).out_BSHD.to(dtype)
-        if u > 1:
-            out = heads_to_seq(out, uly_sizes, uly_me, comm, mesh.ulysses_ranks, mesh.ulysses_group)
-        return out
-
-    def _with_extra(self, state: AttentionState, q_BSHD, extra_kv, scale: float) -> AttentionState:
-        if extra_kv is None:
-            return state
-        return merge(state, attention(q_BSHD, *extra_kv, scale, self.backend))
+        return self.strategy.attend(self, q_BSHD, k_BSHD, v_BSHD, scale, layer, extra_kv)
 
     def joint_attention(
         self, q_BSHD, k_BSHD, v_BSHD, q_BLHD, k_BLHD, v_BLHD, scale: float, layer: int = 0
@@ -148,40 +112,22 @@ class ShardContext:
 
 @dataclass
 class Parallelized:
-    """Handles to undo `parallelize` (tests swap strategies on one model), and the denoising
-    loop's listener: DiTango needs to know the run, step, CFG branch and expert switches."""
+    """Handles to undo `parallelize` (tests swap strategies on one model), and DiTango's runtime
+    when it is the strategy (it listens to the denoising loop: runtime/denoiser.py)."""
 
     ctx: ShardContext
     transformers: list
     installed: list  # per transformer: (the adapter's uninstall, handles, what it replaced)
-    patch: tuple[int, int, int] = (1, 2, 2)
+    ditango: SelectiveRuntime | None = None
 
-    def begin_run(self, latents_BCFHW: torch.Tensor, steps: int, branches: int, switches: tuple[int, ...] = ()) -> None:
-        """`switches`: the steps where another expert takes over (Wan2.2 A14B): DiTango's cached
-        states belong to the expert that made them, so such a step is an anchor."""
-        if self.ctx.selective is None:
-            return
-        sizes = chunk_sizes(token_count(tuple(latents_BCFHW.shape[2:]), self.patch), self.ctx.cp)
-        self.ctx.selective.begin_run(
-            max(sizes), latents_BCFHW.shape[0], steps, branches, latents_BCFHW.device,
-            local_tokens=sizes[self.ctx.mesh.cp_index], switches=switches,
-        )  # fmt: skip
-
-    def end_run(self) -> None:
-        if self.ctx.selective is not None:
-            self.ctx.selective.end_run()
-
-    def begin_step(self, step: int) -> None:
-        if self.ctx.selective is not None:
-            self.ctx.selective.begin_step(step)
-
-    def begin_branch(self, branch: int) -> None:
-        if self.ctx.selective is not None:
-            self.ctx.selective.begin_branch(branch)
-
-    def end_step(self, step: int) -> None:
-        if self.ctx.selective is not None:
-            self.ctx.selective.end_step(step)
+    @contextlib.contextmanager
+    def exact(self):
+        """The exact composition over the cp group meanwhile (DiTango's exact runs: the ring)."""
+        strategy, self.ctx.strategy = self.ctx.strategy, EXACT
+        try:
+            yield self
+        finally:
+            self.ctx.strategy = strategy
 
     def remove(self) -> None:
         """Undo the install (under tp a collective: every rank of the group removes)."""
@@ -195,26 +141,27 @@ def parallelize(
     """Install the layout's strategy on a transformer, or on several that take turns (experts)
     and share one context (and one DiTango runtime: the same attention shape is required)."""
     transformers = list(transformers) if isinstance(transformers, (list, tuple)) else [transformers]
-    adapters = [adapter_for(t) for t in transformers]
-    shapes = {a.attention_shape(t) for a, t in zip(adapters, transformers, strict=True)}
-    patches = {a.patch_size(t) for a, t in zip(adapters, transformers, strict=True)}
+    families = [family_of(t) for t in transformers]
+    shapes = {f.attention_shape(t) for f, t in zip(families, transformers, strict=True)}
+    patches = {f.patch_size(t) for f, t in zip(families, transformers, strict=True)}
     assert len(shapes) == 1 and len(patches) == 1, f"experts differ in attention shape or patch: {shapes}, {patches}"
     ctx = ShardContext(mesh, comm, backend)
     if mesh.layout.strategy == "tp":
         tp = TensorParallel(mesh, comm, backend)
         installed = []
-        for a, t in zip(adapters, transformers, strict=True):
+        for f, t in zip(families, transformers, strict=True):
             check_unsharded(t)
-            handles, undo = a.install_tp(t, tp)
-            installed.append((a.uninstall_tp, handles, undo))
-        return Parallelized(ctx, transformers, installed, patches.pop())
+            handles, undo = f.install_tp(t, tp)
+            installed.append((f.uninstall_tp, handles, undo))
+        return Parallelized(ctx, transformers, installed)
+    runtime = None
     if mesh.layout.strategy == "ditango":
         opts = ditango or DiTangoOptions()
         layers, heads, head_dim = shapes.pop()
-        ctx.selective = SelectiveRuntime(
+        ctx.strategy = runtime = SelectiveRuntime(
             mesh, comm, backend, opts.planner, layers=layers, heads=heads, head_dim=head_dim,
             cache_dtype=None if opts.cache_dtype is None else CACHE_DTYPES[opts.cache_dtype],
-            cache_limit_bytes=opts.cache_limit_bytes,
+            cache_limit_bytes=opts.cache_limit_bytes, patch=patches.pop(),
         )  # fmt: skip
-    installed = [(a.uninstall, *a.install(t, ctx)) for a, t in zip(adapters, transformers, strict=True)]
-    return Parallelized(ctx, transformers, installed, patches.pop())
+    installed = [(f.uninstall, *f.install(t, ctx)) for f, t in zip(families, transformers, strict=True)]
+    return Parallelized(ctx, transformers, installed, runtime)

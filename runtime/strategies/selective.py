@@ -20,15 +20,10 @@ by ring offset d (group g+d from its own group g), so exchanges are symmetric:
 Remote groups are cached in units of k adjacent groups (k = 1 unless the memory cap
 forces composition; a composed unit's state is the exact merge of its groups').
 
-Per layer the rank also measures what the planner needs (ALGORITHMS.md 2.3): the
-compressed local state C = mean_D(local out), lse norms at anchors (importance), drift
-of C since each unit's last refresh, and the relative drift since the anchor (gate). The
-budget planner instead measures each recomputed cell's error rate (the mass-weighted
-change of its state against the cached one, relative to the layer's output, per step of
-age) and scores every cell by rate x the age it would have next step; a cell not measured
-yet takes its softmax mass x the local relative drift of one step. Per step the scores
-are averaged over branches, all-reduced (mean) over the cp group so every rank plans
-identically, and handed to the planner.
+Per layer the rank also measures what its planner needs (the planner's `Statistics`:
+planner/hpdc.py, planner/budget.py). Per step the scores are averaged over branches,
+all-reduced (mean) over the plan group so every rank plans identically, and handed to the
+planner.
 """
 
 from __future__ import annotations
@@ -38,26 +33,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from planner.ditango import (
-    DiTangoOptions,
-    DiTangoPlanner,
-    PlannerConfig,
-    StepPlan,
-    alpha_factors,
-    ase,
-    budget_scores,
-    compressed_state,
-    drift,
-    importance_weights,
-    softmax_mass,
-    unit_offsets,
-)
-from planner.layout import chunk_sizes
+from planner.ditango import PLANNER_CLASSES, DiTangoOptions, DiTangoPlanner, PlannerConfig, StepPlan, unit_offsets
+from planner.layout import chunk_sizes, token_count
 from runtime.cache import StateCache, anchor_bytes, compose_factor, unit_bytes
 from runtime.comm import Comm
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
 from runtime.state import AttentionState, merge, merge_all
+from runtime.strategies.exact import with_extra
 from runtime.strategies.ring import ring_attention
 
 CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # DiTangoOptions.cache_dtype names
@@ -85,7 +68,8 @@ def check_cache_limit(
     for item in items:
         tokens = max(chunk_sizes(item.tokens(), layout.cp_degree))
         branches = 1 if layout.cfg_degree == 2 or item.cfg_scale <= 1 else 2
-        per_unit = unit_bytes(1, tokens, heads, head_dim, dtype, reference=opts.planner.planner != "budget")
+        reference = PLANNER_CLASSES[opts.planner.planner].Statistics.reference_states
+        per_unit = unit_bytes(1, tokens, heads, head_dim, dtype, reference=reference)
         own = len(unit_offsets(layout.groups, layout.group, opts.planner.own_group)) - (layout.groups - 1)
         fixed = branches * layers * (anchor_bytes(1, tokens, heads) + own * per_unit)
         compose_factor(layout.groups - 1, branches, layers, per_unit, opts.cache_limit_bytes, fixed)
@@ -103,7 +87,8 @@ def auto_cache_limit(device: torch.device) -> int | None:
 
 
 class SelectiveRuntime:
-    """Per-rank DiTango state for one model: planner, cache, anchor statistics."""
+    """Per-rank DiTango state for one model: the planner and its statistics, the state cache,
+    and the attention that fetches, merges and caches by the plan."""
 
     def __init__(
         self,
@@ -116,22 +101,23 @@ class SelectiveRuntime:
         head_dim: int,
         cache_dtype: torch.dtype | None = None,
         cache_limit_bytes: int | None = None,
+        patch: tuple[int, int, int] = (1, 2, 2),
     ) -> None:
         self.mesh, self.comm, self.backend = mesh, comm, backend
+        self.patch = patch  # the transformer's (frames, rows, columns) per token
         self.planner_cfg = planner_cfg
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
         self.cache_dtype, self.cache_limit_bytes = cache_dtype, cache_limit_bytes
         self.group_size = mesh.layout.group  # I: adjacent cp ranks per group
         self.groups = mesh.layout.groups  # G: groups on the cp ring
         self.compose = 1  # k: adjacent remote groups per cached unit
-        self.planner: DiTangoPlanner | None = None
+        self.planner = None  # planner/hpdc.py or planner/budget.py, per item
+        self.stats = None  # the planner's statistics, per item
         self.cache: StateCache | None = None
         self.step_plan: StepPlan | None = None
         self.branch = 0
         self.cache_peak_bytes = 0
         self._device = torch.device("cpu")
-        self.c_ref_NLUBSH: torch.Tensor | None = None  # [N, L, U, B, S, H] float32
-        self.c_anchor_NLBSH: torch.Tensor | None = None  # [N, L, B, S, H] float32
         # A step cache (runtime/step_cache.py) may skip whole layers on a step: then the layers
         # that ran are agreed at the end of each step, and the plan and the ages follow them.
         self.partial_steps = False
@@ -147,15 +133,26 @@ class SelectiveRuntime:
         return len(self.unit_list)
 
     @property
-    def budget(self) -> bool:
-        return self.planner_cfg.planner == "budget"
+    def planner_class(self):
+        return PLANNER_CLASSES[self.planner_cfg.planner]
 
     @property
     def own_unit(self) -> bool:
         """Whether unit 0 is the own group's other members (else the whole own group is local)."""
         return self.planner_cfg.own_group == "decide" and self.group_size > 1
 
-    def begin_run(
+    # -- the denoising loop's listener (runtime/denoiser.py) ------------------------------
+    def begin_run(self, latents_BCFHW: torch.Tensor, steps: int, branches: int, switches: tuple[int, ...] = ()) -> None:
+        """An item starts: its cache sized for the token chunks of `latents_BCFHW`. `switches`:
+        the steps where another expert takes over (Wan2.2 A14B): cached states belong to the
+        expert that made them, so such a step is an anchor."""
+        sizes = chunk_sizes(token_count(tuple(latents_BCFHW.shape[2:]), self.patch), len(self.mesh.cp_ranks))
+        self.allocate(
+            max(sizes), latents_BCFHW.shape[0], steps, branches, latents_BCFHW.device,
+            local_tokens=sizes[self.mesh.cp_index], switches=switches,
+        )  # fmt: skip
+
+    def allocate(
         self,
         max_tokens: int,
         batch: int,
@@ -178,53 +175,33 @@ class SelectiveRuntime:
         limit = self.cache_limit_bytes
         if limit is None and device.type == "cuda":
             limit = self._agree_min(auto_cache_limit(device))
-        per_unit = unit_bytes(batch, max_tokens, self.heads, self.head_dim, dtype, reference=not self.budget)
+        statistics = self.planner_class.Statistics
+        per_unit = unit_bytes(
+            batch, max_tokens, self.heads, self.head_dim, dtype, reference=statistics.reference_states
+        )
         fixed = branches * self.layers * (anchor_bytes(batch, max_tokens, self.heads) + int(self.own_unit) * per_unit)
         self.compose = compose_factor(self.groups - 1, branches, self.layers, per_unit, limit, fixed_bytes=fixed)
         self.branches = branches
         self.planner = DiTangoPlanner(self.planner_cfg, steps, self.layers, self.units, switches)
-        U, L, N = self.units, self.layers, branches
-        self.cache = StateCache(N, L, U, dtype)
+        self.cache = StateCache(branches, self.layers, self.units, dtype)
         self.cache.allocate(batch, local_tokens, self.heads, self.head_dim, device)
-        # Compressed local states C [B, S, H], preallocated with the cache. The hpdc planner's
-        # drift estimate: the reference of each unit (its last refresh) and of each layer's
-        # anchor; the budget planner's proxy for a rate not measured yet: the previous step's.
-        self.c_ref_NLUBSH = self.c_anchor_NLBSH = self.c_prev_NLBSH = None
-        if self.budget:
-            self.c_prev_NLBSH = torch.zeros(N, L, batch, local_tokens, self.heads, device=device)
-        else:
-            self.c_ref_NLUBSH = torch.zeros(N, L, U, batch, local_tokens, self.heads, device=device)
-            self.c_anchor_NLBSH = torch.zeros(N, L, batch, local_tokens, self.heads, device=device)
-        # The budget planner's error rate of each cell (relative output error per step of age,
-        # measured when the cell is recomputed; < 0: not measured yet) and the step each cell's
-        # cache was last refreshed (replicated: the plans are).
-        self.rate_NLU = torch.full((N, L, U), -1.0, device=device)
-        self.refreshed_LU = torch.full((L, U), -1, dtype=torch.long)
-        # The same on the device, with this step's compute bits there: the budget scores of every
-        # layer read them (a host tensor copied per layer stalls the GPU stream each time).
-        self.refreshed_dev_LU = torch.full((L, U), -1, dtype=torch.long, device=device)
-        self.compute_dev_LU = None
-        self._steps_done = 0
-        # Planner statistics stay on the compute device; the host sees them once per step.
-        self.weights_NLU = torch.zeros(N, L, U, device=device)
-        self.alpha_NLU = torch.ones(N, L, U, device=device)
-        self.scores_LU = torch.zeros(L, U)  # the last scores observed per layer (host)
+        # The planner's statistics, preallocated with the cache.
+        self.stats = statistics(self.planner_cfg, branches, self.layers, self.units, self.planner.switches, device)
+        self.stats.allocate(batch, local_tokens, self.heads)
+        self.scores_LU = torch.zeros(self.layers, self.units)  # the last scores observed per layer (host)
         self.kv_fresh, self.evaluations = 0.0, 0  # fraction of the KV tokens computed, summed over evaluations
         self.cache_peak_bytes = self.cache.nbytes() + self.reference_bytes()
-        self._reset_step_stats()
+        self.ran_NL = torch.zeros(branches, self.layers, dtype=torch.bool)
 
     def end_run(self) -> None:
         """Free the item's buffers (the caller then returns the memory to the device)."""
         if self.cache is not None:
             self.cache.reset()
-        self.c_ref_NLUBSH = self.c_anchor_NLBSH = self.c_prev_NLBSH = None
-        self.weights_NLU = self.alpha_NLU = self.ase_NLU = self.gate_NL = None  # planner statistics too
-        self.rate_NLU = self.refreshed_LU = self.scores_LU = self.ran_NL = None
-        self.refreshed_dev_LU = self.compute_dev_LU = None
+        self.stats = self.scores_LU = self.ran_NL = None  # planner statistics too
 
     def reference_bytes(self) -> int:
-        """Compressed local states kept for the drift estimate (per branch, layer, unit + anchors)."""
-        return sum(t.nbytes for t in (self.c_ref_NLUBSH, self.c_anchor_NLBSH, self.c_prev_NLBSH) if t is not None)
+        """What the planner's statistics keep beside the cache (compressed local states)."""
+        return 0 if self.stats is None else self.stats.nbytes()
 
     def _plan_group(self):
         """Who must follow one plan: the whole world when CFG branches run on different ranks
@@ -240,11 +217,6 @@ class SelectiveRuntime:
         t = torch.tensor([value], dtype=torch.int64, device=self._device)
         self.comm.all_reduce(t, dist.ReduceOp.MIN, group, ranks)
         return int(t.item())
-
-    def _reset_step_stats(self) -> None:
-        self.ase_NLU = torch.zeros(self.branches, self.layers, self.units, device=self._device)
-        self.gate_NL = torch.zeros(self.branches, self.layers, device=self._device)
-        self.ran_NL = torch.zeros(self.branches, self.layers, dtype=torch.bool)
 
     def _layers_run(self) -> torch.Tensor:
         """The layers whose attention ran this step in every branch (all of them unless a step
@@ -262,11 +234,8 @@ class SelectiveRuntime:
         assert self.planner is not None, "begin_run first"
         self.step_plan = self.planner.plan(step)
         self._check_plan_agrees(self.step_plan)
-        self._reset_step_stats()
-        if self.budget:
-            self.compute_dev_LU = self.step_plan.compute_LU.to(self._device)  # once a step
-            if step in self.planner.switches:
-                self.rate_NLU.fill_(-1.0)  # the cached states are the other expert's: no rate to measure
+        self.stats.begin_step(self.step_plan)
+        self.ran_NL.zero_()
 
     def _check_plan_agrees(self, plan: StepPlan) -> None:
         """Raise, before any exchange, when this step's plan differs between ranks: mismatched
@@ -293,20 +262,16 @@ class SelectiveRuntime:
         assert plan is not None
         if self.cache is not None:
             self.cache_peak_bytes = max(self.cache_peak_bytes, self.cache.peak_bytes + self.reference_bytes())
-        self._steps_done += 1
         ran_L = self._layers_run()
         self.planner.not_run(step, ~ran_L)
-        plan = self.planner.last_plan() if not bool(ran_L.all()) else plan
-        if self.budget:
-            self.refreshed_LU[plan.compute_LU] = step  # exact steps refresh the cache too (below)
-            done_LU = self.compute_dev_LU if plan is self.step_plan else plan.compute_LU.to(self._device)
-            self.refreshed_dev_LU.masked_fill_(done_LU, step)
+        as_planned = bool(ran_L.all())
+        plan = plan if as_planned else self.planner.last_plan()
+        self.stats.end_step(step, plan, as_planned)
         if not self.planner.observes(plan.kind):
             return
         # One vector for every rank (and branch): scores [L, U] then the gate scalar, averaged
         # over the plan group so that every rank plans the next step identically.
-        gate = self.gate_NL[:, ran_L.to(self.gate_NL.device)].mean() if bool(ran_L.any()) else self.gate_NL.sum()
-        stats = torch.cat([self.ase_NLU.mean(0).flatten(), gate.reshape(1)])
+        stats = self.stats.scores(ran_L)
         group, ranks = self._plan_group()
         if group is not None:
             self.comm.all_reduce(stats, dist.ReduceOp.SUM, group, ranks)
@@ -318,6 +283,11 @@ class SelectiveRuntime:
         self.planner.observe(step, scores_LU, float(stats[-1]))
 
     # -- per layer -----------------------------------------------------------------------
+    def attend(self, ctx, q_BSHD, k_BSHD, v_BSHD, scale: float, layer: int = 0, extra_kv=None) -> torch.Tensor:
+        """The strategy of `ctx` (a ShardContext): this step's plan, plus `extra_kv` fresh."""
+        state = self.attention(layer, q_BSHD, k_BSHD, v_BSHD, scale, ctx.seq_sizes)
+        return with_extra(state, q_BSHD, extra_kv, scale, self.backend).out_BSHD.to(q_BSHD.dtype)
+
     def attention(self, layer: int, q_BSHD, k_BSHD, v_BSHD, scale: float, seq_sizes: Sequence[int]) -> AttentionState:
         """Attention of the local queries over the whole sequence under this step's plan."""
         plan = self.step_plan
@@ -387,81 +357,13 @@ class SelectiveRuntime:
         out = local
         for state in unit_states:
             out = merge(out, state)
-        if self.budget:
-            self._measure_rates(layer, plan, unit_states, compute_U, out)
-        # The budget planner keeps exact steps' states as well: the anchor after the warm-up
-        # then measures every cell's rate against the step before it.
-        if plan.kind != "exact" or self.budget:
+        self.stats.measure(self.branch, layer, plan, local, unit_states, compute_U, out,
+                           lambda u: self.cache.get(self.branch, layer, u))  # fmt: skip
+        if plan.kind != "exact" or self.planner.keeps_exact_states:
             for u in range(len(units)):
                 if compute_U[u]:
                     self.cache.put(self.branch, layer, u, unit_states[u])
-        self._measure(layer, plan.kind, local, unit_states, compute_U, out)
         return out
-
-    def _measure_rates(self, layer: int, plan: StepPlan, units: list, compute_U: list[bool], total) -> None:
-        """Each recomputed cell's error had its cached state been reused: mass-weighted output
-        change (first order, ALGORITHMS.md 1) relative to the layer's output, per step of age."""
-        n = self.branch
-        if plan.step in self.planner.switches:
-            return
-        total_norm = total.out_BSHD.norm().clamp_min(torch.finfo(torch.float32).tiny)
-        for u, state in enumerate(units):
-            age = plan.step - int(self.refreshed_LU[layer, u])
-            if not compute_U[u] or age < 1 or self.refreshed_LU[layer, u] < 0:
-                continue
-            old = self.cache.get(n, layer, u)
-            weight_BSH1 = torch.exp(state.lse_BSH - total.lse_BSH).unsqueeze(-1)
-            error = (weight_BSH1 * (state.out_BSHD - old.out_BSHD)).norm() / total_norm
-            self.rate_NLU[n, layer, u] = error / age
-
-    def _measure(
-        self, layer: int, kind: str, local: AttentionState, units: list, compute_U: list[bool], total: AttentionState
-    ) -> None:
-        n = self.branch
-        budget = self.budget
-        if kind == "exact" and not budget:
-            return
-        c_now = compressed_state(local.out_BSHD)
-        tiny = torch.finfo(torch.float32).tiny
-        if budget:  # one step's relative drift, then this step's C becomes the previous one
-            prev = self.c_prev_NLBSH[n, layer]
-            c_norm = c_now.norm().clamp_min(tiny)
-            step_drift = (c_now - prev).norm() / c_norm if self._steps_done else torch.zeros((), device=c_now.device)
-            prev.copy_(c_now)
-            mass_U = torch.stack([softmax_mass(s.lse_BSH, total.lse_BSH) for s in units])
-            self.ase_NLU[n, layer] = self._budget_scores(layer, mass_U, step_drift)
-            return
-        c_ref_UBSH = self.c_ref_NLUBSH[n, layer]
-        if kind == "anchor":
-            norms = torch.stack([s.lse_BSH.norm() for s in units] + [local.lse_BSH.norm()])
-            self.weights_NLU[n, layer] = importance_weights(norms)[:-1]
-            if self.planner_cfg.use_alpha:
-                out_norms = torch.stack([s.out_BSHD.norm() for s in units])
-                self.alpha_NLU[n, layer] = alpha_factors(out_norms, local.out_BSHD.norm())
-            self.c_anchor_NLBSH[n, layer].copy_(c_now)
-            c_ref_UBSH.copy_(c_now.expand_as(c_ref_UBSH))
-            return
-        # Refresh first, then measure (the authors' order): a unit computed at this step has a
-        # cache as fresh as the local state, so its drift restarts from zero here.
-        for u in range(self.units):
-            if compute_U[u]:
-                c_ref_UBSH[u].copy_(c_now)
-        drift_U = torch.stack([drift(c_now, c_ref_UBSH[u]) for u in range(self.units)])
-        alpha = self.alpha_NLU[n, layer] if self.planner_cfg.use_alpha else None
-        self.ase_NLU[n, layer] = ase(self.weights_NLU[n, layer], drift_U, alpha)
-        anchor = self.c_anchor_NLBSH[n, layer]  # relative drift since the anchor (the gate), kept on device
-        self.gate_NL[n, layer] = (c_now - anchor).norm() / anchor.norm().clamp_min(tiny)
-
-    def _budget_scores(self, layer: int, mass_U, step_drift):
-        """Predicted error of each cell if reused at the next step: its rate times its age then
-        (1 for a cell computed now); a cell whose rate is not measured yet takes its mass times
-        the local relative drift of one step."""
-        rate_U = self.rate_NLU[self.branch, layer]
-        rate_U = torch.where(rate_U >= 0, rate_U, mass_U * step_drift)
-        # On the device (no host tensor per layer): 1 for a cell computed now (every cell of an
-        # exact or anchor step), else since its refresh.
-        age_U = torch.where(self.compute_dev_LU[layer], 1, self.step_plan.step + 1 - self.refreshed_dev_LU[layer])
-        return budget_scores(rate_U, age_U)
 
     def item_report(self) -> dict:
         assert self.planner is not None

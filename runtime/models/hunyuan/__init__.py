@@ -30,6 +30,7 @@ from planner.errors import ConfigError
 from planner.models import VaeShape
 
 TRANSFORMER_CLASS = "HunyuanVideoTransformer3DModel"
+VAE_CLASS = "AutoencoderKLHunyuanVideo"
 
 
 class JointAttention:
@@ -147,22 +148,6 @@ def patch_size(transformer) -> tuple[int, int, int]:
     return cfg.patch_size_t, cfg.patch_size, cfg.patch_size
 
 
-def prompt_embeds(pipe, prompt: str, template: dict | None, max_text_len: int, device, dtype) -> dict:
-    """The transformer's text inputs for one prompt, as HunyuanVideoPipeline encodes them."""
-    kwargs = {} if template is None else {"prompt_template": template}
-    embeds, pooled, mask = pipe.encode_prompt(prompt=prompt, device=device, max_sequence_length=max_text_len, **kwargs)
-    return {
-        "encoder_hidden_states": embeds.to(dtype),
-        "encoder_attention_mask": mask.to(dtype),
-        "pooled_projections": pooled.to(dtype),
-    }
-
-
-def guidance_tensor(scale: float, batch: int, dtype, device) -> torch.Tensor:
-    """The embedded (distilled) guidance input, as the pipeline makes it."""
-    return torch.tensor([scale] * batch, dtype=dtype, device=device) * 1000.0
-
-
 def shape_of(name: str, config: dict, params: int, text_len: int, vae_stride: tuple[int, int, int]):
     """The model's shape from its transformer config; `layers` counts the dual- and
     single-stream blocks (every one runs a joint self-attention), `ffn` is mlp_ratio x width."""
@@ -275,3 +260,47 @@ def probes(transformer) -> list[tuple]:
     """Per block: (a module called only when the block computes, one called only when its
     attention computes): what a step cache's record counts (runtime/step_cache.py)."""
     return [(b.ff.net[2] if hasattr(b, "ff") else b.proj_mlp, b.attn.to_q) for b in _blocks(transformer)]
+
+
+# -- the loop and the VAE (runtime/denoiser.py, runtime/vae.py) -------------------------------
+def load_model(components: dict, device: torch.device, max_text_len: int, variant=None, prompt_template=None):
+    """`variant`: a registry spec's (HunyuanVideo has one expert, no per-token timesteps, no
+    image: only the default is accepted); `prompt_template`: the Llama template (None: diffusers')."""
+    from runtime.models.hunyuan.loop import HunyuanModel
+
+    if variant is not None and (variant.experts != 1 or variant.expand_timesteps or variant.image != "none"):
+        raise ValueError(f"HunyuanVideo has no variant {variant}")
+    return HunyuanModel(components, device, max_text_len, prompt_template)
+
+
+def vae_chunks(vae, frames: int) -> list[slice]:
+    """Overlapping chunks of latent frames (one shared) when framewise decoding is on, as
+    diffusers' `_temporal_tiled_decode`."""
+    if not vae.use_framewise_decoding:
+        return [slice(0, frames)]
+    ratio = vae.temporal_compression_ratio
+    min_f, stride_f = vae.tile_sample_min_num_frames // ratio, vae.tile_sample_stride_num_frames // ratio
+    if frames <= min_f:
+        return [slice(0, frames)]
+    return [slice(i, min(i + min_f + 1, frames)) for i in range(0, frames, stride_f)]
+
+
+def decode_tile(vae, z_BCFHW: torch.Tensor) -> torch.Tensor:
+    return vae.decoder(vae.post_quant_conv(z_BCFHW))
+
+
+def join_chunks(vae, chunks: list[torch.Tensor], frames: int) -> torch.Tensor:
+    """The video [B, C, F, H, W] from the blended chunks: each after the first loses its shared
+    frame and is blended in time with the one before (diffusers' `blend_t`)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    ratio = vae.temporal_compression_ratio
+    blend_f = vae.tile_sample_min_num_frames - vae.tile_sample_stride_num_frames
+    stride_f = vae.tile_sample_stride_num_frames
+    chunks = [c if i == 0 else c[:, :, 1:] for i, c in enumerate(chunks)]
+    out = []
+    for i, chunk in enumerate(chunks):
+        if i > 0:
+            chunk = vae.blend_t(chunks[i - 1], chunk, blend_f)
+        out.append(chunk[:, :, : stride_f + (1 if i == 0 else 0)])
+    return torch.cat(out, dim=2)[:, :, : (frames - 1) * ratio + 1]

@@ -1,0 +1,54 @@
+"""The values the denoising loop passes between a model family and the strategies.
+
+Shape legend: B batch, C latent channels, F latent frames, H/W latent height/width,
+L text tokens, E text embedding width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TextEmbeds:
+    """One item's text, per CFG branch, in the form its family's transformer takes (Wan:
+    [B, L, E] tensors; HunyuanVideo: runtime/models/hunyuan/loop.py's HunyuanText)."""
+
+    cond_BLE: torch.Tensor
+    uncond_BLE: torch.Tensor | None  # None when guidance is off (guidance <= 1)
+
+    def __repr__(self) -> str:
+        un = None if self.uncond_BLE is None else tuple(self.uncond_BLE.shape)
+        return f"TextEmbeds(cond={tuple(self.cond_BLE.shape)}, uncond={un})"
+
+
+@dataclass
+class ImageCondition:
+    """Image-to-video inputs of one item, fixed over its run (diffusers' WanImageToVideoPipeline).
+
+    `latents_BCFHW`: the VAE-encoded conditioning video: [mask (4 ch) | image latents] joined to
+    the noisy latents on the channels, or (per-token timesteps, TI2V) the first frame's latents
+    that replace the noisy latents where `first_frame_mask` is 0. `image_BLE`: CLIP image
+    embeddings for the cross-attention (Wan2.1 I2V), else None."""
+
+    latents_BCFHW: torch.Tensor
+    first_frame_mask: torch.Tensor | None = None
+    image_BLE: torch.Tensor | None = None
+
+
+@dataclass
+class DenoiseResult:
+    latents_BCFHW: torch.Tensor  # float32, exactly what the diffusers pipeline returns (output_type="latent")
+    step_s: list[float] = field(default_factory=list)
+    # The first step (1-based) after which the latents held a NaN or inf; None: they never did.
+    first_nonfinite_step: int | None = None
+
+    def __repr__(self) -> str:
+        return f"DenoiseResult(latents_BCFHW={tuple(self.latents_BCFHW.shape)}, steps={len(self.step_s)})"
+
+
+class NonFiniteLatents(RuntimeError):
+    """The denoised latents hold NaN/inf values (a NaN weight, an fp16 overflow). The same model,
+    item and layout give the same numbers again, so such an item is failed, not retried."""
