@@ -19,7 +19,7 @@ of the measurement too. The tiny model's forward is dominated by fixed allocatio
 pools, buffers of a few MiB) and is not used for the mean.
 
 Result (2 shared CPU cores, torch 2.13 CPU, diffusers 0.42.1), from which
-`ACTIVATION_FACTOR` ({bf16: 1.0, fp32: 1.1}) and `VAE_ACTIVATION_FACTOR` (Wan 8, HunyuanVideo 6)
+`ACTIVATION_FACTOR` ({bf16: 1.0, fp32: 1.1}) and each family's `VAE_ACTIVATION_FACTOR` (Wan 8, HunyuanVideo 6)
 are set:
 
 | kind | case | video WxHxF | dtype | weights MiB pred / meas | peak MiB pred / meas | error | error without CPU im2col |

@@ -107,9 +107,9 @@ def build_run_config(
         p.nodes, p.gpus_per_node, p.replicas, spec.heads, strategy=strategy, cfg_parallel=g.cfg_parallel,
         ulysses_degree=p.ulysses_degree, group_size=d.group_size, ffn=spec.shape.ffn, joint_text=spec.shape.joint_text,
     )  # fmt: skip
-    if g.hybrid and spec.family == "hunyuanvideo" and g.hybrid_first_text != "cond":
-        raise ConfigError("--hybrid-first-text uncond does not apply to HunyuanVideo: its text stream runs through "
-                          "the blocks, so segment B must continue the conditional one")  # fmt: skip
+    if g.hybrid and spec.shape.joint_text and g.hybrid_first_text != "cond":
+        raise ConfigError(f"--hybrid-first-text uncond does not apply to {spec.name}, whose text stream runs through "
+                          "the blocks: segment B must continue the conditional one")  # fmt: skip
     if g.hybrid and mem.shard_weights:
         raise ConfigError("--shard-weights does not combine with --hybrid (its segments run different blocks)")
     if g.hybrid and layout.strategy in ("ditango", "tp"):

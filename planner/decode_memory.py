@@ -7,7 +7,7 @@ receiving every tile and blending them.
 Per decoder call on a latent region h x w (one tile, or the whole frame):
   caches       Wan's causal convolutions keep the last CACHE_T frames of each input between
                frame chunks: CACHE_T x 4 x sum over resolutions of cached channels x area;
-  activations  VAE_ACTIVATION_FACTOR (per family) x the widest (channels x frames x area x 4) over the
+  activations  the VAE's activation_factor x the widest (channels x frames x area x 4) over the
                decoder's resolutions: a residual block holds its input, the normed copy,
                the padded convolution input and the output at once;
   mask         HunyuanVideo's mid-block attention builds a dense causal mask over the call's
@@ -28,10 +28,6 @@ from planner.models import VaeShape
 
 CACHE_T = 2  # diffusers' autoencoder_kl_wan.CACHE_T
 F32 = 4
-# Live tensors at the widest resolution per (channels x frames x area): a residual block's
-# input, normed and activated copies, padded convolution inputs and outputs. Calibrated per
-# decoder family on CPU against measured decodes (benchmarks/memory.py states the error).
-VAE_ACTIVATION_FACTOR = {"wan": 8.0, "hunyuanvideo": 6.0}
 
 
 def level_frames(vae: VaeShape, frames: int) -> list[int]:
@@ -41,7 +37,7 @@ def level_frames(vae: VaeShape, frames: int) -> list[int]:
     out = [frames]
     for grows in vae.time_up[:-1]:
         f = out[-1]
-        out.append((2 * f if vae.family == "wan" else 2 * f - 1) if grows else f)
+        out.append((2 * f if vae.causal_frames else 2 * f - 1) if grows else f)
     return out
 
 
@@ -55,13 +51,13 @@ def call_bytes(vae: VaeShape, frames: int, h: int, w: int) -> tuple[int, int]:
     caches = CACHE_T * F32 * sum(c * a for c, a in zip(vae.cached, areas, strict=True))
     act = max(c * f * a for c, f, a in zip(vae.widths, level_frames(vae, frames), areas, strict=True))
     mask = 5 * (frames * h * w) ** 2 if vae.masked_attention else 0
-    return caches, round(VAE_ACTIVATION_FACTOR[vae.family] * F32 * act) + mask
+    return caches, round(vae.activation_factor * F32 * act) + mask
 
 
 def chunks(vae: VaeShape, f: int) -> list[int]:
     """Latent frames of each decoder call along time: Wan one at a time; HunyuanVideo diffusers'
     overlapping chunks (one latent frame shared) once the video is longer than one chunk."""
-    if vae.family == "wan":
+    if vae.causal_frames:
         return [1] * f
     n = vae.chunk_frames
     if f <= n - 1:
@@ -86,7 +82,7 @@ def decode_bytes(
     s = vae.spatial
     video = 3 * output_frames(vae, f) * h * s * w * s * F32
     calls = chunks(vae, f)
-    if vae.family == "wan":  # the first chunk decodes to 1 frame, every other to `temporal`
+    if vae.causal_frames:  # the first chunk decodes to 1 frame, every other to `temporal`
         decoded = output_frames(vae, f)
     else:  # diffusers' chunks overlap by one latent frame
         decoded = sum(level_frames(vae, c)[-1] for c in calls)

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from planner.errors import ConfigError
 from planner.layout import token_count
 
-VAE_FAMILIES = ("wan", "hunyuanvideo")
-
 
 @dataclass(frozen=True)
 class VaeShape:
@@ -32,7 +30,6 @@ class VaeShape:
     chunk's latent tokens (HunyuanVideo).
     """
 
-    family: str = "wan"
     params: int = 0
     z_dim: int = 16
     spatial: int = 8  # output pixels per latent pixel, per side
@@ -44,10 +41,17 @@ class VaeShape:
     chunk_frames: int = 1
     chunk_stride: int = 1
     masked_attention: bool = False
+    # True (Wan): latent frames go one at a time through causal caches, the first decoding to
+    # one frame and every other to `temporal`; a call's frames double at a temporal upsampler.
+    # False (HunyuanVideo): overlapping chunks, each call keeping its first frame (f -> 2f - 1).
+    causal_frames: bool = True
+    # Live tensors at the widest resolution per (channels x frames x area), calibrated per
+    # decoder on CPU against measured decodes (benchmarks/memory.py states the error).
+    activation_factor: float = 8.0
 
     def __post_init__(self) -> None:
-        if self.family not in VAE_FAMILIES:
-            raise ConfigError(f"VAE family {self.family!r}: expected one of {', '.join(VAE_FAMILIES)}")
+        if self.activation_factor <= 0:
+            raise ConfigError(f"VAE shape: activation_factor must be > 0, got {self.activation_factor}")
         n = len(self.widths)
         if n < 1 or len(self.cached) != n or len(self.time_up) != n:
             raise ConfigError(

@@ -593,12 +593,12 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
 
     import runtime.assembly as assembly
     import runtime.denoiser as denoiser_module
-    import runtime.models.hunyuan as hunyuan
     import runtime.vae as vae_module
     from runtime.comm import Comm
     from runtime.inputs import item_inputs
     from runtime.kernels import resolve_backend
     from runtime.mesh import build_mesh
+    from runtime.models.families import FAMILIES
     from runtime.models.loading import placement_on
     from runtime.models.meta import materialize, meta_components
     from runtime.run import RankContext, before_decode, denoiser_for_run, run_host_loaded
@@ -645,7 +645,9 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
             stack.enter_context(mock.patch.object(denoiser_module, "host_timesteps", real_timesteps))
             stack.enter_context(mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", CONSTANT_LIMIT))
             stack.enter_context(mock.patch.object(fsdp_init, "_move_states_to_device", _move_fake_states))
-            stack.enter_context(mock.patch.object(hunyuan, "valid_text_tokens", lambda mask_L: mask_L.shape[0]))
+            for family in FAMILIES.values():  # a text mask read on the host: no values here, every token valid
+                if hasattr(family, "valid_text_tokens"):
+                    stack.enter_context(mock.patch.object(family, "valid_text_tokens", lambda mask_L: mask_L.shape[0]))
             stack.enter_context(mock.patch.object(vae_module, "tile_shapes", tile_shapes))
             sdpa = torch.nn.functional.scaled_dot_product_attention
             stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", gpu_sdpa(sdpa)))

@@ -76,3 +76,36 @@ def test_imports_are_absolute():
         if isinstance(node, ast.ImportFrom) and node.level > 0
     ]
     assert relative == [], relative
+
+
+def test_modules_stay_small():
+    """One idea a module (docs/STYLE): none of the tool's modules grows past 400 lines."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > 400
+    }
+    assert long == {}, long
+
+
+def test_no_family_is_named_outside_its_package():
+    """A model family is one package under runtime/models/ and one FAMILIES entry: no module
+    elsewhere compares anything with a family's name, pipeline or class names."""
+    from runtime.models.families import FAMILIES
+
+    names = set(FAMILIES)
+    for family in FAMILIES.values():
+        names |= {*family.PIPELINES, family.TRANSFORMER_CLASS, family.VAE_CLASS}
+    found = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if path.is_relative_to(ROOT / "runtime" / "models"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Compare):
+                    operands = [node.left, *node.comparators]
+                    for leaf in (n for o in operands for n in ast.walk(o)):
+                        if isinstance(leaf, ast.Constant) and leaf.value in names:
+                            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {leaf.value!r}")
+    assert found == [], found

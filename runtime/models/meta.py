@@ -2,8 +2,8 @@
 its real shape and in the dtypes the loader gives it (runtime/models/loading.py), with no
 weight read. `ditango rehearse` (runtime/rehearse.py) moves them onto fake GPUs.
 
-A registry name is built from the configs in runtime/models/registry.py and those below (the
-public checkpoints' text encoders, VAEs and schedulers); a directory from its own
+A registry name is built from the configs in runtime/models/registry.py and its family's (the
+public checkpoints' text encoders and schedulers: runtime/models/<family>/checkpoint.py); a directory from its own
 `<component>/config.json` files and tokenizers. Token ids come from `ShapeTokenizer`: a
 prompt of the longest length the pipeline asks for, which is what the memory model assumes.
 """
@@ -17,24 +17,8 @@ import torch
 
 from planner.errors import ConfigError
 from runtime.models import registry
+from runtime.models.families import FAMILIES
 from runtime.models.registry import ModelSpec
-
-# The text encoders of the public checkpoints (their text_encoder/config.json; the keys that
-# decide the shape). Parameter counts equal registry.TEXT_ENCODERS (tests/test_rehearse.py).
-UMT5_XXL = {"model_type": "umt5", "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_layers": 24, "num_heads": 64, "vocab_size": 256384,
-            "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
-            "relative_attention_max_distance": 128}  # fmt: skip
-LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "vocab_size": 128320, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-            "max_position_embeddings": 8192}  # fmt: skip
-CLIP_L_TEXT = {"model_type": "clip_text_model", "hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "num_hidden_layers": 12,
-               "max_position_embeddings": 77, "projection_dim": 768}  # fmt: skip
-CLIP_H_VISION = {"model_type": "clip_vision_model", "hidden_size": 1280, "intermediate_size": 5120, "num_attention_heads": 16, "num_hidden_layers": 32,
-                 "patch_size": 14, "image_size": 224, "projection_dim": 1024}  # fmt: skip
-# The schedulers of the public checkpoints (scheduler/scheduler_config.json).
-WAN_SCHEDULER = {"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
-                 "use_flow_sigmas": True, "flow_shift": 3.0, "num_train_timesteps": 1000, "solver_order": 2}  # fmt: skip
-HUNYUAN_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 7.0}
 
 
 class ShapeTokenizer:
@@ -98,27 +82,10 @@ def _transformers_model(class_name: str, config: dict):
 
 
 def _named_configs(spec: ModelSpec, key: str) -> dict:
-    """{component: (class name, config)} of a registry model."""
-    if spec.family == "hunyuanvideo":
-        return {
-            "transformer": ("HunyuanVideoTransformer3DModel", registry.HUNYUAN_CONFIG),
-            "vae": ("AutoencoderKLHunyuanVideo", registry.VAE_CONFIGS["hunyuanvideo"]),
-            "text_encoder": ("LlamaModel", LLAMA_8B),
-            "text_encoder_2": ("CLIPTextModel", CLIP_L_TEXT),
-            "scheduler": ("FlowMatchEulerDiscreteScheduler", HUNYUAN_SCHEDULER),
-        }
-    vae_key = key if key in registry.VAE_CONFIGS else "wan"
-    parts = {
-        "transformer": ("WanTransformer3DModel", registry.CONFIGS[key]),
-        "vae": ("AutoencoderKLWan", registry.VAE_CONFIGS[vae_key]),
-        "text_encoder": ("UMT5EncoderModel", UMT5_XXL),
-        "scheduler": ("UniPCMultistepScheduler", WAN_SCHEDULER),
-    }
-    if spec.variant.experts == 2:
-        parts["transformer_2"] = parts["transformer"]
-    if spec.variant.image_encoder:
-        parts["image_encoder"] = ("CLIPVisionModel", CLIP_H_VISION)
-    return parts
+    """{component: (class name, config)} of a registry model (its family's other components)."""
+    transformer = registry.TINY_CONFIG if key == "tiny-wan" else registry.CONFIGS[key]
+    vae = registry.VAE_CONFIGS[registry.vae_key(key, spec.family)]
+    return FAMILIES[spec.family].named_parts(transformer, vae, spec.variant)
 
 
 def _dir_configs(path: Path) -> dict:

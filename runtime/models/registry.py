@@ -14,8 +14,9 @@ from pathlib import Path
 from planner.errors import ConfigError
 from planner.models import ModelShape
 from runtime.errors import ModelDirError
-from runtime.models import hunyuan, wan
 from runtime.models.checkpoint import ModelDirInfo, count_params, inspect_model_dir
+from runtime.models.families import FAMILIES
+from runtime.models.wan import WanVariant
 
 MODEL_ROOT_ENV = "DITANGO_MODEL_ROOT"
 BUILTIN_DIR = Path(__file__).resolve().parent / "tiny" / "weights"  # tiny-wan, a diffusers directory
@@ -60,8 +61,8 @@ class ModelSpec:
     defaults: Defaults
     dir_name: str | None = None  # directory under the model root, for named checkpoints
     builtin: bool = False  # shipped inside the package (BUILTIN_DIR)
-    variant: wan.WanVariant = wan.WanVariant()
-    family: str = "wan"
+    variant: WanVariant = WanVariant()
+    family: str = "wan"  # its key in runtime/models/families.py
     config_key: str = ""  # its entry in CONFIGS (several names share one config)
 
     @property
@@ -188,45 +189,50 @@ CLIP_VIT_H_PARAMS = 630_766_080  # Wan2.1 I2V's CLIPVisionModel (ViT-H/14, 1280 
 CLIP_IMAGE_TOKENS = 257  # 16 x 16 patches + the class token
 
 
+def vae_key(config_key: str, family: str) -> str:
+    """The VAE_CONFIGS / VAE_PARAMS entry of a named model: its own, else its family's."""
+    return config_key if config_key in VAE_CONFIGS else family
+
+
 def _spec(
-    name: str, description: str, config_key: str, dir_name: str | None, variant: wan.WanVariant, vae_stride: int = 8,
-    text_len: int = 512, params: int | None = None, builtin: bool = False, **defaults,
+    name: str, description: str, config_key: str, dir_name: str | None, variant: WanVariant, vae_stride: int = 8,
+    params: int | None = None, builtin: bool = False, family: str = "wan", **defaults,
 ) -> ModelSpec:  # fmt: skip
-    """A registry entry: shape from the transformer config (through the adapter), defaults
-    from diffusers' pipeline and the model card, geometry from the config and VAE."""
+    """A registry entry: shape from the transformer config (through its family), defaults from
+    diffusers' pipeline (the family's) and the model card, geometry from the config and VAE."""
+    adapter = FAMILIES[family]
     config = TINY_CONFIG if config_key == "tiny-wan" else CONFIGS[config_key]
     n = PARAMS.get(config_key, 0) if params is None else params
-    adapter = hunyuan if config_key == "hunyuanvideo" else wan
+    defaults = {**adapter.PIPELINE_DEFAULTS, **defaults}
+    text_len = defaults.get("max_text_len", Defaults.max_text_len)
     shape = adapter.shape_of(name, config, n * variant.experts, text_len, (4, vae_stride, vae_stride))
-    family_key = config_key if config_key in ("tiny-wan", "hunyuanvideo") else "wan"
-    vae_key = config_key if config_key in VAE_CONFIGS else family_key
+    vae = vae_key(config_key, family)
     shape = with_components(
-        shape, adapter, config, variant, TEXT_ENCODERS[family_key],
-        CLIP_VIT_H_PARAMS if variant.image_encoder else 0, VAE_CONFIGS[vae_key], VAE_PARAMS[vae_key],
+        shape, adapter, config, variant, TEXT_ENCODERS[config_key if config_key in TEXT_ENCODERS else family],
+        CLIP_VIT_H_PARAMS if variant.image_encoder else 0, VAE_CONFIGS[vae], VAE_PARAMS[vae],
         FSDP_GATHERED.get(config_key), FSDP_ROOT_GATHERED.get(config_key),
     )  # fmt: skip
     geometry = Defaults(
         vae_stride=vae_stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
-        max_text_len=text_len, image=variant.image, experts=variant.experts,
+        image=variant.image, experts=variant.experts,
     )  # fmt: skip
-    family = "hunyuanvideo" if adapter is hunyuan else "wan"
     return ModelSpec(
         name, description, shape, replace(geometry, **defaults), dir_name, builtin, variant, family, config_key
     )
 
 
 def with_components(
-    shape: ModelShape, adapter, config: dict, variant: wan.WanVariant, text: tuple[int, int, int, int],
+    shape: ModelShape, adapter, config: dict, variant: WanVariant, text: tuple[int, int, int, int],
     image_params: int, vae_config: dict, vae_params: int, fsdp_gathered: int | None = None,
     fsdp_root_gathered: int | None = None,
 ) -> ModelShape:  # fmt: skip
     """`shape` with what the memory model needs of the transformer's blocks and the other
-    components. `fsdp_gathered` None: the blocks less Wan's float32 norm2 and modulation table
-    (8 C a block; the exact count, with the root's module lists, is FSDP_GATHERED's)."""
+    components. `fsdp_gathered` None: the family's estimate (the exact count, with the root's
+    module lists, is FSDP_GATHERED's)."""
     per_expert = shape.params // max(1, variant.experts)
-    blocks = hunyuan.blocks_params(config) if adapter is hunyuan else shape.layers * wan.block_params(config)
+    blocks = adapter.blocks_params(config)
     if fsdp_gathered is None:
-        fsdp_gathered = blocks if adapter is hunyuan else blocks - 8 * shape.hidden * shape.layers
+        fsdp_gathered = adapter.fsdp_gathered_params(config, shape.hidden, shape.layers)
     try:
         vae = adapter.vae_shape_of(vae_config, vae_params)
     except ConfigError:  # a VAE whose scale factor disagrees with its decoder: its decode is not modelled
@@ -241,13 +247,13 @@ def with_components(
     )  # fmt: skip
 
 
-T2V, I2V = wan.WanVariant(), wan.WanVariant(pipeline="WanImageToVideoPipeline", image_encoder=True)
+T2V, I2V = WanVariant(), WanVariant(pipeline="WanImageToVideoPipeline", image_encoder=True)
 P720 = {"height": 720, "width": 1280}
 REGISTRY: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         _spec("tiny-wan", "built-in tiny Wan trained on moving shapes (runtime/models/tiny/weights)", "tiny-wan",
-              None, T2V, vae_stride=4, text_len=32, params=2_712_816, builtin=True, steps=25, guidance=2.5,
+              None, T2V, vae_stride=4, max_text_len=32, params=2_712_816, builtin=True, steps=25, guidance=2.5,
               height=64, width=64, frames=17, fps=8),
         # Wan2.1: diffusers' WanPipeline / WanImageToVideoPipeline defaults (50 steps, guidance 5.0, 81 frames).
         _spec("wan2.1-1.3b", "Wan2.1 text-to-video 1.3B", "wan2.1-1.3b", "Wan2.1-T2V-1.3B-Diffusers", T2V),
@@ -258,18 +264,17 @@ REGISTRY: dict[str, ModelSpec] = {
               "Wan2.1-I2V-14B-720P-Diffusers", I2V, **P720),
         # Wan2.2 (the model cards' settings): two 14B experts switched at boundary_ratio x 1000.
         _spec("wan2.2-t2v-a14b", "Wan2.2 text-to-video, two 14B experts", "wan2.2-t2v-a14b",
-              "Wan2.2-T2V-A14B-Diffusers", wan.WanVariant(boundary_ratio=0.875), steps=40, guidance=4.0,
+              "Wan2.2-T2V-A14B-Diffusers", WanVariant(boundary_ratio=0.875), steps=40, guidance=4.0,
               guidance_2=3.0, **P720),
         _spec("wan2.2-i2v-a14b", "Wan2.2 image-to-video, two 14B experts", "wan2.2-i2v-a14b",
-              "Wan2.2-I2V-A14B-Diffusers", wan.WanVariant(pipeline="WanImageToVideoPipeline", boundary_ratio=0.9),
+              "Wan2.2-I2V-A14B-Diffusers", WanVariant(pipeline="WanImageToVideoPipeline", boundary_ratio=0.9),
               steps=40, guidance=3.5, guidance_2=3.5),
         _spec("wan2.2-ti2v-5b", "Wan2.2 text/image-to-video 5B, per-token timesteps, 16x VAE", "wan2.2-ti2v-5b",
-              "Wan2.2-TI2V-5B-Diffusers", wan.WanVariant(expand_timesteps=True), vae_stride=16, height=704,
+              "Wan2.2-TI2V-5B-Diffusers", WanVariant(expand_timesteps=True), vae_stride=16, height=704,
               width=1280, frames=121, fps=24),
         # HunyuanVideo: HunyuanVideoPipeline's defaults (720x1280, 129 frames, 50 steps, embedded guidance 6.0).
         _spec("hunyuanvideo", "HunyuanVideo text-to-video 13B (joint text-video attention)", "hunyuanvideo",
-              "HunyuanVideo", wan.WanVariant(pipeline="HunyuanVideoPipeline"), text_len=256, guidance=6.0,
-              true_cfg=1.0, frames=129, fps=24, **P720),
+              "HunyuanVideo", WanVariant(pipeline="HunyuanVideoPipeline"), family="hunyuanvideo"),
     )
 }  # fmt: skip
 
@@ -344,7 +349,7 @@ def spec_from_dir(path: Path, info: ModelDirInfo) -> ModelSpec:
     transformer config (through the adapter), what it asks for from its model_index.json."""
     config, variant = info.transformer_config, info.variant
     stride = vae_stride(path)
-    adapter = hunyuan if info.family == "hunyuanvideo" else wan
+    adapter = FAMILIES[info.family]
 
     def components(shape: ModelShape) -> ModelShape:
         counts = {n: count_params(sorted((path / n).glob("*.safetensors"))) if (path / n).is_dir() else 0
@@ -354,22 +359,15 @@ def spec_from_dir(path: Path, info: ModelDirInfo) -> ModelSpec:
         return with_components(shape, adapter, config, variant, known, counts["image_encoder"], _vae_config(path),
                                counts["vae"])  # fmt: skip
 
-    if info.family == "hunyuanvideo":  # HunyuanVideoPipeline's defaults
-        shape = components(hunyuan.shape_of(str(path), config, info.transformer_params, 256, (4, stride, stride)))
-        defaults = Defaults(
-            guidance=6.0, height=720, width=1280, frames=129, fps=24, max_text_len=256, vae_stride=stride,
-            patch=shape.patch, true_cfg=1.0,
-        )  # fmt: skip
-        return ModelSpec(str(path), "local diffusers-format directory", shape, defaults, variant=variant,
-                         family="hunyuanvideo")  # fmt: skip
-    shape = components(
-        wan.shape_of(str(path), config, info.transformer_params, Defaults.max_text_len, (4, stride, stride))
-    )
+    pipeline = adapter.PIPELINE_DEFAULTS  # the pipeline's defaults where they differ from `Defaults`
+    text_len = pipeline.get("max_text_len", Defaults.max_text_len)
+    shape = components(adapter.shape_of(str(path), config, info.transformer_params, text_len, (4, stride, stride)))
     defaults = Defaults(
         vae_stride=stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
-        image=variant.image, experts=variant.experts,
+        image=variant.image, experts=variant.experts, **pipeline,
     )  # fmt: skip
-    return ModelSpec(str(path), "local diffusers-format directory", shape, defaults, variant=variant)
+    return ModelSpec(str(path), "local diffusers-format directory", shape, defaults, variant=variant,
+                     family=info.family)  # fmt: skip
 
 
 def _vae_config(path: Path) -> dict:

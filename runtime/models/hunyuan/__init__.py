@@ -27,10 +27,34 @@ import contextlib
 import torch
 
 from planner.errors import ConfigError
-from planner.models import VaeShape
+from runtime.models.hunyuan.checkpoint import (
+    COMPONENTS,
+    PIPELINES,
+    REQUIRED,
+    TRANSFORMER_CLASS,
+    VAE_CLASS,
+    dir_variant,
+    named_parts,
+)
+from runtime.models.hunyuan.shapes import (
+    PIPELINE_DEFAULTS,
+    VAE_ACTIVATION_FACTOR,
+    block_params,
+    blocks_params,
+    count_params,
+    fsdp_gathered_params,
+    shape_of,
+    vae_shape_of,
+)
+from runtime.models.hunyuan.vae import decode_tile, join_chunks, vae_chunks
 
-TRANSFORMER_CLASS = "HunyuanVideoTransformer3DModel"
-VAE_CLASS = "AutoencoderKLHunyuanVideo"
+__all__ = [
+    "COMPONENTS", "PIPELINES", "PIPELINE_DEFAULTS", "REQUIRED", "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR",
+    "VAE_CLASS", "JointAttention", "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile",
+    "dir_variant", "from_block", "fsdp_gathered_params", "install", "install_tp", "join_chunks", "load_model",
+    "named_parts", "pack_boundary", "patch_size", "probes", "segment_blocks", "shape_of", "uninstall",
+    "uninstall_tp", "vae_chunks", "vae_shape_of", "valid_text_tokens",
+]  # fmt: skip
 
 
 class JointAttention:
@@ -148,76 +172,6 @@ def patch_size(transformer) -> tuple[int, int, int]:
     return cfg.patch_size_t, cfg.patch_size, cfg.patch_size
 
 
-def shape_of(name: str, config: dict, params: int, text_len: int, vae_stride: tuple[int, int, int]):
-    """The model's shape from its transformer config; `layers` counts the dual- and
-    single-stream blocks (every one runs a joint self-attention), `ffn` is mlp_ratio x width."""
-    from planner.models import ModelShape
-
-    heads, head_dim = int(config.get("num_attention_heads", 24)), int(config.get("attention_head_dim", 128))
-    p, p_t = int(config.get("patch_size", 2)), int(config.get("patch_size_t", 1))
-    return ModelShape(
-        name=name,
-        layers=int(config.get("num_layers", 20)) + int(config.get("num_single_layers", 40)),
-        heads=heads,
-        head_dim=head_dim,
-        ffn=int(float(config.get("mlp_ratio", 4.0)) * heads * head_dim),
-        text_len=text_len,
-        params=params,
-        text_dim=int(config.get("text_embed_dim", 4096)),
-        latent_channels=int(config.get("out_channels") or config.get("in_channels", 16)),
-        patch=(p_t, p, p),
-        vae_stride=vae_stride,
-        joint_text=True,
-    )
-
-
-def block_params(config: dict) -> int:
-    """Parameters of the largest block, a dual-stream `HunyuanVideoTransformerBlock` (checked
-    against the meta-device block by `tests/test_memory.py`)."""
-    c = int(config.get("num_attention_heads", 24)) * int(config.get("attention_head_dim", 128))
-    m = float(config.get("mlp_ratio", 4.0))
-    d = int(config.get("attention_head_dim", 128))
-    # per stream: 6C modulation, q/k/v + out projections, MLP; four RMS norms of the head dim
-    return int(20 * c * c + 20 * c + 2 * (2 * m * c * c + (m + 1) * c)) + 4 * d
-
-
-def blocks_params(config: dict) -> int:
-    """All dual- and single-stream blocks together (the rest is the root: embedders, refiner, head)."""
-    c = int(config.get("num_attention_heads", 24)) * int(config.get("attention_head_dim", 128))
-    m, d = float(config.get("mlp_ratio", 4.0)), int(config.get("attention_head_dim", 128))
-    mlp = int(m * c)
-    single = c * (3 * c + mlp) + (3 * c + mlp) + (c + mlp) * c + c + 3 * c * c + 3 * c + 2 * d
-    return int(config.get("num_layers", 20)) * block_params(config) + int(config.get("num_single_layers", 40)) * single
-
-
-def vae_shape_of(config: dict, params: int) -> VaeShape:
-    """The decoder of an `AutoencoderKLHunyuanVideo` config, as diffusers builds and runs it:
-    up blocks from the widest, spatial upsampling in the first log2(spatial) of them, temporal
-    in the two before the last; frame chunks of 16 sample frames (4 + 1 latent) every 12."""
-    widths = [int(w) for w in config.get("block_out_channels", (128, 256, 512, 512))][::-1]
-    spatial, temporal = (
-        int(config.get("spatial_compression_ratio", 8)),
-        int(config.get("temporal_compression_ratio", 4)),
-    )
-    n = len(widths)
-    levels = [max(widths[max(i - 1, 0)], w) for i, w in enumerate(widths)]
-    time_up = tuple(n - 1 - 2 <= i < n - 1 for i in range(n))
-    return VaeShape(
-        "hunyuanvideo", params, int(config.get("latent_channels", 16)), spatial, temporal, 1, tuple(levels),
-        (0,) * n, time_up, chunk_frames=16 // temporal + 1, chunk_stride=12 // temporal, masked_attention=True,
-    )  # fmt: skip
-
-
-def count_params(config: dict) -> int:
-    """Parameters of a transformer with this config, built on the meta device (no memory)."""
-    from diffusers import HunyuanVideoTransformer3DModel
-
-    known = set(HunyuanVideoTransformer3DModel.extract_init_dict(config)[0])
-    with torch.device("meta"):
-        model = HunyuanVideoTransformer3DModel(**{k: v for k, v in config.items() if k in known})
-    return sum(p.numel() for p in model.parameters())
-
-
 # -- Hybridiff's segments (runtime/guidance.py) -------------------------------------------
 
 
@@ -262,7 +216,6 @@ def probes(transformer) -> list[tuple]:
     return [(b.ff.net[2] if hasattr(b, "ff") else b.proj_mlp, b.attn.to_q) for b in _blocks(transformer)]
 
 
-# -- the loop and the VAE (runtime/denoiser.py, runtime/vae.py) -------------------------------
 def load_model(components: dict, device: torch.device, max_text_len: int, variant=None, prompt_template=None):
     """`variant`: a registry spec's (HunyuanVideo has one expert, no per-token timesteps, no
     image: only the default is accepted); `prompt_template`: the Llama template (None: diffusers')."""
@@ -271,36 +224,3 @@ def load_model(components: dict, device: torch.device, max_text_len: int, varian
     if variant is not None and (variant.experts != 1 or variant.expand_timesteps or variant.image != "none"):
         raise ValueError(f"HunyuanVideo has no variant {variant}")
     return HunyuanModel(components, device, max_text_len, prompt_template)
-
-
-def vae_chunks(vae, frames: int) -> list[slice]:
-    """Overlapping chunks of latent frames (one shared) when framewise decoding is on, as
-    diffusers' `_temporal_tiled_decode`."""
-    if not vae.use_framewise_decoding:
-        return [slice(0, frames)]
-    ratio = vae.temporal_compression_ratio
-    min_f, stride_f = vae.tile_sample_min_num_frames // ratio, vae.tile_sample_stride_num_frames // ratio
-    if frames <= min_f:
-        return [slice(0, frames)]
-    return [slice(i, min(i + min_f + 1, frames)) for i in range(0, frames, stride_f)]
-
-
-def decode_tile(vae, z_BCFHW: torch.Tensor) -> torch.Tensor:
-    return vae.decoder(vae.post_quant_conv(z_BCFHW))
-
-
-def join_chunks(vae, chunks: list[torch.Tensor], frames: int) -> torch.Tensor:
-    """The video [B, C, F, H, W] from the blended chunks: each after the first loses its shared
-    frame and is blended in time with the one before (diffusers' `blend_t`)."""
-    if len(chunks) == 1:
-        return chunks[0]
-    ratio = vae.temporal_compression_ratio
-    blend_f = vae.tile_sample_min_num_frames - vae.tile_sample_stride_num_frames
-    stride_f = vae.tile_sample_stride_num_frames
-    chunks = [c if i == 0 else c[:, :, 1:] for i, c in enumerate(chunks)]
-    out = []
-    for i, chunk in enumerate(chunks):
-        if i > 0:
-            chunk = vae.blend_t(chunks[i - 1], chunk, blend_f)
-        out.append(chunk[:, :, : stride_f + (1 if i == 0 else 0)])
-    return torch.cat(out, dim=2)[:, :, : (frames - 1) * ratio + 1]

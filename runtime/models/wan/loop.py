@@ -15,7 +15,7 @@ import torch
 from diffusers import WanPipeline
 
 from runtime.loop_types import ImageCondition, TextEmbeds
-from runtime.models.wan import WanVariant
+from runtime.models.wan.shapes import WanVariant
 
 
 class WanModel:
