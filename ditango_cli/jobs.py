@@ -21,8 +21,8 @@ def status(out: OutArg) -> int:
     folder of ditango, nothing was submitted from it, its job record is damaged, or a Slurm
     command failed."""
     from runtime.outputs import require_output_folder, status_counts
+    from slurm.job_errors import job_states
     from slurm.jobs import failed_state
-    from slurm.submit import job_states
 
     rows = job_states(require_output_folder(out))
     table = Table("job", "state", "submitted", "error")

@@ -60,7 +60,8 @@ def simulate(
     gpu_memory: GpuMemOpt = None,
 ) -> int:
     """Price strategies on a hardware profile: per-step attention, step and end-to-end time, bytes, peak memory."""
-    from planner.cost_model import compare_layouts, load_hardware, memory_options, simulate_assumptions
+    from planner.comparison import compare_layouts, memory_options, simulate_assumptions
+    from planner.cost_model import load_hardware
     from planner.memory import parse_bytes
     from runtime.models.registry import REGISTRY
 

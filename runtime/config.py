@@ -244,7 +244,7 @@ def plan_memory(cfg: RunConfig, shape, gpu_bytes: int, dtype_bytes: int, what: s
     """The memory pre-flight (planner/memory.py) of every item size of `cfg` on GPUs of
     `gpu_bytes`: a ConfigError naming what would make it fit when it cannot; else `cfg` with
     the offloads it needs (none when everything fits)."""
-    from planner.memory import preflight
+    from planner.preflight import preflight
 
     offload: set[str] = set()
     for (h, w, f), options in item_memory_options(cfg, dtype_bytes):

@@ -201,7 +201,7 @@ def _step_error(folder: Path, task: int, returncode: int) -> tuple[str, int | No
     a word (kill -9, the OOM killer) if srun reported its end first (task-<task>-srun.log keeps
     srun's messages; later signal deaths are srun ending the step). Among those, the first srun
     reported, then the first written; without one, the first peer's reaction."""
-    from slurm.submit import srun_task_ends
+    from slurm.job_errors import srun_task_ends
 
     found = sorted(folder.glob(f"task-{task}-rank-*.error"), key=lambda p: p.stat().st_mtime)
     errors = [(p.read_text(encoding="utf-8").strip(), int(p.name.split("-rank-")[1].split(".")[0])) for p in found]

@@ -253,7 +253,7 @@ def _fake_job(tmp_path: Path, srun_text: str, exceptions: list) -> SimpleNamespa
 
 
 def test_srun_task_ends_in_the_order_srun_reported_them():
-    from slurm.submit import srun_task_ends
+    from slurm.job_errors import srun_task_ends
 
     assert srun_task_ends(SRUN_KILLED_2) == [
         ((2,), "Killed"), ((1,), "Terminated"), ((3,), "Exited with exit code 1"), ((0,), "Exited with exit code 1"),
@@ -264,7 +264,7 @@ def test_srun_task_ends_in_the_order_srun_reported_them():
 def test_a_job_blames_the_task_killed_first_not_a_peer_reaction(tmp_path):
     """Bug: a task killed by SIGKILL leaves no exception, so a survivor's 'Connection reset by
     peer' was the job's error, with no rank."""
-    from slurm.submit import job_failure
+    from slurm.job_errors import job_failure
 
     reset = _failed_trace(RESET)
     job = _fake_job(tmp_path, SRUN_KILLED_2, [reset, _no_output(1), _no_output(2), reset])
@@ -287,7 +287,7 @@ def test_a_requeued_job_is_judged_by_its_last_attempt(tmp_path):
     """Bug: a job requeued at its time limit (submitit's checkpoint on SIGUSR2) keeps one log
     across attempts; srun's report of the first attempt's signalled tasks made a job whose
     last attempt finished read as failed ("rank 0: User defined signal 2")."""
-    from slurm.submit import ATTEMPT_MARK, job_failure
+    from slurm.job_errors import ATTEMPT_MARK, job_failure
 
     first = "srun: error: node1: task 0: User defined signal 2\nsrun: error: node2: task 1: User defined signal 2\n"
     finished = _fake_job(tmp_path, f"{ATTEMPT_MARK}\n{first}{ATTEMPT_MARK}\nlast attempt's output\n", [None, None])

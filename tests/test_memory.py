@@ -14,17 +14,9 @@ import torch
 
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout
-from planner.memory import (
-    GIB,
-    MemoryOptions,
-    ditango_cache_bytes,
-    estimate_memory,
-    fit_to_memory,
-    preflight,
-    unit_bytes,
-    usable_bytes,
-)
+from planner.memory import GIB, MemoryOptions, ditango_cache_bytes, estimate_memory, unit_bytes
 from planner.models import VaeShape
+from planner.preflight import fit_to_memory, preflight, usable_bytes
 from runtime.models.registry import REGISTRY
 
 WAN14 = REGISTRY["wan2.1-14b"].shape

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.cost_model import HARDWARE, compare_layouts, estimate
+from planner.comparison import compare_layouts
+from planner.cost_model import HARDWARE, estimate
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout, replica_layout, virtual_node_map
 from planner.memory import estimate_memory
