@@ -12,17 +12,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planner.errors import ConfigError
-from runtime.comm import Comm
 from runtime.config import RunConfig
-from runtime.mesh import build_mesh
 from runtime.outputs import plan_resume
 from runtime.run import Observer, RankContext, SilentObserver, execute, settled_report
 from slurm.aggregate import aggregate
+from slurm.entry import run_rank
 from slurm.faults import FaultInjecting
 from slurm.local import EventSink, RankFailed, run_ranks
 from slurm.rank import current_device, select_device
 from slurm.sharding import shard
-from slurm.supervise import Outcome, replica_share, task_report
+from slurm.supervise import Outcome, task_report
 
 
 class _Forwarding:
@@ -46,19 +45,8 @@ def rank_main(
     rank: int, world: int, events: EventSink, cfg: RunConfig, skipped: dict, report_name: str, decided: dict
 ) -> dict | None:
     """Entry point of one local rank (after its replica's process group is up)."""
-    cfg, report_name = replica_share(cfg, events.replica, report_name)
-    if cfg is None:
-        return None
-    mine = {i.id for i in cfg.items}
-    skipped = {k: v for k, v in skipped.items() if k in mine}
-    decided = {k: v for k, v in decided.items() if k in mine}
-    mesh = build_mesh(
-        cfg.layout, rank, node_map(cfg, events.replica), timeout_s=cfg.timeout_s, device=current_device(),
-        control_timeout_s=cfg.setup_timeout_s,
-    )  # fmt: skip
-    ctx = RankContext(mesh, Comm(mesh))
-    observer = FaultInjecting(_Forwarding(events), events.rank)
-    return execute(cfg, observer, ctx, skipped, report_name=report_name, decided=decided)
+    return run_rank(cfg, rank, node_map(cfg, events.replica), events.replica, report_name, _Forwarding(events),
+                    events.rank, current_device(), skipped, decided)  # fmt: skip
 
 
 class LocalExecutor:

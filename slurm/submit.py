@@ -30,13 +30,10 @@ import torch.distributed as dist
 from submitit.core.utils import FailedJobError, FailedSubmissionError
 
 from planner.errors import ConfigError
-from runtime.comm import Comm
 from runtime.config import RunConfig
-from runtime.mesh import build_mesh
-from runtime.outputs import plan_resume
-from runtime.run import RankContext, SilentObserver, execute
+from runtime.run import SilentObserver
 from slurm.aggregate import aggregate
-from slurm.faults import FaultInjecting
+from slurm.entry import run_rank
 from slurm.heartbeat import BeatWatch, Heartbeat, kill_step, stopped_failure
 from slurm.job_errors import ATTEMPT_MARK, job_failure
 from slurm.jobs import (
@@ -58,7 +55,7 @@ from slurm.rank import (
     select_device,
 )
 from slurm.sharding import shard
-from slurm.supervise import Outcome, replica_share, task_report, tasks_with_work
+from slurm.supervise import Outcome, task_report, tasks_with_work
 
 CODE_PACKAGES = ("ditango_cli", "runtime", "planner", "slurm")
 
@@ -121,19 +118,8 @@ class SlurmRun(submitit.helpers.Checkpointable):
         items = tuple(shard(cfg.items, task, tasks))
         if not items:
             return None
-        cfg, report_name = replica_share(replace(cfg, items=items), replica, task_report(task))
-        if cfg is None:
-            return None
-        mesh = build_mesh(
-            cfg.layout, rank, tuple(node_of), timeout_s=cfg.timeout_s, device=device,
-            control_timeout_s=cfg.setup_timeout_s,
-        )  # fmt: skip
-        ctx = RankContext(mesh, Comm(mesh))
-        skipped = ctx.from_writer(plan_resume(cfg) if rank == 0 else None)
-        mine = {i.id for i in cfg.items}
-        decided = {k: v for k, v in (decided or {}).items() if k in mine}
-        observer = FaultInjecting(SilentObserver(), global_rank)
-        return execute(cfg, observer, ctx, skipped, report_name=report_name, decided=decided)
+        return run_rank(replace(cfg, items=items), rank, tuple(node_of), replica, task_report(task), SilentObserver(),
+                        global_rank, device, decided=decided)  # fmt: skip
 
 
 def absolute_paths(cfg: RunConfig) -> RunConfig:
