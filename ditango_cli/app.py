@@ -55,7 +55,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # help texts hold [defaults] in brackets: print them as written
+    rich_markup_mode="markdown",  # option groups as panels; help texts hold [defaults] in brackets, kept as written
     help="Batch video generation with Diffusion Transformers.",
 )
 for fn in (generate.generate, generate.check, generate.models, jobs.status, jobs.cancel, jobs.report,

@@ -16,12 +16,15 @@ import sys
 from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, get_type_hints
+from typing import Annotated, get_args, get_type_hints
 
 import typer
 
+from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS
 from planner.errors import ConfigError
+from planner.hybrid import FIRST_SEGMENT_TEXTS
 from planner.layout import STRATEGIES
+from runtime.config import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, setup_timeout
 from runtime.kernels import BACKENDS
 from runtime.models.loading import DTYPES
 from runtime.models.registry import ALIASES, MODEL_ROOT_ENV
@@ -41,10 +44,36 @@ DTypeChoice = _choices("DTypeChoice", DTYPES)
 ParallelChoice = _choices("ParallelChoice", STRATEGIES)
 ExecutorChoice = _choices("ExecutorChoice", ("local", "slurm", "auto"))
 BackendChoice = _choices("BackendChoice", BACKENDS)
+CACHE_DTYPES = ("float32", "bfloat16")  # DiTangoOptions.cache_dtype
+REFERENCES = ("exact",)
 
 
 def _o(*names: str, **kwargs) -> typer.models.OptionInfo:
     return typer.Option(*names, **kwargs)
+
+
+def fixed_choice(choices, refuse) -> dict:
+    """typer.Option arguments of a fixed-choice option whose value stays a string: shown as
+    [a|b] in --help, and refused with the message its layer gives (`refuse(value)`), so that a
+    run file and the command line read the same words."""
+
+    def parse(value: str) -> str:
+        if value not in choices:
+            raise typer.BadParameter(refuse(value))
+        return value
+
+    return {"parser": parse, "metavar": f"[{'|'.join(choices)}]"}
+
+
+def flag_choice(flag: str, choices, quoted: bool = False) -> dict:
+    """Refused as "--flag must be a or b, got 'x'" (`quoted`: the choices in quotes)."""
+    legal = " or ".join(repr(c) if quoted else c for c in choices)
+    return fixed_choice(choices, lambda v: f"{flag} must be {legal}, got {v!r}")
+
+
+def planner_choice(name: str, choices) -> dict:
+    """A PlannerConfig field's choices, refused as PlannerConfig refuses them."""
+    return fixed_choice(choices, lambda v: f"planner {name}={v!r} is out of range; legal: {' or '.join(choices)}")
 
 
 @dataclass
@@ -106,7 +135,9 @@ def _output_folder(value: str | Path) -> Path:
 @dataclass
 class OutputArgs:
     out: Annotated[Path, _o("--out", "-o", parser=_output_folder, metavar="PATH", help="Output folder.")] = Path("out")
-    save_latents: Annotated[bool, _o("--save-latents", help="Also write <id>.latents.safetensors.")] = False
+    save_latents: Annotated[
+        bool, _o("--save-latents", help="Also write ID.latents.safetensors (the final latents).")
+    ] = False
     overwrite: Annotated[bool, _o("--overwrite", help="Regenerate items whose outputs exist.")] = False
 
 
@@ -128,9 +159,10 @@ class ParallelArgs:
         ExecutorChoice, _o("--executor", help="local processes, a Slurm job, or auto (Slurm when needed).")
     ] = ExecutorChoice.auto
     replicas: Annotated[int, _o("--replicas", min=1, help="Independent model replicas taking items round-robin.")] = 1
-    timeout: Annotated[float, _o("--timeout", help="Per-step collective timeout in seconds.")] = 600.0
+    timeout: Annotated[float, _o("--timeout", help="Per-step collective timeout in seconds.")] = STEP_TIMEOUT_S
     setup_timeout: Annotated[
-        float | None, _o("--setup-timeout", help="Bring-up and waits on rank 0, seconds [max(1800, --timeout)].")
+        float | None,
+        _o("--setup-timeout", help=f"Bring-up and waits on rank 0, seconds [max({SETUP_TIMEOUT_S:g}, --timeout)]."),
     ] = None
     attention_backend: Annotated[
         BackendChoice, _o("--attention-backend", help="Attention kernel for parallel strategies.")
@@ -144,44 +176,57 @@ class ParallelArgs:
 
     @property
     def setup_timeout_s(self) -> float:
-        return max(1800.0, self.timeout) if self.setup_timeout is None else self.setup_timeout
+        return setup_timeout(self.timeout, self.setup_timeout)
 
 
 @dataclass
 class DiTangoArgs:
     planner: Annotated[
         str | None,
-        _o("--planner", help="DiTango: 'hpdc' (the authors' threshold) or 'budget' (a quota per step) [hpdc]."),
-    ] = None
+        _o("--planner", **planner_choice("planner", PLANNERS),
+           help=f"DiTango: hpdc (the authors' threshold) or budget (a quota per step) [{RUN_DEFAULTS.planner}]."),
+    ] = None  # fmt: skip
     cache_ratio: Annotated[
-        float | None, _o("--cache-ratio", help="DiTango: attention cells reused on selective steps [0.4].")
+        float | None,
+        _o("--cache-ratio", help=f"DiTango: attention cells reused on selective steps [{RUN_DEFAULTS.cache_ratio}]."),
     ] = None
     target_psnr: Annotated[
         float | None, _o("--target-psnr", help="DiTango: choose --cache-ratio for this PSNR (dB) vs exact, on item 1.")
     ] = None
-    warmup: Annotated[int | None, _o("--warmup", help="DiTango: exact steps at the start [5].")] = None
-    cooldown: Annotated[int | None, _o("--cooldown", help="DiTango: exact steps at the end [5].")] = None
+    warmup: Annotated[
+        int | None, _o("--warmup", help=f"DiTango: exact steps at the start [{RUN_DEFAULTS.warmup}].")
+    ] = None
+    cooldown: Annotated[
+        int | None,
+        _o("--cooldown", help=f"DiTango: exact steps at the end [{RUN_DEFAULTS.cooldown}; budget planner: 0]."),
+    ] = None
     group_size: Annotated[str | None, _o("--group-size", help="DiTango: ranks per group, or 'node' [2].")] = None
     tau_max: Annotated[int | None, _o("--tau-max", help="DiTango: recompute a cache this many steps old.")] = None
     anchor_interval: Annotated[int | None, _o("--anchor-interval", help="DiTango: an anchor step this often.")] = None
     alpha: Annotated[bool | None, _o("--alpha/--no-alpha", help="DiTango: norm-ratio drift factor [off].")] = None
     own_group: Annotated[
         str | None,
-        _o("--own-group", help="DiTango: the own group's other ranks 'decide'd like remote ones, or 'fresh' [decide]."),
-    ] = None
+        _o("--own-group", **planner_choice("own_group", OWN_GROUP_MODES),
+           help=f"DiTango: the own group's other ranks decided like remote ones, or always fresh "
+                f"[{RUN_DEFAULTS.own_group}]."),
+    ] = None  # fmt: skip
     anchor_when_all: Annotated[
         bool | None,
         _o("--anchor-when-all/--no-anchor-when-all", help="DiTango: all cells computed makes an anchor [off]."),
     ] = None
     cache_dtype: Annotated[
-        str | None, _o("--cache-dtype", help="DiTango: float32 or bfloat16 [bfloat16 on CUDA, float32 on CPU].")
-    ] = None
+        str | None,
+        _o("--cache-dtype", **flag_choice("--cache-dtype", CACHE_DTYPES),
+           help="DiTango: the cache's element type [bfloat16 on CUDA, float32 on CPU]."),
+    ] = None  # fmt: skip
     cache_memory_limit: Annotated[
         str | None, _o("--cache-memory-limit", help="DiTango: cap per rank, e.g. 8GiB [CUDA: free memory].")
     ] = None
     reference: Annotated[
-        str | None, _o("--reference", help="'exact': also measure vs exact attention, untiled decode.")
-    ] = None
+        str | None,
+        _o("--reference", **flag_choice("--reference", REFERENCES, quoted=True),
+           help="exact: also measure vs exact attention, untiled decode."),
+    ] = None  # fmt: skip
 
     def given(self) -> list[str]:
         return [f"--{f.name.replace('_', '-')}" for f in fields(self) if getattr(self, f.name) is not None]
@@ -196,7 +241,10 @@ class GuidanceArgs:
     hybrid_slope: Annotated[float | None, _o("--hybrid-slope", help="Slope threshold [5e-4 at 50 steps].")] = None
     hybrid_tau_cap: Annotated[int | None, _o("--hybrid-tau-cap", help="Latest tau1 [40 at 50 steps].")] = None
     hybrid_split: Annotated[int | None, _o("--hybrid-split", help="First block of segment 2 [half].")] = None
-    hybrid_first_text: Annotated[str, _o("--hybrid-first-text", help="Segment 1's text: cond or uncond.")] = "cond"
+    hybrid_first_text: Annotated[
+        str,
+        _o("--hybrid-first-text", help="Segment 1's text.", **flag_choice("--hybrid-first-text", FIRST_SEGMENT_TEXTS)),
+    ] = FIRST_SEGMENT_TEXTS[0]  # fmt: skip
 
 
 @dataclass
@@ -247,6 +295,16 @@ SECTIONS = {
     ModelArgs: "model", ItemArgs: "items", OutputArgs: "output", ParallelArgs: "parallel", DiTangoArgs: "ditango",
     GuidanceArgs: "guidance", MemoryArgs: "memory", SlurmArgs: "slurm", RunArgs: "run", GenerateArgs: "run",
 }  # fmt: skip
+
+
+def section(group: type) -> str:
+    """A group's section in run files (a command's own options: "run")."""
+    return SECTIONS.get(group, "run")
+
+
+# --help shows each group under its own heading.
+PANELS = {"model": "Model", "items": "Items", "output": "Output", "parallel": "Parallelism", "ditango": "DiTango",
+          "guidance": "Guidance (CFG, Hybridiff)", "memory": "Memory", "slurm": "Slurm", "run": "Run"}  # fmt: skip
 # Options a run file may not set, and the report does not record (they say how to show a run).
 NOT_RECORDED = ("config", "json", "dry_run", "quiet", "wait_for_lock")
 
@@ -260,6 +318,8 @@ def command(*groups: type):
         for group in groups:
             hints = get_type_hints(group, include_extras=True)
             for f in fields(group):
+                for info in get_args(hints[f.name])[1:]:
+                    info.rich_help_panel = PANELS[section(group)]
                 default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
                 params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
                                                 default=default))  # fmt: skip
@@ -292,12 +352,12 @@ def run_file_values(ctx: typer.Context, path: Path, groups: tuple[type, ...]) ->
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: no options in it (a report.json records them under 'options')")
     known = {f.name: group for group in groups for f in fields(group)}
-    sections = {SECTIONS[g] for g in groups}
+    sections = {section(g) for g in groups}
     flat: dict[str, object] = {}
     for key, value in data.items():
         if isinstance(value, dict) and key in sections:
             for sub, v in value.items():
-                if known.get(sub) is None or SECTIONS[known[sub]] != key:
+                if known.get(sub) is None or section(known[sub]) != key:
                     raise ConfigError(f"--config {path}: unknown key {sub!r} in [{key}]")
                 flat[sub] = v
         elif key in known and key not in NOT_RECORDED:

@@ -11,7 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ditango_cli.options import canonical_model
+from ditango_cli.options import canonical_model, planner_choice
+from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS
 from planner.errors import ConfigError
 
 NodesOpt = Annotated[int, typer.Option("--nodes", help="Nodes of the cluster to price.")]
@@ -20,8 +21,16 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output o
 ParallelOpt = Annotated[str, typer.Option("--parallel", help="Comma-separated strategies.")]
 HwFileOpt = Annotated[Path | None, typer.Option("--hardware-file", help="JSON profile overriding --hardware.")]
 PlanOpt = Annotated[Path | None, typer.Option("--plan", help="report.json of a DiTango run: replay its plan's shape.")]
-PlannerOpt = Annotated[str | None, typer.Option("--planner", help="DiTango: hpdc or budget [hpdc; --plan: the run's].")]
-OwnOpt = Annotated[str | None, typer.Option("--own-group", help="DiTango: decide or fresh [decide].")]
+PlannerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--planner",
+        **planner_choice("planner", PLANNERS),
+        help=f"DiTango [{RUN_DEFAULTS.planner}; --plan: the run's].",
+    ),
+]
+OwnOpt = Annotated[str | None, typer.Option("--own-group", **planner_choice("own_group", OWN_GROUP_MODES),
+                                            help=f"DiTango [{RUN_DEFAULTS.own_group}].")]  # fmt: skip
 WarmOpt = Annotated[int | None, typer.Option("--warmup", help="DiTango: exact steps at the start [as recorded: 5].")]
 CoolOpt = Annotated[int | None, typer.Option("--cooldown", help="DiTango: exact steps at the end [as recorded].")]
 ShardOpt = Annotated[bool, typer.Option("--shard-weights", help="FSDP-shard the transformer over the ranks.")]
@@ -42,7 +51,9 @@ def simulate(
     hardware_file: HwFileOpt = None,
     parallel: ParallelOpt = "ring,ulysses,usp,tp,ditango",
     plan: PlanOpt = None,
-    cache_ratio: Annotated[float, typer.Option("--cache-ratio", help="DiTango without --plan.")] = 0.4,
+    cache_ratio: Annotated[
+        float, typer.Option("--cache-ratio", help="DiTango without --plan.")
+    ] = RUN_DEFAULTS.cache_ratio,
     planner: PlannerOpt = None,
     own_group: OwnOpt = None,
     warmup: WarmOpt = None,
@@ -107,14 +118,14 @@ def plan_source(plan: Path | None, planner: str | None, own_group: str | None, c
     --plan run's (its planner, own-group mode, warm-up and cool-down unless given; a different
     --planner is an error). Warm-up and cool-down default to the recorded runs' (generate's
     defaults for that planner)."""
-    from planner.ditango import PlannerConfig
+    from planner.ditango import run_planner_config
     from planner.plan_shape import recorded_source, report_source
 
-    PlannerConfig(cache_ratio=cache_ratio, warmup=5 if warmup is None else warmup,
-                  cooldown=5 if cooldown is None else cooldown, planner=planner or "hpdc",
-                  own_group=own_group or "decide")  # validates: one-line ConfigError  # fmt: skip
+    # validates (a one-line ConfigError); the recorded runs' warm-up and cool-down where not given
+    chosen = run_planner_config(cache_ratio=cache_ratio, warmup=warmup, cooldown=cooldown, planner=planner,
+                                own_group=own_group)  # fmt: skip
     if plan is None:
-        return recorded_source(planner or "hpdc", cache_ratio, own_group or "decide", warmup, cooldown)
+        return recorded_source(chosen.planner, cache_ratio, chosen.own_group, warmup, cooldown)
     recorded = report_source(plan, own_group, warmup, cooldown)
     run_planner = recorded.shapes[0].planner if recorded.shapes else None
     if planner is not None and run_planner is not None and planner != run_planner:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planner.cost_model import Estimate, Hardware, estimate, report_dict
+from planner.ditango import RUN_DEFAULTS
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.memory import MemoryOptions, cfg_branches, estimate_memory
@@ -53,13 +54,13 @@ def compare_layouts(
     """`ditango simulate`'s rows: every strategy on 1..`nodes` nodes, with the speedup over the
     best exact one and the predicted peak memory per GPU; and a note per illegal layout.
     DiTango replays `source`'s plan on each layout (default: the recorded
-    hpdc shapes at cache ratio 0.4); its row's `ditango` says what the replay computed, with
+    shapes of the run defaults' planner and cache ratio); its row's `ditango` says what the replay computed, with
     notes where the recording did not cover the layout or ratio.
     `gpu_memory_bytes` (default: the profile's) decides `fits`."""
     for s in strategies:
         if s not in ("ring", "ulysses", "usp", "tp", "ditango"):
             raise ConfigError(f"--parallel {s!r}: simulate knows ring, ulysses, usp, tp, ditango")
-    source = source or recorded_source("hpdc", 0.4)
+    source = source or recorded_source(RUN_DEFAULTS.planner, RUN_DEFAULTS.cache_ratio)
     gpu_memory_bytes = gpu_memory_bytes or hw.memory_bytes or None
     rows, notes = [], []
     for n in range(1, nodes + 1):

@@ -29,6 +29,9 @@ REFERENCE_STEPS = 50
 PAPER_DEFAULTS = {"k": 5, "window": 15, "slope": 5e-4, "tau_cap": 40}
 
 
+FIRST_SEGMENT_TEXTS = ("cond", "uncond")  # the text segment A runs with: the conditional one first (default)
+
+
 @dataclass(frozen=True)
 class HybridConfig:
     """Hybridiff settings; a field left None takes the paper default scaled to the item's steps."""
@@ -38,7 +41,7 @@ class HybridConfig:
     slope: float | None = None  # g_slope
     tau_cap: int | None = None
     split: int | None = None  # first block of the second segment; None: half the blocks
-    first_segment_text: Literal["cond", "uncond"] = "cond"
+    first_segment_text: Literal["cond", "uncond"] = FIRST_SEGMENT_TEXTS[0]
 
     def __post_init__(self) -> None:
         if self.k is not None and self.k < 0:
@@ -49,7 +52,7 @@ class HybridConfig:
             raise ConfigError(f"--hybrid-slope must be > 0, got {self.slope}")
         if self.tau_cap is not None and self.tau_cap < 0:
             raise ConfigError(f"--hybrid-tau-cap must be >= 0, got {self.tau_cap}")
-        if self.first_segment_text not in ("cond", "uncond"):
+        if self.first_segment_text not in FIRST_SEGMENT_TEXTS:
             raise ConfigError(f"--hybrid-first-text must be cond or uncond, got {self.first_segment_text!r}")
 
     def split_for(self, layers: int) -> int:

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.ditango import DiTangoPlanner, PlannerConfig
+from planner.ditango import RUN_DEFAULTS, DiTangoPlanner, PlannerConfig
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.traffic import ditango_units
@@ -211,10 +211,10 @@ class PlanSource:
 
     description: str
     shapes: tuple[PlanShape, ...] = ()
-    cache_ratio: float = 0.4
-    own_group: str = "decide"
-    warmup: int = 5
-    cooldown: int = 5
+    cache_ratio: float = RUN_DEFAULTS.cache_ratio
+    own_group: str = RUN_DEFAULTS.own_group
+    warmup: int = RUN_DEFAULTS.warmup
+    cooldown: int = RUN_DEFAULTS.cooldown
     fallback: float | None = None
 
     def replay(self, layout: ParallelLayout, layers: int, steps: int) -> PlanReplay | float:
@@ -257,7 +257,7 @@ def report_source(path: Path, own_group: str | None = None, warmup: int | None =
             return PlanSource(f"{path} (no plan file: its all-steps fraction {fraction:.4f} for every unit)",
                               own_group=own_group, fallback=fraction)  # fmt: skip
         planner = attention.get("planner") or "hpdc"
-        ratio = float((report.get("options") or {}).get("cache_ratio", 0.4))  # generate's default
+        ratio = float((report.get("options") or {}).get("cache_ratio", RUN_DEFAULTS.cache_ratio))
         shape = plan_shape(json.loads(plan_file.read_text(encoding="utf-8")), planner, ratio)
     except (OSError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ZeroDivisionError) as exc:
         raise ConfigError(f"--plan {path}: cannot read ({exc!r})") from None

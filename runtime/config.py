@@ -65,6 +65,13 @@ class DecodeOptions:
 MAX_STEPS = 1000
 # Longer than a week is no timeout: and far longer ones overflow the process groups' timedelta.
 MAX_TIMEOUT_S = 7 * 24 * 3600
+STEP_TIMEOUT_S = 600.0  # --timeout: per-step collectives
+SETUP_TIMEOUT_S = 1800.0  # --setup-timeout at least: bring-up, loading, the writer's decode
+
+
+def setup_timeout(step_s: float, given: float | None = None) -> float:
+    """--setup-timeout: as given, else SETUP_TIMEOUT_S or the step timeout when that is longer."""
+    return max(SETUP_TIMEOUT_S, step_s) if given is None else given
 
 
 @dataclass(frozen=True)
@@ -165,9 +172,9 @@ class RunConfig:
     fps: int = 16
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     attention_backend: str = "auto"  # auto | flash | torch | reference (ignored by strategy "none")
-    timeout_s: float = 600.0  # per-step collectives: a stuck one fails after this long
+    timeout_s: float = STEP_TIMEOUT_S  # per-step collectives: a stuck one fails after this long
     # Bring-up and the waits on the writer (loading, rank 0 decoding and writing a video)
-    setup_timeout_s: float = 1800.0
+    setup_timeout_s: float = SETUP_TIMEOUT_S
     ditango: DiTangoOptions | None = None  # --parallel ditango settings
     step_cache: StepCacheSpec | None = None  # --step-cache: a diffusers step cache (runtime/step_cache.py)
     reference: str | None = None  # "exact": also run the exact ring path and record quality

@@ -52,3 +52,12 @@ class DenoiseResult:
 class NonFiniteLatents(RuntimeError):
     """The denoised latents hold NaN/inf values (a NaN weight, an fp16 overflow). The same model,
     item and layout give the same numbers again, so such an item is failed, not retried."""
+
+
+def seeded_latents(pipe, channels: int, seed: int, height: int, width: int, frames: int, device) -> torch.Tensor:
+    """[1, C, F, H, W] float32 noise from a diffusers pipeline's `prepare_latents`, identical
+    to the pipeline's own with a CPU generator seeded `seed`."""
+    return pipe.prepare_latents(
+        batch_size=1, num_channels_latents=channels, height=height, width=width, num_frames=frames,
+        dtype=torch.float32, device=device, generator=torch.Generator("cpu").manual_seed(seed),
+    )  # fmt: skip

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.loop_types import TextEmbeds
+from runtime.loop_types import TextEmbeds, seeded_latents
 
 EMBEDDED_GUIDANCE = 6.0  # the pipeline's default guidance_scale
 
@@ -85,10 +85,7 @@ class HunyuanModel:
 
     def initial_latents(self, seed: int, height: int, width: int, frames: int) -> torch.Tensor:
         """[1, C, F, H, W] float32 noise, identical to the pipeline's with a CPU generator seeded `seed`."""
-        return self.pipe.prepare_latents(
-            batch_size=1, num_channels_latents=self.latent_channels(), height=height, width=width, num_frames=frames,
-            dtype=torch.float32, device=self.device, generator=torch.Generator("cpu").manual_seed(seed),
-        )  # fmt: skip
+        return seeded_latents(self.pipe, self.latent_channels(), seed, height, width, frames, self.device)
 
     def encode_image(self, image, latents_BCFHW, height: int, width: int, frames: int):
         raise ValueError("this model takes no image (text-to-video only)")

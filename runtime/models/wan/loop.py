@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from diffusers import WanPipeline
 
-from runtime.loop_types import ImageCondition, TextEmbeds
+from runtime.loop_types import ImageCondition, TextEmbeds, seeded_latents
 from runtime.models.wan.shapes import WanVariant
 
 
@@ -67,10 +67,7 @@ class WanModel:
 
     def initial_latents(self, seed: int, height: int, width: int, frames: int) -> torch.Tensor:
         """[1, C, F, H, W] float32 noise, identical to diffusers' pipelines with a CPU generator seeded `seed`."""
-        return self.pipe.prepare_latents(
-            batch_size=1, num_channels_latents=self.latent_channels(), height=height, width=width, num_frames=frames,
-            dtype=torch.float32, device=self.device, generator=torch.Generator("cpu").manual_seed(seed),
-        )  # fmt: skip
+        return seeded_latents(self.pipe, self.latent_channels(), seed, height, width, frames, self.device)
 
     @torch.no_grad()
     def encode_image(self, image, latents_BCFHW: torch.Tensor, height: int, width: int, frames: int) -> ImageCondition:
