@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import shlex
 from dataclasses import fields, replace
 from pathlib import Path
@@ -35,7 +34,14 @@ from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import replica_layout
 from planner.memory import parse_bytes
-from runtime.config import MAX_TIMEOUT_S, DecodeOptions, RunConfig, check_local_cpu_ranks, memory_preflight
+from runtime.config import (
+    DecodeOptions,
+    RunConfig,
+    check_combination,
+    check_local_cpu_ranks,
+    check_timeouts,
+    memory_preflight,
+)
 from runtime.items import Overrides, build_items
 from runtime.kernels import resolve_backend
 from runtime.models.loading import check_torch, human_count, placement_on, quiet_loading_bars
@@ -117,30 +123,15 @@ def build_run_config(
     if g.hybrid and spec.shape.joint_text and g.hybrid_first_text != "cond":
         raise ConfigError(f"--hybrid-first-text uncond does not apply to {spec.name}, whose text stream runs through "
                           "the blocks: segment B must continue the conditional one")  # fmt: skip
-    if g.hybrid and mem.shard_weights:
-        raise ConfigError("--shard-weights does not combine with --hybrid (its segments run different blocks)")
-    if g.hybrid and layout.strategy in ("ditango", "tp"):
-        raise ConfigError(f"--hybrid does not combine with --parallel {layout.strategy}; use ring, ulysses or usp")
-    if mem.shard_weights and layout.strategy == "tp":
-        raise ConfigError("--shard-weights does not combine with --parallel tp (tp already splits the block weights)")
     step_cache = None if p.step_cache is None else parse_step_cache(p.step_cache)
-    if step_cache is not None and g.hybrid:
-        raise ConfigError("--step-cache does not combine with --hybrid (its segments run different blocks)")
-    if step_cache is not None and step_cache.name in ("first-block", "magcache") and mem.shard_weights:
-        raise ConfigError(f"--step-cache {step_cache.name} does not combine with --shard-weights (FSDP wraps the "
-                          "blocks it hooks); use pab or taylorseer, or drop --shard-weights")  # fmt: skip
+    check_combination(layout.strategy, g.hybrid, mem.shard_weights, step_cache)
     parallel_decode = layout.world_size > 1 and mem.vae_parallel is not False
     decode = DecodeOptions(tiling=mem.vae_tiling, parallel=parallel_decode, tile_px=mem.vae_tile)
     # --reference exact measures what the run approximates: DiTango's reuse, a step cache, a tiled decode.
     ditango_only = [f for f in d.given() if f != "--reference" or not (decode.tiled or step_cache)]
     if layout.strategy != "ditango" and ditango_only:
         raise ConfigError(f"{', '.join(ditango_only)} only apply to --parallel ditango")
-    for flag, seconds in (("--timeout", p.timeout), ("--setup-timeout", p.setup_timeout)):
-        # nan passes any comparison and inf overflows a timedelta: both only failed inside the ranks
-        if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
-            raise ConfigError(
-                f"{flag} must be > 0 seconds, finite and at most {MAX_TIMEOUT_S} (7 days), got {seconds:g}"
-            )
+    check_timeouts(p.timeout, p.setup_timeout)
     device = ranks_device(where, m.device.value, layout.world_size * p.replicas, p.gpus_per_node)
     placement = placement_on(torch.device(device), None if m.dtype is None else m.dtype.value)
     ditango = ditango_options(d) if layout.strategy == "ditango" else None

@@ -69,6 +69,30 @@ STEP_TIMEOUT_S = 600.0  # --timeout: per-step collectives
 SETUP_TIMEOUT_S = 1800.0  # --setup-timeout at least: bring-up, loading, the writer's decode
 
 
+def check_timeouts(step_s: float, setup_s: float | None) -> None:
+    """nan passes any comparison and inf overflows a timedelta: both would only fail inside the ranks."""
+    for flag, seconds in (("--timeout", step_s), ("--setup-timeout", setup_s)):
+        if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+            raise ConfigError(
+                f"{flag} must be > 0 seconds, finite and at most {MAX_TIMEOUT_S} (7 days), got {seconds:g}"
+            )
+
+
+def check_combination(strategy: str, hybrid: bool, shard_weights: bool, step_cache) -> None:
+    """The settings that do not run together, each refused with what would."""
+    if hybrid and shard_weights:
+        raise ConfigError("--shard-weights does not combine with --hybrid (its segments run different blocks)")
+    if hybrid and strategy in ("ditango", "tp"):
+        raise ConfigError(f"--hybrid does not combine with --parallel {strategy}; use ring, ulysses or usp")
+    if shard_weights and strategy == "tp":
+        raise ConfigError("--shard-weights does not combine with --parallel tp (tp already splits the block weights)")
+    if step_cache is not None and hybrid:
+        raise ConfigError("--step-cache does not combine with --hybrid (its segments run different blocks)")
+    if step_cache is not None and step_cache.name in ("first-block", "magcache") and shard_weights:
+        raise ConfigError(f"--step-cache {step_cache.name} does not combine with --shard-weights (FSDP wraps the "
+                          "blocks it hooks); use pab or taylorseer, or drop --shard-weights")  # fmt: skip
+
+
 def setup_timeout(step_s: float, given: float | None = None) -> float:
     """--setup-timeout: as given, else SETUP_TIMEOUT_S or the step timeout when that is longer."""
     return max(SETUP_TIMEOUT_S, step_s) if given is None else given
@@ -214,8 +238,8 @@ class RunConfig:
             raise ConfigError("nothing to generate: no items")
         if self.retries < 0:
             raise ConfigError(f"--retries must be >= 0, got {self.retries}")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s:g}")
+        check_timeouts(self.timeout_s, self.setup_timeout_s)
+        check_combination(self.layout.strategy, self.hybrid is not None, self.shard_weights, self.step_cache)
         if self.setup_timeout_s < self.timeout_s:
             raise ConfigError(
                 f"--setup-timeout ({self.setup_timeout_s:g} s) must be >= --timeout ({self.timeout_s:g} s): "

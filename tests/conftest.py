@@ -1,6 +1,12 @@
-"""Shared fixtures: a tiny random Wan (different from tiny-wan) on disk and in memory."""
+"""Shared fixtures (a tiny random Wan, different from tiny-wan, on disk and in memory) and the
+test tiers: `slow`, `distributed` (several ranks as local processes) and `slurm` (a real local
+Slurm: `bash scripts/local-slurm.sh start`; skipped without one, except in CI)."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
 
 import pytest
 from typer.testing import CliRunner
@@ -12,6 +18,10 @@ from tiny_wan import TinyWanConfig, build_tiny_wan
 PARITY_CONFIG = TinyWanConfig(
     seed=11, heads=2, head_dim=12, layers=3, ffn_dim=40, text_dim=24, text_heads=2, latents_stats=(0.3, 1.6, 0.05)
 )
+
+
+# A generate run of the built-in model that takes seconds: three steps of a 64x32, 5-frame video.
+FAST_ARGV = ["--steps", "3", "--height", "32", "--width", "64", "--frames", "5", "--device", "cpu", "--quiet"]
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +42,22 @@ def saved_model_dir(tmp_path_factory, parity_components):
 @pytest.fixture
 def runner() -> CliRunner:
     return CliRunner()
+
+
+def cluster_up() -> bool:
+    """Whether a local Slurm answers with an idle node."""
+    if shutil.which("sinfo") is None:
+        return False
+    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    return out.returncode == 0 and "idle" in out.stdout
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slurm` skip without a local Slurm, except in CI (where .ci/run starts one:
+    there a missing cluster is a failure, not a skip)."""
+    wanted = [item for item in items if "slurm" in item.keywords]
+    if not wanted or os.environ.get("CI") or cluster_up():
+        return
+    skip = pytest.mark.skip(reason="no local Slurm (bash scripts/local-slurm.sh start)")
+    for item in wanted:
+        item.add_marker(skip)

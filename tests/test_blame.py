@@ -24,12 +24,13 @@ import torch.distributed as dist
 
 from slurm.local import GRACE_S, Failure, RankFailed, _stop, blame_order, rank_failed, run_ranks
 from slurm.rank import is_peer_failure
+from tests.conftest import FAST_ARGV
 
 # The CLI and the Slurm modules are imported by the tests that use them: every rank of a
 # run_ranks test imports this module (its targets live here), and those imports would cost
 # each rank seconds.
 
-FAST = ["--steps", "3", "--height", "32", "--width", "64", "--frames", "5", "--device", "cpu", "--quiet"]
+FAST = FAST_ARGV
 STEP_TIMEOUT_S = 10
 FAULT_MARGIN_S = 20  # detection, the blame window, stopping the ranks, the report, on a loaded machine
 TIMEOUT_S = 30  # process groups of the run_ranks tests
@@ -87,6 +88,7 @@ def _killed_before_its_peers_notice(rank, world, events, victim):
     dist.barrier()  # the survivors find the dead peer here: connection reset / closed
 
 
+@pytest.mark.distributed
 def test_a_death_seen_before_any_message_is_still_blamed_on_the_dead_rank():
     """Bug: the supervisor noticed rank 1's exit first, then took the first error message to
     arrive within a second as the explanation: a survivor's 'Connection reset by peer'."""
@@ -148,6 +150,7 @@ def _reactions(error: str) -> dict[int, str]:
     return {int(r): m for r, m in re.findall(r"rank (\d+): (.*?)(?=, rank \d+: |$)", listed)}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("victim", [0, 2])
 def test_a_rank_killed_with_sigkill_is_blamed_not_a_survivor(runner, tmp_path, monkeypatch, victim):
     """Bug: after `kill -9` of one rank, the error named a survivor ('Connection reset by peer')
@@ -165,6 +168,7 @@ def test_a_rank_killed_with_sigkill_is_blamed_not_a_survivor(runner, tmp_path, m
     assert elapsed <= FAULT_MARGIN_S, elapsed  # no timeout involved: the death is seen at once
 
 
+@pytest.mark.distributed
 def test_a_stopped_rank_is_blamed_as_not_answering(runner, tmp_path, monkeypatch):
     """Bug: a SIGSTOPped rank raises nothing and never exits; its peers' collective timeouts
     were blamed. Its heartbeat stops with it, which names it."""
@@ -180,6 +184,7 @@ def test_a_stopped_rank_is_blamed_as_not_answering(runner, tmp_path, monkeypatch
     assert elapsed <= STEP_TIMEOUT_S + FAULT_MARGIN_S, elapsed  # and the stopped process did not hold it up
 
 
+@pytest.mark.distributed
 def test_a_writer_stopped_while_writing_ends_the_wait_after_the_step_timeout_and_is_retried(
     runner, tmp_path, monkeypatch
 ):
@@ -318,24 +323,17 @@ def test_an_srun_step_blames_the_rank_killed_first_not_a_peer_reaction(tmp_path)
     assert _step_error(tmp_path, 0, 143) == (f"rank 3: {RESET}", 3)
 
 
-def _cluster_up() -> bool:
-    from tests.test_slurm import cluster_up
-
-    return cluster_up()
-
-
 # As tests/test_slurm.py's: skipped without a running cluster, except in CI (a string condition:
 # evaluated when the test is collected, not when a rank imports this module).
-@pytest.mark.skipif(
-    "not os.environ.get('CI') and not _cluster_up()", reason="no local Slurm (bash scripts/local-slurm.sh start)"
-)
+@pytest.mark.slurm
 def test_a_job_whose_rank_is_killed_with_sigkill_names_that_rank(runner, tmp_path, monkeypatch):
     """4 tasks on 2 nodes; rank 2 sends itself SIGKILL. The job's error is rank 2's death (srun's
     'task 2: Killed'), not a survivor's 'Connection reset by peer'."""
     from ditango_cli.app import app
+    from tests.conftest import cluster_up
     from tests.test_slurm import SMALL as SLURM_SMALL
 
-    assert _cluster_up(), "Slurm is not running: .ci/run must start scripts/local-slurm.sh"
+    assert cluster_up(), "Slurm is not running: .ci/run must start scripts/local-slurm.sh"
     monkeypatch.setenv("DITANGO_FAULT_INJECT", "2:1")  # sbatch exports the environment to the job
     monkeypatch.setenv("DITANGO_FAULT_KIND", "kill")
     out = tmp_path / "out"
@@ -349,9 +347,7 @@ def test_a_job_whose_rank_is_killed_with_sigkill_names_that_rank(runner, tmp_pat
                      r"\S+_2_log\.err\)", item["error"]), item["error"]  # fmt: skip
 
 
-@pytest.mark.skipif(
-    "not os.environ.get('CI') and not _cluster_up()", reason="no local Slurm (bash scripts/local-slurm.sh start)"
-)
+@pytest.mark.slurm
 @pytest.mark.parametrize("launcher", ["sbatch", "srun"])
 def test_a_slurm_writer_stopped_while_writing_is_named_and_retried(runner, tmp_path, monkeypatch, launcher):
     """Bug: with rank 0 of a job stopped (SIGSTOP) while it wrote the video, its peers waited on it
@@ -361,9 +357,10 @@ def test_a_slurm_writer_stopped_while_writing_is_named_and_retried(runner, tmp_p
 
     from ditango_cli.app import app
     from slurm.heartbeat import MIN_STALE_S
+    from tests.conftest import cluster_up
     from tests.test_slurm import SMALL as SLURM_SMALL
 
-    assert _cluster_up(), "Slurm is not running: .ci/run must start scripts/local-slurm.sh"
+    assert cluster_up(), "Slurm is not running: .ci/run must start scripts/local-slurm.sh"
     out, fired = tmp_path / "out", tmp_path / "fired"
     monkeypatch.setenv("DITANGO_FAULT_INJECT", "0:write")  # sbatch and srun export the environment
     monkeypatch.setenv("DITANGO_FAULT_KIND", "stop")

@@ -19,6 +19,8 @@ from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
 from tiny_wan import build_tiny_wan
 
+pytestmark = pytest.mark.distributed  # every test here runs several ranks
+
 LATENT_ATOL = 1e-4
 TIMEOUT_S = 90
 STEPS = 8

@@ -58,6 +58,7 @@ def _target(rank, world, events):
     return out
 
 
+@pytest.mark.distributed
 def test_byte_predictions_equal_runtime_counters():
     per_rank = run_ranks(_target, 4, timeout_s=120)
     for name, kwargs, _ in RUNS:

@@ -54,6 +54,7 @@ def kv_bytes(tokens: int) -> int:
     return 2 * B * tokens * H * D * 4  # K and V, fp32
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,nodes", [(2, 1), (3, 1), (4, 2)])
 def test_exact_attention_and_byte_counts(world, nodes):
     per_rank = run_ranks(_target, world, (nodes,), timeout_s=TIMEOUT_S)
@@ -112,6 +113,7 @@ def _warm_up_target(rank, world, events):
     return {k: g is not None and g in touched for k, g in groups.items() if g is not None}, got, partner, lone
 
 
+@pytest.mark.distributed
 def test_build_mesh_warms_up_every_communicator_and_p2p_is_batched():
     """Communicators are created eagerly (a collective on each of a rank's groups inside
     build_mesh) so that none is created lazily inside a step; single P2P uses batch_isend_irecv."""
@@ -151,6 +153,7 @@ def _joint_target(rank, world, events, nodes):
     return results
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,nodes", [(2, 1), (3, 1), (4, 2)])
 def test_joint_attention_with_whole_held_tokens(world, nodes):
     """Sharded video tokens and text tokens held whole on every rank: both kinds of rows exact,

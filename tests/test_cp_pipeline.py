@@ -17,6 +17,7 @@ from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
 from slurm.local import run_ranks
+from tests.conftest import FAST_ARGV
 from tiny_wan import TinyWanConfig, build_tiny_wan
 
 LATENT_ATOL = 1e-4  # the issue's bound: merge order changes rounding, nothing else may
@@ -61,6 +62,7 @@ def reference():
         (4, 2, [("ring", None), ("ulysses", None), ("usp", 2)]),
     ],
 )
+@pytest.mark.distributed
 def test_pipeline_latents_equal_single_process(reference, world, nodes, strategies):
     per_rank = run_ranks(_pipeline_target, world, (strategies, nodes), timeout_s=TIMEOUT_S)
     tokens = 30
@@ -83,9 +85,10 @@ def test_pipeline_latents_equal_single_process(reference, world, nodes, strategi
     assert (reference - torch.randn(reference.shape, generator=torch.Generator().manual_seed(5))).abs().max() > 1e-2
 
 
-FAST = ["--steps", "3", "--height", "32", "--width", "64", "--frames", "5", "--device", "cpu", "--quiet"]
+FAST = FAST_ARGV
 
 
+@pytest.mark.distributed
 def test_cli_two_ranks_two_virtual_nodes_matches_one_process(runner, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     base = ["generate", "--prompt", "a green square moving left", "--save-latents", *FAST]
@@ -106,6 +109,7 @@ def test_cli_two_ranks_two_virtual_nodes_matches_one_process(runner, tmp_path):
     assert sorted(p.name for p in (two / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
 
 
+@pytest.mark.distributed
 def test_failing_item_is_retried_then_given_up_while_the_batch_goes_on(runner, tmp_path, monkeypatch):
     """A rank that raises inside item b ends that launch at once (not after the 300 s group
     timeout); b is retried in a fresh launch, then given up, and a and c are still generated."""
@@ -145,6 +149,7 @@ STEP_TIMEOUT_S = 10
 FAULT_MARGIN_S = 15  # detection, stopping the ranks, blame and report, on a loaded CI machine
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["raise", "hang", "exit"])
 def test_a_failing_rank_ends_the_local_run_within_the_step_timeout(runner, tmp_path, monkeypatch, kind):
     """A rank that raises, stops answering (a wedged GPU) or dies without a word (killed, out
@@ -171,6 +176,7 @@ def test_a_failing_rank_ends_the_local_run_within_the_step_timeout(runner, tmp_p
         assert "rank 0 failed" in item["error"] and "Timed out" in item["error"]
 
 
+@pytest.mark.distributed
 def test_replicas_split_the_items_and_match_one_process(runner, tmp_path):
     """--replicas 2 on 2 ranks: two independent single-rank replicas take the items round-robin,
     each writes its own report, and every video equals the one-process run."""
@@ -200,6 +206,7 @@ def test_replicas_must_fit_the_allocation(runner, tmp_path):
     assert "--replicas 4 must divide the 2 nodes, or split each node's 3 ranks evenly" in result.stderr
 
 
+@pytest.mark.distributed
 def test_a_failing_replica_charges_only_its_own_item(runner, tmp_path, monkeypatch):
     """2 replicas x 2 ranks: rank 3 (replica 1) raises inside item d. Every rank is stopped,
     including replica 0 in the middle of its own item; only d is charged, and the item replica

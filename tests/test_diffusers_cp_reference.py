@@ -20,6 +20,8 @@ from slurm.local import run_ranks
 from tests.diffusers_cp import DEFAULT_MODEL_CONFIG, diffusers_cp_latents
 from tiny_wan import build_tiny_wan
 
+pytestmark = pytest.mark.distributed  # every test here runs several ranks
+
 CP_ATOL = 1e-4  # float32; ring merges per-chunk (out, lse) so rounding differs from one softmax
 SEED = 1234
 # Latent 2 x 4 x 6 (frames x h x w), patch (1, 2, 2) -> 2 * 2 * 3 = 12 video tokens,

@@ -57,6 +57,7 @@ def _gap_target(rank, world, events, group_size, own_group):
     return results
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("group_size", "own_group"), [(1, "decide"), (2, "decide"), (2, "fresh")])
 def test_every_plan_gives_exact_attention_and_reuse_moves_nothing(group_size, own_group):
     """All 2^U compute/reuse patterns, gaps included (group size 1: offsets 1, 2, 3). Guards
@@ -147,6 +148,7 @@ def pipeline_runs():
     return run_ranks(_pipeline_target, 4, (runs,), timeout_s=TIMEOUT_S), cap
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["ratio0", "budget0"])
 def test_cache_ratio_zero_reproduces_ring(pipeline_runs, name):
     per_rank, _ = pipeline_runs
@@ -157,12 +159,14 @@ def test_cache_ratio_zero_reproduces_ring(pipeline_runs, name):
         assert report["computed_fraction_all_steps"] == 1.0 and report["steps"]["exact"] == STEPS
 
 
+@pytest.mark.distributed
 def test_plans_agree_on_every_rank(pipeline_runs):
     per_rank, _ = pipeline_runs
     for name in ("ratio0", "ratio05", "g1", "g1_capped", "bf16_cache", "fresh05", "budget0", "budget05"):
         assert len({per_rank[r][name][2]["plan_hash"] for r in range(4)}) == 1, name
 
 
+@pytest.mark.distributed
 def test_decision_units_follow_the_own_group_mode(pipeline_runs):
     per_rank, _ = pipeline_runs
     assert per_rank[0]["ratio05"][2]["unit_offsets"] == [[0], [1]]  # the partner, then the other group
@@ -173,6 +177,7 @@ def test_decision_units_follow_the_own_group_mode(pipeline_runs):
     assert by_unit[0] < 1.0, by_unit
 
 
+@pytest.mark.distributed
 def test_budget_planner_computes_its_quota_on_every_selective_step(pipeline_runs):
     per_rank, _ = pipeline_runs
     report = per_rank[0]["budget05"][2]
@@ -184,6 +189,7 @@ def test_budget_planner_computes_its_quota_on_every_selective_step(pipeline_runs
     assert report["planner"] == "budget" and report["steps"] == {"exact": 2, "anchor": 1, "selective": STEPS - 3}
 
 
+@pytest.mark.distributed
 def test_reuse_cuts_inter_node_bytes(pipeline_runs):
     per_rank, _ = pipeline_runs
     for name in ("ratio05", "g1", "fresh05", "budget05"):
@@ -201,6 +207,7 @@ def test_reuse_cuts_inter_node_bytes(pipeline_runs):
             assert torch.equal(per_rank[r][name][0], per_rank[0][name][0])
 
 
+@pytest.mark.distributed
 def test_compose_keeps_cache_under_cap(pipeline_runs):
     per_rank, cap = pipeline_runs
     for r in range(4):
@@ -216,6 +223,7 @@ def test_compose_keeps_cache_under_cap(pipeline_runs):
     assert 0.0 < err <= 0.05, err
 
 
+@pytest.mark.distributed
 def test_cli_ditango_run_reports_plan_quality_and_heatmap(runner, tmp_path):
     import json
 
@@ -247,6 +255,7 @@ def test_cli_ditango_run_reports_plan_quality_and_heatmap(runner, tmp_path):
     assert quality["ssim"] > 0.95 and item["timing"]["reference_s"] > 0
 
 
+@pytest.mark.distributed
 def test_bf16_cache_halves_memory_and_stays_close(pipeline_runs):
     per_rank, _ = pipeline_runs
     sizes = chunk_sizes(30, 4)
@@ -289,6 +298,7 @@ def _mismatch_target(rank, world, events):
     rt.begin_step(1)
 
 
+@pytest.mark.distributed
 def test_a_plan_that_differs_between_ranks_raises_before_any_exchange():
     """Under NCCL mismatched exchanges hang until the watchdog; the per-step check raises instead."""
     from slurm.local import RankFailed

@@ -171,6 +171,7 @@ def _small_target(rank, world, events, names):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_strategies_on_two_and_three_ranks_equal_one_process(world):
     from planner.layout import chunk_sizes, token_count
@@ -210,6 +211,7 @@ def distributed() -> dict:
     return run_ranks(_target, 4, (list(FAMILIES),), timeout_s=600)
 
 
+@pytest.mark.distributed
 def test_cfg_parallel_is_exact(references):
     """One branch per rank runs the same operations as the sequential loop in the same process:
     equal to float32 rounding. (Against the main process, whose thread count differs, the
@@ -223,6 +225,7 @@ def test_cfg_parallel_is_exact(references):
             assert (parallel - ref).abs().max().item() <= 1e-4, name
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_strategies_on_four_ranks_equal_one_process(name, references, distributed):
     ref = references[name]
@@ -335,6 +338,7 @@ def _hybrid_target(rank, world, events):
     return latents, den.guidance.record(), den.switches(den.new_scheduler(STEPS))
 
 
+@pytest.mark.distributed
 def test_hybrid_never_feeds_one_experts_boundary_to_the_other():
     """Hybridiff over a two-expert model: the first pipeline step of the second expert is a
     fill (the new expert runs both segments), not segment B on the old expert's boundary."""

@@ -111,6 +111,7 @@ RUNS = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_strategies_equal_one_process(world):
     size = SIZES[world]
@@ -214,6 +215,7 @@ def _hybrid_target(rank, world, events, k):
     return latents, den.guidance.record()
 
 
+@pytest.mark.distributed
 def test_hybridiff_cuts_both_block_stacks():
     """Hybridiff on HunyuanVideo (true CFG): the pipeline window runs segment A (dual-stream
     blocks) and segment B (single-stream blocks) on the boundary's video and text streams;

@@ -286,11 +286,8 @@ def test_a_damaged_sidecar_is_redone_with_a_note_and_reports_still_work(runner, 
     assert json.loads((out / "report.json").read_text())["counts"] == {"done": 1, "skipped": 1, "failed": 0}
 
 
+@pytest.mark.slurm
 def test_a_slurm_batch_with_every_item_done_submits_nothing(runner, tmp_path):
-    from tests.test_slurm import cluster_up
-
-    if not os.environ.get("CI") and not cluster_up():
-        pytest.skip("no local Slurm (bash scripts/local-slurm.sh start)")
     prompts = _prompts(tmp_path, ["a", "b"])
     out = tmp_path / "out"
     assert _generate(runner, "--prompts", str(prompts), "--out", str(out), *TINY, "--executor", "local").exit_code == 0

@@ -18,6 +18,7 @@ def latents(out):
     return load_file(path)["latents"]
 
 
+@pytest.mark.distributed
 def test_run_file_equals_the_command_line_and_the_command_line_wins(runner, tmp_path):
     run = tmp_path / "run.toml"
     run.write_text(

@@ -29,6 +29,7 @@ def _run(runner, out: Path, *extra: str) -> tuple[torch.Tensor, dict]:
     "strategy", [["--parallel", "ring"], ["--parallel", "ulysses"], ["--parallel", "ditango", "--group-size", "1"]],
     ids=["ring", "ulysses", "ditango"],
 )  # fmt: skip
+@pytest.mark.distributed
 def test_sharded_weights_give_the_unsharded_latents(runner, tmp_path, strategy):
     whole, whole_report = _run(runner, tmp_path / "whole", *strategy)
     sharded, report = _run(runner, tmp_path / "sharded", *strategy, "--shard-weights")

@@ -4,8 +4,6 @@ starts it). Without a running cluster these tests skip, except in CI, where they
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -16,20 +14,10 @@ import pytest
 from safetensors.torch import load_file
 
 from ditango_cli.app import app
+from tests.conftest import FAST_ARGV, cluster_up
 
-
-def cluster_up() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
-    return out.returncode == 0 and "idle" in out.stdout
-
-
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("CI") and not cluster_up(), reason="no local Slurm (bash scripts/local-slurm.sh start)"
-)
-SMALL = ["--steps", "3", "--height", "32", "--width", "64", "--frames", "5", "--device", "cpu", "--quiet",
-         "--partition", "debug", "--executor", "slurm"]  # fmt: skip
+pytestmark = pytest.mark.slurm
+SMALL = [*FAST_ARGV, "--partition", "debug", "--executor", "slurm"]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -23,12 +23,10 @@ from runtime.outputs import state_dir
 from slurm.jobs import ended_state, jobs_file, live_jobs
 from slurm.options import SlurmOptions
 from slurm.submit import submit
-from tests.test_slurm import cluster_up
+from tests.conftest import FAST_ARGV
 
-real_slurm = pytest.mark.skipif(
-    not os.environ.get("CI") and not cluster_up(), reason="no local Slurm (bash scripts/local-slurm.sh start)"
-)
-SMALL = ["--steps", "3", "--height", "32", "--width", "64", "--frames", "5", "--device", "cpu", "--quiet"]
+real_slurm = pytest.mark.slurm
+SMALL = FAST_ARGV
 NEVER_A_JOB = "99999999"  # above Slurm's default MaxJobId (67043328): no job ever has this id
 SLURM_COMMANDS = ("sbatch", "scancel", "squeue", "sacct", "srun")
 

@@ -113,6 +113,7 @@ def _ranks_target(rank, world, events, strategy, texts):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("world", "strategy"), [(2, "ring"), (4, "ulysses"), (4, "ditango")])
 def test_every_rank_takes_the_same_decisions(one_process, world, strategy):
     """Each rank sees its own chunk: first-block's change of the first block's residual would
@@ -271,6 +272,7 @@ def _calibration_target(rank, world, events):
     return denoiser.step_cache.take_calibration()
 
 
+@pytest.mark.distributed
 def test_magcache_ratios_measured_over_chunks_equal_one_process():
     """The calibration ratio is a mean over tokens: each rank holds a chunk, so the sum and the
     count are all-reduced; two ranks measure what one process measures."""
@@ -286,6 +288,7 @@ def test_magcache_ratios_measured_over_chunks_equal_one_process():
             assert measured[branch] == pytest.approx(one[branch], abs=1e-5), branch
 
 
+@pytest.mark.distributed
 def test_cli_tp_and_cfg_parallel_with_a_step_cache_equal_one_process(runner, tmp_path):
     """Through the command: first-block cache under --parallel tp on 2 ranks decides as one
     process does (every rank holds the whole sequence: the all-reduced sums count it twice,

@@ -19,6 +19,7 @@ def _run(runner, prompts, out, *extra):
     return runner.invoke(app, args)
 
 
+@pytest.mark.distributed
 def test_target_psnr_chooses_records_and_keeps_the_ratio(runner, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red circle moving left on a black background\na blue square moving up on a gray background\n")

@@ -111,6 +111,7 @@ def ring_received(nbytes: int, n: int) -> int:
     return 2 * (n - 1) * nbytes // n
 
 
+@pytest.mark.distributed
 def test_tp_equals_one_process_and_counts_ring_bytes(reference):
     """Latents and one forward within TP_ATOL of one process at tp 4 and 2, identical on every
     rank; remove() restores the model bit for bit; the bytes counted equal the traffic model's,

@@ -108,6 +108,7 @@ def _decode_on_ranks(rank, world, events):
     return outs
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_tiles_over_ranks_equal_one_process(world):
     per_rank = run_ranks(_decode_on_ranks, world, timeout_s=TIMEOUT_S)
@@ -125,6 +126,7 @@ def test_tiles_over_ranks_equal_one_process(world):
         assert record["bytes"] == sent, family
 
 
+@pytest.mark.distributed
 def test_cli_decodes_tiles_on_two_ranks_and_records_the_cost(runner, tmp_path, saved_model_dir):
     """generate on 2 ranks decodes in parallel by default; --reference exact records what the
     tiles cost against the untiled decode (a random VAE: the overlaps differ)."""
@@ -149,6 +151,7 @@ def test_cli_decodes_tiles_on_two_ranks_and_records_the_cost(runner, tmp_path, s
     assert json.loads((tmp_path / "one" / "report.json").read_text())["items"][0]["decode"]["mode"] == "untiled"
 
 
+@pytest.mark.distributed
 def test_the_exact_reference_is_decoded_tiled_as_the_run(runner, tmp_path, saved_model_dir):
     """Bug: --reference exact decoded the run's latents tiled (a parallel decode is tiled) and the
     exact ones untiled, so an exact run (cache ratio 0: the same latents) measured 34 dB of tile
