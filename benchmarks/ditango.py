@@ -49,7 +49,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,12 +58,9 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.denoiser import Denoiser  # noqa: E402
-from runtime.models.loading import load_components, resolve_placement  # noqa: E402
-from runtime.models.registry import resolve_model  # noqa: E402
+from benchmarks.harness import bench  # noqa: E402
 from runtime.plots import Series, write_xy_plot  # noqa: E402
 from runtime.quality import psnr, ssim  # noqa: E402
-from tiny_wan.data import eval_prompts  # noqa: E402
 from tiny_wan.judge import judge  # noqa: E402
 
 MODEL = "tiny-wan"
@@ -287,21 +283,8 @@ def main() -> None:
     if args.steps < 1 or args.prompts < 1:
         ap.error(f"--steps and --prompts must be at least 1, got {args.steps} and {args.prompts}")
     runs = configs(args, ap)
-    import diffusers.utils.logging
-    import transformers.utils.logging
-
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-
-    root = args.out or Path(tempfile.mkdtemp(prefix="ditango-bench-"))
-    root.mkdir(parents=True, exist_ok=True)
-    specs = {f"p{i:02d}": p for i, p in enumerate(eval_prompts(args.prompts))}
-    prompt_file = root / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"id": k, "prompt": p.caption}) + "\n" for k, p in specs.items()))
-    exe = Path(sys.executable).with_name("ditango")
-    resolved = resolve_model(MODEL)
-    placement = resolve_placement("cpu")
-    denoiser = Denoiser(load_components(resolved, placement), placement, resolved.spec.defaults.max_text_len)
+    b = bench(args.prompts, args.out, "ditango-bench-", MODEL)
+    root, specs, prompt_file, exe, denoiser = b.root, b.specs, b.prompt_file, b.exe, b.decoder
 
     rows: list[dict] = []
     ring: dict | None = None

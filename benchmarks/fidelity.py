@@ -42,7 +42,6 @@ import json
 import math
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -51,12 +50,9 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.ditango import ASPECTS, MODEL, Config, fmt, mean  # noqa: E402
-from runtime.denoiser import Denoiser  # noqa: E402
-from runtime.models.loading import load_components, resolve_placement  # noqa: E402
-from runtime.models.registry import resolve_model  # noqa: E402
+from benchmarks.harness import bench  # noqa: E402
 from runtime.plots import Series, write_xy_plot  # noqa: E402
 from runtime.quality import psnr, ssim  # noqa: E402
-from tiny_wan.data import eval_prompts  # noqa: E402
 from tiny_wan.judge import judge  # noqa: E402
 
 LAYOUT = ["--gpus-per-node", "2", "--nodes", "2"]
@@ -254,20 +250,8 @@ def main() -> None:
     if unknown:
         ap.error(f"--only: unknown rows {sorted(unknown)}; rows: {[name for name, _, _ in ROWS]}")
     chosen = [r for r in ROWS if not names or r[0] in names or r[0] == "ring"]
-    import diffusers.utils.logging
-    import transformers.utils.logging
-
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-    root = args.out or Path(tempfile.mkdtemp(prefix="ditango-fidelity-"))
-    root.mkdir(parents=True, exist_ok=True)
-    specs = {f"p{i:02d}": p for i, p in enumerate(eval_prompts(args.prompts))}
-    prompt_file = root / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"id": k, "prompt": p.caption}) + "\n" for k, p in specs.items()))
-    exe = Path(sys.executable).with_name("ditango")
-    resolved = resolve_model(MODEL)
-    placement = resolve_placement("cpu")
-    denoiser = Denoiser(load_components(resolved, placement), placement, resolved.spec.defaults.max_text_len)
+    b = bench(args.prompts, args.out, "ditango-fidelity-", MODEL)
+    root, specs, prompt_file, exe, denoiser = b.root, b.specs, b.prompt_file, b.exe, b.decoder
 
     rows, ring = [], {}
     for k, (name, family, run_args) in enumerate(chosen):

@@ -20,18 +20,14 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.denoiser import Denoiser  # noqa: E402
-from runtime.models.loading import load_components, resolve_placement  # noqa: E402
-from runtime.models.registry import resolve_model  # noqa: E402
+from benchmarks.harness import bench  # noqa: E402
 from runtime.quality import latent_rel_err, psnr, ssim  # noqa: E402
-from tiny_wan.data import eval_prompts  # noqa: E402
 from tiny_wan.judge import judge  # noqa: E402
 
 FOUR = "--gpus-per-node 2 --nodes 2 --executor local"
@@ -60,22 +56,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
     ap.add_argument("--keep", type=Path, default=None, help="generate under DIR (default: a temporary folder)")
     args = ap.parse_args()
-    import diffusers.utils.logging
-
-    diffusers.utils.logging.disable_progress_bar()
     from safetensors.torch import load_file
 
-    root = args.keep or Path(tempfile.mkdtemp(prefix="ditango-quality-"))
-    root.mkdir(parents=True, exist_ok=True)
-    specs = {f"p{i:02d}": p for i, p in enumerate(eval_prompts(args.prompts))}
-    prompt_file = root / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"id": k, "prompt": p.caption}) + "\n" for k, p in specs.items()))
-    exe = Path(sys.executable).with_name("ditango")
+    b = bench(args.prompts, args.keep, "ditango-quality-")
+    root, specs, prompt_file, exe, denoiser = b.root, b.specs, b.prompt_file, b.exe, b.decoder
     runs = [("exact", [])] + [(r.split("=", 1)[0], r.split("=", 1)[1].split()) for r in (args.run or DEFAULT_RUNS)]
 
-    resolved = resolve_model("tiny-wan")
-    placement = resolve_placement("cpu")
-    denoiser = Denoiser(load_components(resolved, placement), placement, resolved.spec.defaults.max_text_len)
     decoded: dict[str, dict[str, tuple]] = {}
     for name, extra in runs:
         latents = generate(exe, prompt_file, root / name, args.steps, extra)
@@ -86,7 +72,7 @@ def main() -> None:
 
     lines = [
         f"Quality vs exact attention, `tiny-wan`, {args.prompts} prompts, "
-        f"{args.steps or resolved.spec.defaults.steps} steps. Adherence: share of prompts whose "
+        f"{args.steps or b.default_steps} steps. Adherence: share of prompts whose "
         "colour / direction / background the checker finds as asked (all: every one of them).",
         "",
         "| run | PSNR (dB) | SSIM | latent rel err | colour | direction | background | all |",

@@ -1,13 +1,14 @@
-"""How often one run returns to a file it already left: a call trace of one item, CLI to MP4.
+"""How often one run config's walk returns to a file it already left, CLI to MP4.
 
 Runs `ditango generate` in this process (the built-in model, one rank, 2 steps; the local
 launcher's rank runs in-process instead of a spawned one, with a one-rank gloo group), and
-records with `sys.setprofile` every call from one project file into another. Prints the
+records with `sys.setprofile` the calls from one project file into another that take the run
+config (a `RunConfig` among their arguments): the config's walk through the code. Prints the
 stops (file-to-file transitions), the files entered, and the returns: stops into a file the
-trace had already entered and left. A layout where each concern lives in one place returns
-less often.
+walk had already entered and left. A layout where each concern lives in one place returns
+less often. `--all-calls` counts every call between project files instead.
 
-    .venv/bin/python benchmarks/walk.py [--strategy ring] [--top 10]
+    .venv/bin/python benchmarks/walk.py [--all-calls] [--strategy ring] [--top 10]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's code, whatever else is installed
 PACKAGES = ("ditango_cli", "runtime", "planner", "slurm")
 
 
@@ -36,7 +38,8 @@ def project_file(filename: str) -> str | None:
 class Trace:
     """File-level stops of the calls that cross from one project file into another."""
 
-    def __init__(self) -> None:
+    def __init__(self, config_only: bool = False) -> None:
+        self.config_only = config_only  # only the calls that take the run config (the config's walk)
         self.stops: list[str] = []
         self.cache: dict[str, str | None] = {}
 
@@ -52,6 +55,8 @@ class Trace:
         callee = self._file(frame)
         if callee is None:
             return
+        if self.config_only and not carries_config(frame):
+            return
         caller = frame.f_back
         while caller is not None and self._file(caller) is None:
             caller = caller.f_back  # through library frames (a hook diffusers calls) to project code
@@ -61,6 +66,13 @@ class Trace:
             self.stops.append(self._file(caller))
         if self.stops[-1] != callee:
             self.stops.append(callee)
+
+
+def carries_config(frame) -> bool:
+    """Whether the call of `frame` takes a RunConfig among its arguments."""
+    code = frame.f_code
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    return any(type(frame.f_locals.get(n)).__name__ == "RunConfig" for n in names)
 
 
 def in_process_ranks(target, world_size, args=(), **_):
@@ -79,7 +91,7 @@ def in_process_ranks(target, world_size, args=(), **_):
             dist.destroy_process_group()
 
 
-def walk(strategy: str | None, out: Path) -> Trace:
+def walk(strategy: str | None, out: Path, config_only: bool = False) -> Trace:
     from typer.testing import CliRunner
 
     from ditango_cli.app import app
@@ -87,7 +99,7 @@ def walk(strategy: str | None, out: Path) -> Trace:
     argv = ["generate", "--prompt", "a red circle", "--steps", "2", "--out", str(out), "--quiet"]
     if strategy is not None:
         argv += ["--parallel", strategy]
-    trace = Trace()
+    trace = Trace(config_only)
     with mock.patch("slurm.launch.run_ranks", in_process_ranks):
         sys.setprofile(trace)
         try:
@@ -105,10 +117,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", default=None, help="--parallel for the one rank (default: none)")
     parser.add_argument("--top", type=int, default=10, help="files listed by returns")
+    parser.add_argument(
+        "--all-calls",
+        action="store_true",
+        help="every call between project files, not only those that take the run config",
+    )
     args = parser.parse_args()
     os.environ.setdefault("DITANGO_NO_PROGRESS", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        trace = walk(args.strategy, Path(tmp) / "out")
+        trace = walk(args.strategy, Path(tmp) / "out", config_only=not args.all_calls)
     seen: set[str] = set()
     returns: collections.Counter[str] = collections.Counter()
     for f in trace.stops:

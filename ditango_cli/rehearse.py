@@ -1,5 +1,5 @@
 """`ditango rehearse`: a generate command's rank program at real shapes, without a GPU or weights
-(runtime/rehearse.py), checked against the memory model and planner/traffic.py."""
+(runtime/rehearse/), checked against the memory model and planner/traffic.py."""
 
 from __future__ import annotations
 

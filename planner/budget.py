@@ -22,7 +22,7 @@ from planner.schedule import StepPlanner, StepStatistics
 
 def softmax_mass(lse_BSH: torch.Tensor, total_lse_BSH: torch.Tensor) -> torch.Tensor:
     """Mean over query rows (and heads) of a partition's share of the softmax, exp(lse - total
-    lse): the weight its state has in the merged output (ALGORITHMS.md 1). 0-d float32."""
+    lse): the weight its state has in the merged output (docs/ALGORITHMS.md 1). 0-d float32."""
     return torch.exp(lse_BSH.float() - total_lse_BSH.float()).mean()
 
 
@@ -91,7 +91,7 @@ class BudgetStatistics(StepStatistics):
 
     def _measure_rates(self, n, layer, plan, units, compute_U, total, cached) -> None:
         """Each recomputed cell's error had its cached state been reused: mass-weighted output
-        change (first order, ALGORITHMS.md 1) relative to the layer's output, per step of age."""
+        change (first order, docs/ALGORITHMS.md 1) relative to the layer's output, per step of age."""
         if plan.step in self.switches:
             return
         total_norm = total.out_BSHD.norm().clamp_min(torch.finfo(torch.float32).tiny)

@@ -4,7 +4,7 @@ Two planners share one step schedule (planner/schedule.py: warm-up and cool-down
 anchors after warm-up and at expert switches) and differ in how they choose the cells of a
 selective step, each with the statistics the runtime measures for it:
 
-- "hpdc" (default, planner/hpdc.py) follows the authors' HPDC'26 code (ALGORITHMS.md 2.3):
+- "hpdc" (default, planner/hpdc.py) follows the authors' HPDC'26 code (docs/ALGORITHMS.md 2.3):
   a threshold on the accumulated state error, an anchor gate on the local drift;
 - "budget" (planner/budget.py): a fixed per-step budget of the cells with the largest
   predicted error (measured error rate x age).

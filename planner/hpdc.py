@@ -1,4 +1,4 @@
-"""The "hpdc" planner (default): the authors' HPDC'26 code (ALGORITHMS.md 2.3), and its statistics.
+"""The "hpdc" planner (default): the authors' HPDC'26 code (docs/ALGORITHMS.md 2.3), and its statistics.
 
 The step after an anchor reuses every unit; from then on each step's plan is decided from
 the previous step's accumulated state error (ASE = anchor importance x local drift):

@@ -1,4 +1,4 @@
-"""Hybridiff's schedule (CVPR '26; ALGORITHMS.md section 3): when to switch from
+"""Hybridiff's schedule (CVPR '26; docs/ALGORITHMS.md section 3): when to switch from
 CFG-parallel to the two-segment pipeline and back.
 
 Ascending step index i = 0, 1, ... (the paper's Algorithm 1 counts steps downward and

@@ -19,7 +19,7 @@ without a handshake, and attention needs no masking.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from planner.errors import ConfigError
@@ -42,8 +42,33 @@ class ParallelLayout:
     strategy: Strategy = "none"
     ulysses_degree: int | None = None  # usp only; None: the largest legal degree within a node
     group_size: int | None = None  # ditango only: adjacent cp ranks per group; None: 2 (1 if odd)
+    # Derived once from the fields above (a value, not a computation: read everywhere).
+    world_size: int = field(init=False, repr=False, compare=False)
+    cp_degree: int = field(init=False, repr=False, compare=False)  # world_size / cfg_degree
+    group: int = field(init=False, repr=False, compare=False)  # DiTango: adjacent cp ranks computed fresh together
+    groups: int = field(init=False, repr=False, compare=False)  # cp_degree / group
+    ulysses: int = field(init=False, repr=False, compare=False)  # Ulysses (head all-to-all) degree in the cp axis
+    ring: int = field(init=False, repr=False, compare=False)  # ring degree in the cp axis (1 under tp)
+    tp: int = field(init=False, repr=False, compare=False)  # tensor-parallel degree: the cp axis under tp, else 1
+
+    def _derive(self) -> None:
+        def put(name: str, value: int) -> None:
+            object.__setattr__(self, name, value)
+
+        put("world_size", self.nodes * self.gpus_per_node)
+        put("cp_degree", self.world_size // self.cfg_degree if self.cfg_degree else 0)
+        group = 1
+        if self.strategy == "ditango":
+            group = self.group_size if self.group_size is not None else (2 if self.cp_degree % 2 == 0 else 1)
+        put("group", group)
+        put("groups", self.cp_degree // group if group else 0)
+        ulysses = {"ulysses": self.cp_degree, "usp": self.ulysses_degree or 1}.get(self.strategy, 1)
+        put("ulysses", ulysses)
+        put("ring", 1 if self.strategy == "tp" else self.cp_degree // max(1, ulysses))
+        put("tp", self.cp_degree if self.strategy == "tp" else 1)
 
     def __post_init__(self) -> None:
+        self._derive()
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ConfigError(f"--nodes and --gpus-per-node must be >= 1, got {self.nodes} and {self.gpus_per_node}")
         if self.strategy not in STRATEGIES:
@@ -71,46 +96,6 @@ class ParallelLayout:
                 raise ConfigError(
                     f"--group-size {self.group_size} must divide the cp degree {self.cp_degree} (try {legal})"
                 )
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    @property
-    def group(self) -> int:
-        """DiTango group size: adjacent cp ranks whose KV is always computed fresh together."""
-        if self.strategy != "ditango":
-            return 1
-        if self.group_size is not None:
-            return self.group_size
-        return 2 if self.cp_degree % 2 == 0 else 1
-
-    @property
-    def groups(self) -> int:
-        return self.cp_degree // self.group
-
-    @property
-    def cp_degree(self) -> int:
-        return self.world_size // self.cfg_degree
-
-    @property
-    def ulysses(self) -> int:
-        """Ulysses (head all-to-all) degree inside the cp axis."""
-        if self.strategy == "ulysses":
-            return self.cp_degree
-        if self.strategy == "usp":
-            return self.ulysses_degree or 1
-        return 1
-
-    @property
-    def ring(self) -> int:
-        """Ring attention degree inside the cp axis (1 under tp: no tokens are sharded)."""
-        return 1 if self.strategy == "tp" else self.cp_degree // self.ulysses
-
-    @property
-    def tp(self) -> int:
-        """Tensor-parallel degree: the cp axis under --parallel tp, else 1."""
-        return self.cp_degree if self.strategy == "tp" else 1
 
     def check_model(self, heads: int, ffn: int | None = None, joint_text: bool = False) -> None:
         """Errors that depend on the model: Ulysses splits heads, so its degree must divide them;

@@ -3,7 +3,7 @@
 What one rank holds in each phase of an item, as the runtime runs it (every component is
 loaded onto every GPU at the start; with `shard_weights` the transformers and the text
 encoder are sharded on the CPU first, runtime/weights.py; tensor parallelism splits the
-transformers on the CPU, runtime/run.py):
+transformers on the CPU, runtime/assembly.py):
   load         every component (or its shard; sharding holds one unit whole at a time), no
                forward yet (`ditango rehearse` reports it; never above text_encode);
   text_encode  the transformer (or its shard), the text encoder (and the blocks FSDP gathers),
@@ -224,7 +224,7 @@ def weight_parts(shape: ModelShape, layout: ParallelLayout, options: MemoryOptio
 def tp_split_params(shape: ModelShape) -> int:
     """Transformer parameters tensor parallelism splits, all experts together: every block's but
     the 11 C it keeps whole (the row-wise projections' biases, norm2's affine, the modulation
-    table; runtime/models/wan.py `install_tp`). 0 when the block size is not known."""
+    table; runtime/models/wan/ `install_tp`). 0 when the block size is not known."""
     if not shape.block_params:
         return 0
     experts = max(1, round(shape.params / (shape.root_params + shape.layers * shape.block_params)))

@@ -1,7 +1,7 @@
 """The shape of a model as the planner sees it (cost model, memory model, layout checks).
 
 Shapes are made by each model family's adapter from the components' configs
-(runtime/models/wan.py `shape_of`, `vae_shape_of`) and kept with the registry entries
+(runtime/models/wan/shapes.py `shape_of`, `vae_shape_of`) and kept with the registry entries
 (runtime/models/registry.py): the one source for the registry, `check`, the cost model and
 the memory model (planner/memory.py).
 """

@@ -1,7 +1,7 @@
 """The DiTango plan record: per step, which remote (layer, unit) cells are computed fresh.
 
 Shape legend: L transformer layers, U remote units (groups of the ring, possibly composed),
-addressed by ring offset so the same plan holds on every rank (ALGORITHMS.md 2.1).
+addressed by ring offset so the same plan holds on every rank (docs/ALGORITHMS.md 2.1).
 
 A `PlanLog` is what the report stores: a JSON-ready summary, a lossless JSON form, and a
 sha256 of a canonical encoding. Every rank hashes its own log; equal hashes prove that

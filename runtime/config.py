@@ -121,6 +121,7 @@ class Item:
     # The model's geometry (from its registry spec): VAE spatial stride and transformer patch.
     vae_stride: int = 8
     patch: tuple[int, int, int] = (1, 2, 2)
+    _tokens: int = field(init=False, repr=False, compare=False)  # `tokens()`, counted once
 
     def __post_init__(self) -> None:
         where = f"{self.source}: " if self.source else ""
@@ -152,6 +153,7 @@ class Item:
             raise ConfigError(f"{where}guidance_2 must be a finite number >= 0, got {self.guidance_2}")
         if self.seed < 0 or self.seed >= 2**63:
             raise ConfigError(f"{where}seed must be in [0, 2**63), got {self.seed}")
+        object.__setattr__(self, "_tokens", token_count(self.latent_shape, self.patch))
 
     @property
     def cfg_scale(self) -> float:
@@ -165,7 +167,7 @@ class Item:
 
     def tokens(self) -> int:
         """Length of the transformer's token sequence for this item."""
-        return token_count(self.latent_shape, self.patch)
+        return self._tokens
 
     def to_json(self) -> dict:
         """What the item asks for, as the report, the sidecars and `check --json` state it."""
@@ -219,21 +221,15 @@ class RunConfig:
     # The effective command-line options (report.json records them: a run file for a rerun)
     options: dict = field(default_factory=dict)
 
-    @property
-    def gpus_per_node(self) -> int:
-        """Ranks per node of the whole allocation."""
-        return self.alloc_gpus_per_node or self.layout.gpus_per_node
-
-    @property
-    def world_size(self) -> int:
-        """Ranks of the whole allocation (all replicas)."""
-        return self.replicas * self.layout.world_size
-
-    @property
-    def nodes(self) -> int:
-        return self.world_size // self.gpus_per_node
+    # Derived once from the fields above.
+    gpus_per_node: int = field(init=False, repr=False, compare=False)  # ranks per node of the whole allocation
+    world_size: int = field(init=False, repr=False, compare=False)  # ranks of the whole allocation (all replicas)
+    nodes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "gpus_per_node", self.alloc_gpus_per_node or self.layout.gpus_per_node)
+        object.__setattr__(self, "world_size", self.replicas * self.layout.world_size)
+        object.__setattr__(self, "nodes", self.world_size // self.gpus_per_node if self.gpus_per_node else 0)
         if not self.items:
             raise ConfigError("nothing to generate: no items")
         if self.retries < 0:

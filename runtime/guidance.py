@@ -1,6 +1,6 @@
 """Classifier-free guidance execution: both branches on one rank group (sequential),
 one branch per rank group (CFG-parallel), and Hybridiff's switch to a two-segment
-pipeline in the middle steps (ALGORITHMS.md section 3).
+pipeline in the middle steps (docs/ALGORITHMS.md section 3).
 
 Shape legend: B batch, C latent channels, F/H/W latent frames/height/width, S local
 tokens, X hidden width.

@@ -43,18 +43,16 @@ class Mesh:
     near_group: object = None
     cfg_group: object = None
 
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
+    # Derived once: the replica's ranks, this rank's index in its cp group and its CFG branch
+    # group (0: the unconditional branch's, 1: the conditional one's, under cfg degree 2).
+    world_size: int = field(init=False)
+    cp_index: int = field(init=False)
+    cfg_index: int = field(init=False)
 
-    @property
-    def cp_index(self) -> int:
-        return self.cp_ranks.index(self.rank)
-
-    @property
-    def cfg_index(self) -> int:
-        """0: the unconditional branch's rank group, 1: the conditional one (cfg degree 2)."""
-        return self.rank // self.layout.cp_degree
+    def __post_init__(self) -> None:
+        self.world_size = self.layout.world_size
+        self.cp_index = self.cp_ranks.index(self.rank)
+        self.cfg_index = self.rank // self.layout.cp_degree
 
     def same_node(self, a: int, b: int) -> bool:
         return self.node_of[a] == self.node_of[b]
@@ -145,6 +143,6 @@ def warm_up(mesh: Mesh) -> None:
     dist.all_reduce(probe, group=mesh.control_group)
     probes.append(("control", probe, dist.get_world_size(mesh.control_group)))
     if is_fake(probes[0][1]):
-        return  # a rehearsal (runtime/rehearse.py): the collectives ran, no values came back
+        return  # a rehearsal (runtime/rehearse/): the collectives ran, no values came back
     for kind, probe, size in probes:  # .item() waits for the device: every communicator is up
         assert probe.item() == size, f"warm-up on the {kind} group gave {probe.item()}, expected {size}"

@@ -1,4 +1,4 @@
-"""Attention states and their merge (ALGORITHMS.md section 1).
+"""Attention states and their merge (docs/ALGORITHMS.md section 1).
 
 Shape legend: B batch, S query tokens, H heads, D head dim.
 

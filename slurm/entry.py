@@ -10,7 +10,7 @@ from runtime.config import RunConfig
 from runtime.mesh import build_mesh
 from runtime.outputs import plan_resume
 from runtime.run import Observer, RankContext, execute
-from slurm.faults import FaultInjecting
+from slurm.faults import with_faults
 from slurm.supervise import replica_share
 
 
@@ -43,4 +43,4 @@ def run_rank(
     mine = {i.id for i in cfg.items}
     skipped = {k: v for k, v in skipped.items() if k in mine}
     decided = {k: v for k, v in (decided or {}).items() if k in mine}
-    return execute(cfg, FaultInjecting(observer, global_rank), ctx, skipped, report_name=report_name, decided=decided)
+    return execute(cfg, with_faults(observer, global_rank), ctx, skipped, report_name=report_name, decided=decided)

@@ -30,6 +30,11 @@ FAULT_KIND_ENV = "DITANGO_FAULT_KIND"
 FAULT_KINDS = ("raise", "hang", "exit", "kill", "stop")
 
 
+def with_faults(observer, rank: int):
+    """`observer` with the fault hook in front when DITANGO_FAULT_INJECT asks for one, else as it is."""
+    return FaultInjecting(observer, rank) if os.environ.get(FAULT_ENV) else observer
+
+
 class FaultInjecting:
     """An observer of one rank with the fault hook in front; every call reaches `inner`."""
 

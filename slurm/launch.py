@@ -17,7 +17,7 @@ from runtime.outputs import plan_resume
 from runtime.run import Observer, RankContext, SilentObserver, execute, settled_report
 from slurm.aggregate import aggregate
 from slurm.entry import run_rank
-from slurm.faults import FaultInjecting
+from slurm.faults import with_faults
 from slurm.local import EventSink, RankFailed, run_ranks
 from slurm.rank import current_device, select_device
 from slurm.sharding import shard
@@ -73,7 +73,7 @@ class LocalExecutor:
                 continue
             if cfg.world_size == 1:  # this process; the supervisor retries a failure as for many ranks
                 ctx = RankContext.single(cfg, select_device(cfg.device, 0))
-                observer = FaultInjecting(self.observer, 0)
+                observer = with_faults(self.observer, 0)
                 try:
                     self._report = execute(cfg, observer, ctx, skipped, report_name=name, decided=decided)
                 except ConfigError:

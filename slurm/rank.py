@@ -5,7 +5,7 @@ In order: the environment NCCL reads (`rank_environment`), the rank's own GPU ma
 error, an exit that cannot hang (`exit_soon`). The mesh and its communicators come after
 (`runtime.mesh.build_mesh`, which creates every communicator eagerly).
 
-Why each piece (ALGORITHMS.md section 6): under NCCL a rank whose peer died does not fail
+Why each piece (docs/ALGORITHMS.md section 6): under NCCL a rank whose peer died does not fail
 fast as under gloo: it spins in the collective until the watchdog's timeout, and then the
 process aborts without running Python `finally` blocks. So a failing rank must exit
 promptly and non-zero (the launcher, or srun's `--kill-on-bad-exit`, then stops its peers),

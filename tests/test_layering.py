@@ -79,7 +79,7 @@ def test_imports_are_absolute():
 
 
 def test_modules_stay_small():
-    """One idea a module (docs/STYLE): none of the tool's modules grows past 400 lines."""
+    """One idea a module: none of the tool's modules grows past 400 lines."""
     long = {
         str(path.relative_to(ROOT)): n
         for package in PACKAGES

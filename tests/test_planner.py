@@ -1,4 +1,4 @@
-"""DiTango planner (ALGORITHMS.md 2.2-2.3) on synthetic inputs: no processes, no model.
+"""DiTango planner (docs/ALGORITHMS.md 2.2-2.3) on synthetic inputs: no processes, no model.
 
 Shape legend: B batch, S tokens, H heads, L layers, U remote units.
 """

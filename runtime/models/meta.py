@@ -1,6 +1,6 @@
 """A model's pipeline components built from their configs on the meta device: every module at
 its real shape and in the dtypes the loader gives it (runtime/models/loading.py), with no
-weight read. `ditango rehearse` (runtime/rehearse.py) moves them onto fake GPUs.
+weight read. `ditango rehearse` (runtime/rehearse/) moves them onto fake GPUs.
 
 A registry name is built from the configs in runtime/models/registry.py and its family's (the
 public checkpoints' text encoders and schedulers: runtime/models/<family>/checkpoint.py); a directory from its own

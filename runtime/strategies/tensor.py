@@ -8,7 +8,7 @@ The split of a block is Megatron-LM's (Shoeybi et al. 2019, section 3): the q/k/
 column-wise (a rank computes its h heads, [B, S, C] -> [B, S, c]), their attention locally,
 the output projection row-wise (its c input channels: a partial [B, S, C], summed over the
 group by one all-reduce); the FFN's up-projection column-wise, its down-projection row-wise
-(one more all-reduce). The family adapter names the modules (runtime/models/wan.py
+(one more all-reduce). The family adapter names the modules (runtime/models/wan/
 `install_tp`); this module splits them.
 
 - Linear layers: PyTorch's DTensor plans (`ColwiseParallel`, `RowwiseParallel`) over a
