@@ -64,7 +64,7 @@ def peak_rss_bytes() -> int:
 
 
 def _rank(rank, world, events, kind, z, options):
-    from runtime.run import RankContext
+    from runtime.context import RankContext
 
     torch.set_num_threads(1)
     layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy="ring")

@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ditango_cli.command import command
 from ditango_cli.options import (
     DiTangoArgs,
     ExecutorChoice,
@@ -27,7 +28,6 @@ from ditango_cli.options import (
     ParallelArgs,
     RunArgs,
     SlurmArgs,
-    command,
 )
 from planner.ditango import DiTangoOptions, run_planner_config
 from planner.errors import ConfigError
@@ -165,7 +165,7 @@ def build_run_config(
 def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> int:
     """Generate one MP4 per prompt, plus a sidecar JSON per item and report.json."""
     from ditango_cli.progress import RichObserver
-    from runtime.run import SilentObserver  # the runtime and diffusers: only when work is asked for
+    from runtime.context import SilentObserver  # the runtime and diffusers: only when work is asked for
     from slurm.executors import executor_for, own_output_folder
     from slurm.supervise import supervise
 

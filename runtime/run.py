@@ -10,130 +10,28 @@ is rewritten after every item so an interrupted batch still has an up-to-date re
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime, timezone
-from typing import Protocol
 
-import numpy as np
 import torch
 
 from runtime.assembly import build_denoiser, host_loaded
 from runtime.calibrate import hold_target, step_cache_ratios, target_quality
-from runtime.comm import Comm
 from runtime.config import DecodeOptions, Item, RunConfig, plan_memory
+from runtime.context import Observer, RankContext, SilentObserver
 from runtime.denoiser import Denoiser, synchronize
 from runtime.inputs import exact_reference, item_inputs
+from runtime.item_records import attention_record, check_finite, hybrid_record, step_cache_record, sum_comm
 from runtime.kernels import resolve_backend
-from runtime.loop_types import DenoiseResult, NonFiniteLatents
-from runtime.mesh import Mesh, build_mesh
-from runtime.models.loading import load_components, placement_on, resolve_placement
+from runtime.loop_types import NonFiniteLatents
+from runtime.models.loading import load_components, placement_on
 from runtime.models.registry import resolve_model
-from runtime.outputs import mark_running, output_paths, plan_resume, record_failure
-from runtime.plots import write_heatmap, write_rel_mae_plot
+from runtime.outputs import mark_running, plan_resume, record_failure
 from runtime.quality import quality_record
-from runtime.report import SCHEMA, ItemTiming, item_record, peak_memory, run_report
-from runtime.video import write_json, write_latents, write_mp4
+from runtime.report import ItemTiming, peak_memory, run_report
+from runtime.video import write_json
 from runtime.weights import SHARDED, local_param_bytes, place, shard_weights
-
-
-class Observer(Protocol):
-    """What the runtime tells its caller (the CLI draws progress from it)."""
-
-    def run_started(self, total: int) -> None: ...
-    def item_started(self, item: Item) -> None: ...
-    def step_done(self, step: int, steps: int) -> None: ...
-    def phase(self, name: str) -> None: ...  # after the steps: "decode", then "write" (the writer)
-    def item_finished(self, record: dict) -> None: ...
-    def message(self, text: str) -> None: ...
-
-
-class SilentObserver:
-    def run_started(self, total: int) -> None: ...
-    def item_started(self, item: Item) -> None: ...
-    def step_done(self, step: int, steps: int) -> None: ...
-    def phase(self, name: str) -> None: ...
-    def item_finished(self, record: dict) -> None: ...
-    def message(self, text: str) -> None: ...
-
-
-@dataclass
-class RankContext:
-    """This rank's mesh and transport; a single process has a trivial one (no collectives)."""
-
-    mesh: Mesh
-    comm: Comm
-
-    @classmethod
-    def single(cls, cfg: RunConfig, device: torch.device | None = None) -> RankContext:
-        """One process; `device` None: resolved from `cfg.device` (CUDA when asked or available)."""
-        device = device or resolve_placement(cfg.device, cfg.dtype).device
-        mesh = build_mesh(cfg.layout, 0, (0,), device=device)
-        return cls(mesh, Comm(mesh))
-
-    @property
-    def device(self) -> torch.device:
-        """This rank's device, chosen by its launcher (the local GPU of its global rank)."""
-        return self.mesh.device
-
-    @property
-    def distributed(self) -> bool:
-        return self.mesh.world_size > 1
-
-    @property
-    def is_writer(self) -> bool:
-        return self.mesh.rank == 0
-
-    # Object collectives go over the control group (gloo, setup timeout): they carry records,
-    # not tensors, and the waits on the writer can last as long as a video's decode.
-    def gather(self, obj) -> list:
-        if not self.distributed:
-            return [obj]
-        return self.comm.gather_objects(obj, self.mesh.control_group, range(self.mesh.world_size))
-
-    def from_writer(self, obj):
-        if not self.distributed:
-            return obj
-        return self.comm.broadcast_object(obj, 0, self.mesh.control_group)
-
-
-def sum_comm(per_rank: list[dict]) -> dict:
-    total = {"intra_node_bytes": 0, "inter_node_bytes": 0, "by_purpose": {}}
-    for t in per_rank:
-        for link in ("intra_node_bytes", "inter_node_bytes"):
-            total[link] += t[link]
-        for purpose, links in t["by_purpose"].items():
-            slot = total["by_purpose"].setdefault(purpose, {})
-            for link, n in links.items():
-                slot[link] = slot.get(link, 0) + n
-    return total
-
-
-def attention_record(denoiser: Denoiser, ctx: RankContext) -> dict | None:
-    """DiTango's per-item plan record, with every rank's plan hash (they must be equal)."""
-    ditango = denoiser.ditango
-    if ditango is None:
-        return None
-    record = ditango.item_report()
-    record["plan_hashes"] = ctx.gather(record.pop("plan_hash"))
-    record["cache_peak_bytes"] = max(ctx.gather(record["cache_peak_bytes"]))
-    return record
-
-
-def step_cache_record(denoiser: Denoiser, ctx: RankContext) -> dict | None:
-    """The step cache's per-item record, with every rank's decisions checked: the ranks that
-    compute the same branch (one cp group) must have evaluated the same blocks and attention
-    layers at every step, or their exchanges could not have paired up."""
-    cache = denoiser.step_cache
-    if cache is None:
-        return None
-    layers = len(denoiser.family.probes(denoiser.transformers[0]))
-    decisions = ctx.gather((ctx.mesh.cfg_index, cache.record(layers)["per_step"]))
-    if not all(d == next(e for c, e in decisions if c == i) for i, d in decisions):
-        raise RuntimeError(f"step cache decisions differ across the ranks of a branch: {decisions}")
-    merged = {}  # under --cfg-parallel each branch group ran one branch: both in the record
-    for _, per_step in decisions:
-        merged.update(per_step)
-    return {**cache.record(layers, dict(sorted(merged.items()))), "ranks_agree": True}
+from runtime.writer import write_item
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -142,30 +40,10 @@ def release_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def check_finite(result: DenoiseResult, item: Item, ctx: RankContext) -> None:
-    """Raise NonFiniteLatents on every rank alike when the final latents hold NaN/inf: a video
-    decoded from them would be recorded done and be garbage. Every rank holds the same final
-    latents; the counts are gathered all the same, so that no rank can go on into the next
-    collective while another raises."""
-    bad = int((~torch.isfinite(result.latents_BCFHW)).sum())
-    agreed = ctx.gather((bad, result.first_nonfinite_step))
-    bad = max(n for n, _ in agreed)
-    if not bad:
-        return
-    steps = len(result.step_s)
-    firsts = [s for _, s in agreed if s is not None]
-    first = f"; first non-finite after step {min(firsts)}" if firsts else ""
-    raise NonFiniteLatents(
-        f"latents have {bad} NaN/inf values after step {steps} of {item.steps}{first} "
-        "(a NaN/inf weight in the model, or a float16 overflow); not retried: it would happen again"
-    )
-
-
 def generate_item(
     denoiser: Denoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer, reference=None
 ) -> dict:
     """One item on this rank; `reference`: its exact final latents when already computed."""
-    paths = output_paths(cfg.out_dir, item.id)
     timing = ItemTiming()
     device = denoiser.device
     ctx.comm.reset()
@@ -188,13 +66,7 @@ def generate_item(
     comm = sum_comm(ctx.gather(ctx.comm.totals()))
     attention = attention_record(denoiser, ctx)
     step_cache = step_cache_record(denoiser, ctx)
-    hybrid = denoiser.guidance.record()
-    if hybrid is not None:
-        hybrid["block_evals"] = ctx.gather(hybrid["block_evals"])  # [rank][step]
-        stage_bytes = ctx.gather(hybrid.pop("bytes_per_stage"))
-        hybrid["bytes_per_stage"] = {
-            s: sum(r.get(s, 0) for r in stage_bytes) for s in sorted(set().union(*stage_bytes))
-        }
+    hybrid = hybrid_record(denoiser, ctx)
     if cfg.reference != "exact" or (cfg.ditango is None and cfg.step_cache is None):
         reference = None
     elif reference is None:
@@ -222,32 +94,8 @@ def generate_item(
                                                    "untiled")["psnr"]  # fmt: skip
 
     observer.phase("write")
-    start = time.perf_counter()
-    write_mp4(paths["video"], frames, cfg.fps)
-    latents_name = None
-    if cfg.save_latents:
-        meta = {"id": item.id, "model": cfg.model, "seed": str(item.seed), "steps": str(item.steps)}
-        write_latents(paths["latents"], result.latents_BCFHW, meta)
-        latents_name = paths["latents"].name
-    timing.write_s = time.perf_counter() - start
-
-    if hybrid is not None:
-        rel_mae_png = cfg.out_dir / f"{item.id}.rel_mae.png"
-        write_rel_mae_plot(rel_mae_png, hybrid["rel_mae"], hybrid["stages"])
-        hybrid["rel_mae_png"] = rel_mae_png.name
-    if attention is not None:
-        plan_file = cfg.out_dir / f"{item.id}.plan.json"  # the full (step, layer, unit) decisions
-        write_json(plan_file, {"schema": SCHEMA, **attention.pop("plan_log")})
-        attention["plan_file"] = plan_file.name
-        plan_png = cfg.out_dir / f"{item.id}.plan.png"
-        write_heatmap(plan_png, np.asarray(attention["plan"]["compute_map"], dtype=np.float64).reshape(item.steps, -1))
-        attention["plan_png"] = plan_png.name
-    record = item_record(
-        item, model=cfg.model, status="done", video=paths["video"].name, latents=latents_name, timing=timing,
-        comm=comm, attention=attention, quality=quality, hybrid=hybrid, decode=decode, step_cache=step_cache,
-    )  # fmt: skip
-    write_json(paths["sidecar"], record)  # last: its presence marks the item complete
-    return record
+    return write_item(cfg, item, frames, result.latents_BCFHW, timing, comm=comm, attention=attention,
+                      quality=quality, hybrid=hybrid, decode=decode, step_cache=step_cache)  # fmt: skip
 
 
 def denoiser_for_run(cfg: RunConfig, ctx: RankContext, spec, components: dict, placement, backend: str) -> Denoiser:

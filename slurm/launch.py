@@ -13,8 +13,9 @@ from dataclasses import replace
 
 from planner.errors import ConfigError
 from runtime.config import RunConfig
+from runtime.context import Observer, RankContext, SilentObserver
 from runtime.outputs import plan_resume
-from runtime.run import Observer, RankContext, SilentObserver, execute, settled_report
+from runtime.run import execute, settled_report
 from slurm.aggregate import aggregate
 from slurm.entry import run_rank
 from slurm.faults import with_faults

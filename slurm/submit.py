@@ -31,7 +31,7 @@ from submitit.core.utils import FailedJobError, FailedSubmissionError
 
 from planner.errors import ConfigError
 from runtime.config import RunConfig
-from runtime.run import SilentObserver
+from runtime.context import SilentObserver
 from slurm.aggregate import aggregate
 from slurm.entry import run_rank
 from slurm.heartbeat import BeatWatch, Heartbeat, kill_step, stopped_failure

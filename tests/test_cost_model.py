@@ -18,9 +18,9 @@ from planner.plan import KINDS
 from planner.traffic import ditango_units, plan_bits_from_log, predict_traffic
 from runtime.assembly import build_denoiser
 from runtime.comm import Comm
+from runtime.item_records import sum_comm
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.run import sum_comm
 from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
 from tiny_wan import build_tiny_wan

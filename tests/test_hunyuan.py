@@ -132,8 +132,8 @@ def test_strategies_equal_one_process(world):
                 assert err <= 1e-4, (name, rank, err)
     # The cost model's byte counts (planner/traffic.py) equal the runtime's, text rows included.
     from planner.traffic import predict_traffic
+    from runtime.item_records import sum_comm
     from runtime.models.hunyuan import shape_of
-    from runtime.run import sum_comm
 
     den = denoiser()
     text_len = int(den.encode_text(PROMPT, None, 1.0).cond_BLE.inputs["encoder_attention_mask"].sum())

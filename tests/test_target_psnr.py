@@ -14,7 +14,7 @@ TARGET = 33.0
 
 def _run(runner, prompts, out, *extra):
     args = ["generate", "--prompts", str(prompts), "--out", str(out), "--device", "cpu", "--steps", "8",
-            "--gpus", "2", "--nodes", "2", "--executor", "local", "--parallel", "ditango", "--group-size", "1",
+            "--height", "32", "--width", "32", "--frames", "9", "--gpus", "2", "--nodes", "2", "--executor", "local", "--parallel", "ditango", "--group-size", "1",
             "--warmup", "1", "--cooldown", "1", "--target-psnr", str(TARGET), "--reference", "exact", *extra]  # fmt: skip
     return runner.invoke(app, args)
 

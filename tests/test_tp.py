@@ -18,10 +18,10 @@ from planner.traffic import predict_traffic
 from runtime.assembly import build_denoiser
 from runtime.comm import Comm
 from runtime.denoiser import Denoiser
+from runtime.item_records import sum_comm
 from runtime.mesh import build_mesh
 from runtime.models import hunyuan
 from runtime.models.loading import resolve_placement
-from runtime.run import sum_comm
 from runtime.strategies import parallelize
 from slurm.local import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, GEN, SIZE, TEXT_LEN, denoise

@@ -96,7 +96,7 @@ def test_tile_grid_follows_the_tile_size():
 
 
 def _decode_on_ranks(rank, world, events):
-    from runtime.run import RankContext
+    from runtime.context import RankContext
 
     layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy="ring")
     mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)

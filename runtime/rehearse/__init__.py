@@ -117,13 +117,14 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
     import runtime.denoiser as denoiser_module
     import runtime.vae as vae_module
     from runtime.comm import Comm
+    from runtime.context import RankContext
     from runtime.inputs import item_inputs
     from runtime.kernels import resolve_backend
     from runtime.mesh import build_mesh
     from runtime.models.families import FAMILIES
     from runtime.models.loading import placement_on
     from runtime.models.meta import materialize, meta_components
-    from runtime.run import RankContext, before_decode, denoiser_for_run, run_host_loaded
+    from runtime.run import before_decode, denoiser_for_run, run_host_loaded
     from runtime.vae import decode_video
     from runtime.weights import shard_weights
 

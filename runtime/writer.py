@@ -1,0 +1,47 @@
+"""The writer's files of a finished item: the MP4, its latents when asked, the plots and
+DiTango's plan file, then the sidecar JSON, last, whose presence marks the item complete."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from runtime.config import Item, RunConfig
+from runtime.outputs import output_paths
+from runtime.plots import write_heatmap, write_rel_mae_plot
+from runtime.report import SCHEMA, ItemTiming, item_record
+from runtime.video import write_json, write_latents, write_mp4
+
+
+def write_item(cfg: RunConfig, item: Item, frames: np.ndarray, latents_BCFHW, timing: ItemTiming, *,
+               attention: dict | None, hybrid: dict | None, **records) -> dict:  # fmt: skip
+    """Write `item`'s files (uint8 `frames` [F, H, W, 3]; float32 latents [1, C, F, H, W]) and
+    return its record; `records`: the rest of the record's parts (comm, quality, decode, step_cache)."""
+    paths = output_paths(cfg.out_dir, item.id)
+    start = time.perf_counter()
+    write_mp4(paths["video"], frames, cfg.fps)
+    latents_name = None
+    if cfg.save_latents:
+        meta = {"id": item.id, "model": cfg.model, "seed": str(item.seed), "steps": str(item.steps)}
+        write_latents(paths["latents"], latents_BCFHW, meta)
+        latents_name = paths["latents"].name
+    timing.write_s = time.perf_counter() - start
+
+    if hybrid is not None:
+        rel_mae_png = cfg.out_dir / f"{item.id}.rel_mae.png"
+        write_rel_mae_plot(rel_mae_png, hybrid["rel_mae"], hybrid["stages"])
+        hybrid["rel_mae_png"] = rel_mae_png.name
+    if attention is not None:
+        plan_file = cfg.out_dir / f"{item.id}.plan.json"  # the full (step, layer, unit) decisions
+        write_json(plan_file, {"schema": SCHEMA, **attention.pop("plan_log")})
+        attention["plan_file"] = plan_file.name
+        plan_png = cfg.out_dir / f"{item.id}.plan.png"
+        write_heatmap(plan_png, np.asarray(attention["plan"]["compute_map"], dtype=np.float64).reshape(item.steps, -1))
+        attention["plan_png"] = plan_png.name
+    record = item_record(
+        item, model=cfg.model, status="done", video=paths["video"].name, latents=latents_name, timing=timing,
+        attention=attention, hybrid=hybrid, **records,
+    )  # fmt: skip
+    write_json(paths["sidecar"], record)  # last: its presence marks the item complete
+    return record
