@@ -17,24 +17,8 @@ from typing import get_args, get_type_hints
 
 import typer
 
-from ditango_cli.options import (
-    DiTangoArgs,
-    GenerateArgs,
-    GuidanceArgs,
-    ItemArgs,
-    MemoryArgs,
-    ModelArgs,
-    OutputArgs,
-    ParallelArgs,
-    RunArgs,
-    SlurmArgs,
-)
+from ditango_cli.options import SECTIONS
 from planner.errors import ConfigError
-
-SECTIONS = {
-    ModelArgs: "model", ItemArgs: "items", OutputArgs: "output", ParallelArgs: "parallel", DiTangoArgs: "ditango",
-    GuidanceArgs: "guidance", MemoryArgs: "memory", SlurmArgs: "slurm", RunArgs: "run", GenerateArgs: "run",
-}  # fmt: skip
 
 
 def section(group: type) -> str:

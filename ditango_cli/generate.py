@@ -17,6 +17,7 @@ from rich.table import Table
 
 from ditango_cli.command import command
 from ditango_cli.options import (
+    GROUPS,
     DiTangoArgs,
     ExecutorChoice,
     GenerateArgs,
@@ -26,7 +27,6 @@ from ditango_cli.options import (
     ModelArgs,
     OutputArgs,
     ParallelArgs,
-    RunArgs,
     SlurmArgs,
 )
 from planner.ditango import DiTangoOptions, run_planner_config
@@ -51,7 +51,6 @@ from runtime.step_cache import parse_step_cache
 from slurm.options import SlurmOptions, check_log_folder, choose_executor
 
 EXIT_FAILED_ITEMS = 1
-GROUPS = (ModelArgs, ItemArgs, OutputArgs, ParallelArgs, DiTangoArgs, GuidanceArgs, MemoryArgs, SlurmArgs, RunArgs)
 
 
 def ditango_options(d: DiTangoArgs) -> DiTangoOptions:

@@ -283,3 +283,11 @@ class GenerateArgs:
     wait_for_lock: Annotated[
         bool, _o("--wait-for-lock", help="If another run owns --out, wait for it to end instead of refusing.")
     ] = False
+
+
+# The groups every run command takes, and each group's section in run files.
+GROUPS = (ModelArgs, ItemArgs, OutputArgs, ParallelArgs, DiTangoArgs, GuidanceArgs, MemoryArgs, SlurmArgs, RunArgs)
+SECTIONS = {
+    ModelArgs: "model", ItemArgs: "items", OutputArgs: "output", ParallelArgs: "parallel", DiTangoArgs: "ditango",
+    GuidanceArgs: "guidance", MemoryArgs: "memory", SlurmArgs: "slurm", RunArgs: "run", GenerateArgs: "run",
+}  # fmt: skip

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ditango_cli.command import command
-from ditango_cli.generate import GROUPS, build_run_config
-from ditango_cli.options import _o
+from ditango_cli.generate import build_run_config
+from ditango_cli.options import GROUPS, _o
 from planner.errors import ConfigError
 from planner.memory import GIB, parse_bytes
 
