@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
 from runtime.config import Item, RunConfig
+from runtime.video import write_json
 
 SCHEMA = 1
 
@@ -133,3 +137,37 @@ def run_report(
         "options": cfg.options,
         "items": records,
     }
+
+
+@dataclass
+class ReportWriter:
+    """A rank's run report, rewritten (by the writer) after every item so that an interrupted
+    batch still has an up-to-date one. `records`: every item's record so far, by id."""
+
+    cfg: RunConfig
+    path: Path
+    device: torch.device
+    dtype: str
+    attention_backend: str
+    records: dict[str, dict]
+    weights: dict = field(default_factory=lambda: {"shard_degree": 1})  # the transformers' and text encoder's
+    calibration: dict | None = None  # --target-psnr: the chosen cache ratio and its trials
+    step_cache_calibration: dict | None = None  # --step-cache magcache without mag_ratios: measured on item 1
+    started: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    wall_start: float = field(default_factory=time.perf_counter)
+
+    def write(self, rank_peaks: list[int] | None = None) -> dict:
+        """Write the report (`rank_peaks`: every rank's peak memory, at the end; else this one's)."""
+        peak, source = peak_memory(self.device)
+        ordered = [self.records[i.id] for i in self.cfg.items if i.id in self.records]
+        report = run_report(
+            self.cfg, ordered, self.device, self.dtype, self.started, time.perf_counter() - self.wall_start,
+            attention_backend=self.attention_backend, rank_peaks=rank_peaks or [peak], peak_source=source,
+        )  # fmt: skip
+        report["weights"] = self.weights
+        if self.calibration is not None:
+            report["calibration"] = self.calibration
+        if self.step_cache_calibration is not None:
+            report["step_cache_calibration"] = self.step_cache_calibration
+        write_json(self.path, report)
+        return report

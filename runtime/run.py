@@ -28,7 +28,7 @@ from runtime.models.loading import load_components, placement_on
 from runtime.models.registry import resolve_model
 from runtime.outputs import mark_running, plan_resume, record_failure
 from runtime.quality import quality_record
-from runtime.report import ItemTiming, peak_memory, run_report
+from runtime.report import ItemTiming, ReportWriter, peak_memory, run_report
 from runtime.video import write_json
 from runtime.weights import SHARDED, local_param_bytes, place, shard_weights
 from runtime.writer import write_item
@@ -159,8 +159,6 @@ def execute(
     """
     observer = observer or SilentObserver()
     ctx = ctx or RankContext.single(cfg)
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    wall_start = time.perf_counter()
     placement = placement_on(ctx.device, cfg.dtype)
     if cfg.layout.strategy == "none":
         backend = "diffusers"  # diffusers' own attention processor, untouched
@@ -169,30 +167,13 @@ def execute(
 
     skipped = plan_resume(cfg) if skipped is None else skipped
     records: dict[str, dict] = {**skipped, **(decided or {})}
+    report = ReportWriter(cfg, cfg.out_dir / report_name, placement.device, placement.dtype_name, backend, records)
     if ctx.is_writer:
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
         for item_id in skipped:
             if item_id not in (decided or {}):  # not those this command already made in an earlier launch
                 observer.message(f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)")
     todo = [item for item in cfg.items if item.id not in records]
-    weights: dict = {"shard_degree": 1}  # the transformers' and text encoder's, on this rank
-    calibration = None  # --target-psnr: the chosen cache ratio and its trials
-    step_cache_run = None  # --step-cache magcache without mag_ratios: the ratios measured on item 1
-
-    def write_report(rank_peaks: list[int] | None = None) -> dict:
-        peak, source = peak_memory(placement.device)
-        ordered = [records[i.id] for i in cfg.items if i.id in records]
-        report = run_report(
-            cfg, ordered, placement.device, placement.dtype_name, started, time.perf_counter() - wall_start,
-            attention_backend=backend, rank_peaks=rank_peaks or [peak], peak_source=source,
-        )  # fmt: skip
-        report["weights"] = weights
-        if calibration is not None:
-            report["calibration"] = calibration
-        if step_cache_run is not None:
-            report["step_cache_calibration"] = step_cache_run
-        write_json(cfg.out_dir / report_name, report)
-        return report
 
     observer.run_started(len(todo))
     if todo:
@@ -203,16 +184,18 @@ def execute(
         shard = cfg.shard_weights and ctx.distributed
         components = load_components(resolved, placement, on_cpu=run_host_loaded(cfg, ctx))
         if shard:
-            weights["shard_degree"] = shard_weights(components, ctx.mesh, placement.device)
+            report.weights["shard_degree"] = shard_weights(components, ctx.mesh, placement.device)
         denoiser = denoiser_for_run(cfg, ctx, resolved.spec, components, placement, backend)
-        weights["param_bytes_per_rank"] = sum(local_param_bytes(components[n]) for n in SHARDED if n in components)
+        report.weights["param_bytes_per_rank"] = sum(
+            local_param_bytes(components[n]) for n in SHARDED if n in components
+        )
         first_reference = None
         if denoiser.step_cache is not None and denoiser.step_cache.needs_calibration:
-            step_cache_run, first_reference = step_cache_ratios(
+            report.step_cache_calibration, first_reference = step_cache_ratios(
                 denoiser, todo[0], cfg, ctx, observer.message, report_name
             )
         if cfg.ditango is not None and cfg.ditango.target_psnr is not None:
-            cfg, calibration, first_reference = target_quality(
+            cfg, report.calibration, first_reference = target_quality(
                 denoiser, todo[0], cfg, ctx, observer.message, report_name
             )
         for item in todo:
@@ -220,9 +203,9 @@ def execute(
             reference, first_reference = first_reference, None
             try:
                 record = generate_item(denoiser, item, cfg, ctx, observer, reference)
-                if calibration is not None and cfg.reference == "exact":  # measured: below the target, recalibrate
+                if report.calibration is not None and cfg.reference == "exact":  # below the target: recalibrate
                     cfg, redo = hold_target(
-                        denoiser, item, cfg, ctx, observer.message, report_name, calibration, record
+                        denoiser, item, cfg, ctx, observer.message, report_name, report.calibration, record
                     )
                     if redo is not None:
                         record = generate_item(denoiser, item, cfg, ctx, observer, redo)
@@ -237,6 +220,6 @@ def execute(
             if ctx.is_writer:
                 records[item.id] = record
                 observer.item_finished(record)
-                write_report()
+                report.write()
     rank_peaks = [p for p, _ in ctx.gather(peak_memory(placement.device))]
-    return write_report(rank_peaks) if ctx.is_writer else None
+    return report.write(rank_peaks) if ctx.is_writer else None

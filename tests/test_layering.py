@@ -109,3 +109,25 @@ def test_no_family_is_named_outside_its_package():
                         if isinstance(leaf, ast.Constant) and leaf.value in names:
                             found.append(f"{path.relative_to(ROOT)}:{node.lineno} {leaf.value!r}")
     assert found == [], found
+
+
+def test_every_family_provides_the_whole_protocol():
+    """A family is one package: whatever the runtime, the registry and the planner ask of a
+    family (runtime/models/families.py `Family`) each package has, and the model class of its
+    `loop` module has every method the denoising loop calls (`FamilyModel`)."""
+    import importlib
+    import inspect
+
+    from runtime.models.families import FAMILIES, Family, FamilyModel
+
+    wanted = {n for n in dir(Family) if not n.startswith("_")} | set(Family.__annotations__)
+    assert {"load_model", "install", "vae_chunks", "dir_variant", "TRANSFORMER_CLASS"} <= wanted  # read right
+    methods = {n for n, v in vars(FamilyModel).items() if callable(v) and not n.startswith("_")}
+    assert {"encode_text", "forward", "vae_input"} <= methods
+    for name, family in FAMILIES.items():
+        assert sorted(n for n in wanted if not hasattr(family, n)) == [], name
+        loop = importlib.import_module(f"{family.__name__}.loop")
+        models = [v for v in vars(loop).values() if inspect.isclass(v) and v.__module__ == loop.__name__
+                  and hasattr(v, "forward")]  # fmt: skip
+        assert len(models) == 1, (name, models)
+        assert sorted(m for m in methods if not hasattr(models[0], m)) == [], name

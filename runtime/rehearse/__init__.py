@@ -286,12 +286,13 @@ def rehearse(cfg: RunConfig, spec, path, gpu_bytes: int, all_ranks: bool = False
     item = cfg.items[0]
     experts = [0] * item.steps
     if spec.variant.experts == 2:
+        from runtime.models.families import FAMILIES
         from runtime.models.meta import meta_scheduler
 
         scheduler = meta_scheduler(spec, path)
         scheduler.set_timesteps(item.steps, device="cpu")
-        boundary = spec.variant.boundary_ratio * scheduler.config.num_train_timesteps
-        experts = [0 if t >= boundary else 1 for t in scheduler.timesteps.tolist()]
+        experts = FAMILIES[spec.family].expert_schedule(spec.variant, scheduler.timesteps.tolist(),
+                                                         scheduler.config.num_train_timesteps)  # fmt: skip
     switches = switch_steps(experts)
     plans = None
     if cfg.ditango is not None:

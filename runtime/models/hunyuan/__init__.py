@@ -42,6 +42,7 @@ from runtime.models.hunyuan.shapes import (
     block_params,
     blocks_params,
     count_params,
+    expert_schedule,
     fsdp_gathered_params,
     shape_of,
     vae_shape_of,
@@ -50,7 +51,7 @@ from runtime.models.hunyuan.vae import decode_tile, join_chunks, vae_chunks
 
 __all__ = [
     "COMPONENTS", "PIPELINES", "PIPELINE_DEFAULTS", "REQUIRED", "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR",
-    "VAE_CLASS", "JointAttention", "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile",
+    "VAE_CLASS", "JointAttention", "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile", "expert_schedule",
     "dir_variant", "from_block", "fsdp_gathered_params", "install", "install_tp", "join_chunks", "load_model",
     "named_parts", "pack_boundary", "patch_size", "probes", "segment_blocks", "shape_of", "uninstall",
     "uninstall_tp", "vae_chunks", "vae_shape_of", "valid_text_tokens",
@@ -152,6 +153,11 @@ def install_tp(transformer, tp) -> tuple[list, list]:
     """Tensor parallelism is not written for the joint text-video blocks yet (the layout check
     refuses it first, planner/layout.py `check_model`)."""
     raise ConfigError("--parallel tp is not supported yet for HunyuanVideo; use ring, ulysses or usp")
+
+
+def uninstall_tp(transformer, handles: list, undo: list) -> None:
+    """Nothing to undo: `install_tp` installs nothing."""
+    assert not handles and not undo, "install_tp never installs on HunyuanVideo"
 
 
 def uninstall(transformer, handles: list, processors: list) -> None:

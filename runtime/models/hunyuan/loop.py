@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from runtime.loop_types import TextEmbeds, seeded_latents
+from runtime.models.hunyuan.shapes import expert_schedule
 
 EMBEDDED_GUIDANCE = 6.0  # the pipeline's default guidance_scale
 
@@ -98,7 +99,7 @@ class HunyuanModel:
         return scheduler
 
     def experts(self, timesteps: list[float], num_train_timesteps: int) -> list[int]:
-        return [0] * len(timesteps)
+        return expert_schedule(None, timesteps, num_train_timesteps)
 
     def forward(self, transformer, latents_BCFHW: torch.Tensor, t: torch.Tensor, text: HunyuanText, condition):
         return transformer(

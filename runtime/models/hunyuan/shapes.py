@@ -84,6 +84,11 @@ def count_params(config: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def expert_schedule(variant, timesteps: list[float], num_train_timesteps: int) -> list[int]:
+    """One expert."""
+    return [0] * len(timesteps)
+
+
 def fsdp_gathered_params(config: dict, hidden: int, layers: int) -> int:
     """What --shard-weights gathers per forward: every block whole."""
     return blocks_params(config)

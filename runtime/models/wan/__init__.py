@@ -47,6 +47,7 @@ from runtime.models.wan.shapes import (
     block_params,
     blocks_params,
     count_params,
+    expert_schedule,
     fsdp_gathered_params,
     same_architecture,
     shape_of,
@@ -57,7 +58,7 @@ from runtime.models.wan.vae import decode_tile, join_chunks, vae_chunks
 __all__ = [
     "COMPONENTS", "IMAGE_ENCODER_CLASSES", "IMAGE_PROCESSOR_CLASSES", "PIPELINES", "PIPELINE_DEFAULTS", "REQUIRED",
     "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR", "VAE_CLASS", "WanSelfAttention", "WanVariant", "apply_rotary",
-    "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile", "dir_variant", "from_block",
+    "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile", "dir_variant", "expert_schedule", "from_block",
     "fsdp_gathered_params", "install", "install_tp", "join_chunks", "load_model", "named_parts", "pack_boundary",
     "patch_size", "probes", "same_architecture", "segment_blocks", "shape_of", "uninstall", "uninstall_tp",
     "vae_chunks", "vae_shape_of",

@@ -15,7 +15,7 @@ import torch
 from diffusers import WanPipeline
 
 from runtime.loop_types import ImageCondition, TextEmbeds, seeded_latents
-from runtime.models.wan.shapes import WanVariant
+from runtime.models.wan.shapes import WanVariant, expert_schedule
 
 
 class WanModel:
@@ -97,12 +97,7 @@ class WanModel:
         return scheduler
 
     def experts(self, timesteps: list[float], num_train_timesteps: int) -> list[int]:
-        """Per step, 0 for `transformer`, 1 for `transformer_2` (below boundary_ratio x the
-        training timesteps), as diffusers' Wan pipelines choose."""
-        ratio = self.variant.boundary_ratio
-        if ratio is None:
-            return [0] * len(timesteps)
-        return [0 if t >= ratio * num_train_timesteps else 1 for t in timesteps]
+        return expert_schedule(self.variant, timesteps, num_train_timesteps)
 
     def forward(self, transformer, latents_BCFHW: torch.Tensor, t: torch.Tensor, text_BLE, condition):
         """One transformer evaluation (one CFG branch), with the inputs diffusers' pipelines form."""

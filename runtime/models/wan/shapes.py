@@ -126,6 +126,15 @@ def same_architecture(a: dict, b: dict) -> list[str]:
     return [k for k in keys if a.get(k) != b.get(k)]
 
 
+def expert_schedule(variant: WanVariant, timesteps: list[float], num_train_timesteps: int) -> list[int]:
+    """Per step, 0 for `transformer`, 1 for `transformer_2` (below boundary_ratio x the training
+    timesteps), as diffusers' Wan pipelines choose."""
+    ratio = variant.boundary_ratio
+    if ratio is None:
+        return [0] * len(timesteps)
+    return [0 if t >= ratio * num_train_timesteps else 1 for t in timesteps]
+
+
 def blocks_params(config: dict) -> int:
     """Parameters of all the transformer's blocks (what --shard-weights shards)."""
     return int(config.get("num_layers", 40)) * block_params(config)
