@@ -80,3 +80,14 @@ def hybrid_record(denoiser: Denoiser, ctx: RankContext) -> dict | None:
     stage_bytes = ctx.gather(hybrid.pop("bytes_per_stage"))
     hybrid["bytes_per_stage"] = {s: sum(r.get(s, 0) for r in stage_bytes) for s in sorted(set().union(*stage_bytes))}
     return hybrid
+
+
+def gathered_records(denoiser: Denoiser, ctx: RankContext) -> dict:
+    """The parts of the item's record every rank contributes to, after its steps (collectives:
+    every rank calls it): bytes moved, DiTango's plan, the step cache's decisions, Hybridiff's stages."""
+    return {
+        "comm": sum_comm(ctx.gather(ctx.comm.totals())),
+        "attention": attention_record(denoiser, ctx),
+        "step_cache": step_cache_record(denoiser, ctx),
+        "hybrid": hybrid_record(denoiser, ctx),
+    }

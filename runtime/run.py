@@ -21,7 +21,7 @@ from runtime.config import DecodeOptions, Item, RunConfig, plan_memory
 from runtime.context import Observer, RankContext, SilentObserver
 from runtime.denoiser import Denoiser, synchronize
 from runtime.inputs import exact_reference, item_inputs
-from runtime.item_records import attention_record, check_finite, hybrid_record, step_cache_record, sum_comm
+from runtime.item_records import check_finite, gathered_records
 from runtime.kernels import resolve_backend
 from runtime.loop_types import NonFiniteLatents
 from runtime.models.loading import load_components, placement_on
@@ -63,10 +63,7 @@ def generate_item(
     timing.denoise_s = time.perf_counter() - start
     timing.step_s = result.step_s
     check_finite(result, item, ctx)
-    comm = sum_comm(ctx.gather(ctx.comm.totals()))
-    attention = attention_record(denoiser, ctx)
-    step_cache = step_cache_record(denoiser, ctx)
-    hybrid = hybrid_record(denoiser, ctx)
+    records = gathered_records(denoiser, ctx)
     if cfg.reference != "exact" or (cfg.ditango is None and cfg.step_cache is None):
         reference = None
     elif reference is None:
@@ -94,8 +91,7 @@ def generate_item(
                                                    "untiled")["psnr"]  # fmt: skip
 
     observer.phase("write")
-    return write_item(cfg, item, frames, result.latents_BCFHW, timing, comm=comm, attention=attention,
-                      quality=quality, hybrid=hybrid, decode=decode, step_cache=step_cache)  # fmt: skip
+    return write_item(cfg, item, frames, result.latents_BCFHW, timing, quality=quality, decode=decode, **records)
 
 
 def denoiser_for_run(cfg: RunConfig, ctx: RankContext, spec, components: dict, placement, backend: str) -> Denoiser:
