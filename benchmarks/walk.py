@@ -3,7 +3,8 @@
 Runs `ditango generate` in this process (the built-in model, one rank, 2 steps; the local
 launcher's rank runs in-process instead of a spawned one, with a one-rank gloo group), and
 records with `sys.setprofile` the calls from one project file into another that take the run
-config (a `RunConfig` among their arguments): the config's walk through the code. Prints the
+config or a value it carries (its layout, items, decode, DiTango, Hybridiff or step-cache
+settings) as an argument: the config's walk through the code. Prints the
 stops (file-to-file transitions), the files entered, and the returns: stops into a file the
 walk had already entered and left. A layout where each concern lives in one place returns
 less often. `--all-calls` counts every call between project files instead.
@@ -39,7 +40,7 @@ class Trace:
     """File-level stops of the calls that cross from one project file into another."""
 
     def __init__(self, config_only: bool = False) -> None:
-        self.config_only = config_only  # only the calls that take the run config (the config's walk)
+        self.config_only = config_only  # only the calls that take the run config or its parts (its walk)
         self.stops: list[str] = []
         self.cache: dict[str, str | None] = {}
 
@@ -68,11 +69,34 @@ class Trace:
             self.stops.append(callee)
 
 
+def config_parts(cfg) -> set[type]:
+    """The run config's type and the types of the values it carries: its fields' values that are
+    this project's objects (the layout, the items, the decode, DiTango, Hybridiff and step-cache
+    settings), one level into theirs (DiTango's planner settings)."""
+    from dataclasses import fields, is_dataclass
+
+    def ours(value) -> bool:
+        return type(value).__module__.split(".")[0] in PACKAGES
+
+    values = [getattr(cfg, f.name, None) for f in fields(cfg) if f.init]
+    values += [v for value in list(values) if isinstance(value, (list, tuple)) for v in value]
+    values += [getattr(v, f.name, None) for v in list(values) if is_dataclass(v) and ours(v) for f in fields(v)]
+    return {type(cfg)} | {type(v) for v in values if ours(v)}
+
+
+FOLLOWED: set[type] = set()  # filled from the first RunConfig seen
+
+
 def carries_config(frame) -> bool:
-    """Whether the call of `frame` takes a RunConfig among its arguments."""
+    """Whether the call of `frame` takes the run config, or a value it carries, as an argument."""
     code = frame.f_code
-    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-    return any(type(frame.f_locals.get(n)).__name__ == "RunConfig" for n in names)
+    args = [frame.f_locals.get(n) for n in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]]
+    if not FOLLOWED:
+        cfg = next((a for a in args if type(a).__name__ == "RunConfig"), None)
+        if cfg is None or code.co_name.startswith("__"):  # one built already, not one being built
+            return False
+        FOLLOWED.update(config_parts(cfg))
+    return any(type(a) in FOLLOWED for a in args)
 
 
 def in_process_ranks(target, world_size, args=(), **_):
@@ -120,7 +144,7 @@ def main() -> None:
     parser.add_argument(
         "--all-calls",
         action="store_true",
-        help="every call between project files, not only those that take the run config",
+        help="every call between project files, not only those that take the run config or its parts",
     )
     args = parser.parse_args()
     os.environ.setdefault("DITANGO_NO_PROGRESS", "1")
