@@ -107,6 +107,7 @@ def run_case(index: int) -> dict:
     from planner.decode_memory import decode_bytes
     from planner.layout import ParallelLayout
     from planner.memory import MemoryOptions, block_bytes
+    from planner.models import VideoSize
     from runtime.models import registry, wan
 
     kind, name, config, (H, W, F), dtype, tile = CASES[index]
@@ -121,7 +122,7 @@ def run_case(index: int) -> dict:
         known = set(WanTransformer3DModel.extract_init_dict(cfg)[0])
         stride = 4 if config == "tiny" else 8
         shape = wan.shape_of(name, cfg, 0, 32, (4, stride, stride))
-        f, h, w = shape.latent_shape(H, W, F)
+        f, h, w = shape.latent_shape(VideoSize(H, W, F))
         x = torch.randn(1, cfg["in_channels"], f, h, w, dtype=dt)
         text = torch.randn(1, shape.text_len, shape.text_dim, dtype=dt)
         t = torch.tensor([500.0])
@@ -133,7 +134,7 @@ def run_case(index: int) -> dict:
         params = sum(p.numel() for p in model.parameters())
         with torch.inference_mode():
             peak = _measure(lambda: model(x, t, text, return_dict=False))
-        tokens = shape.tokens(H, W, F)
+        tokens = shape.tokens(VideoSize(H, W, F))
         _, _, predicted = block_bytes(shape, ParallelLayout(), tokens, MemoryOptions(dtype_bytes=e))
         return {"weights": weights, "weights_predicted": params * e, "peak": peak, "predicted": predicted,
                 "tokens": tokens}  # fmt: skip

@@ -74,6 +74,7 @@ def simulate(
     from planner.comparison import compare_layouts, memory_options, simulate_assumptions
     from planner.cost_model import load_hardware
     from planner.memory import parse_bytes
+    from planner.models import VideoSize
     from runtime.models.registry import REGISTRY
 
     if model not in REGISTRY:
@@ -83,11 +84,12 @@ def simulate(
     if steps < 1:
         raise ConfigError(f"--steps {steps}: must be >= 1")
     source = plan_source(plan, planner, own_group, cache_ratio, warmup, cooldown)
+    size = VideoSize(height, width, frames)
     memory = memory_options(shard_weights, spec.defaults.cfg_scale, vae_tiling, cache_dtype.value)
     rows, notes = compare_layouts(hw, spec.shape, nodes, gpus_per_node, [s.strip() for s in parallel.split(",") if s.strip()],
-                                  group_size, height, width, frames, steps, source, memory, vae_parallel,
+                                  group_size, size, steps, source, memory, vae_parallel,
                                   parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None)  # fmt: skip
-    assumptions = simulate_assumptions(hw, model, spec.shape.tokens(height, width, frames), steps, source, notes)
+    assumptions = simulate_assumptions(hw, model, spec.shape.tokens(size), steps, source, notes)
     if as_json:
         print(json.dumps({"schema": 1, "assumptions": assumptions, "rows": rows}, indent=2))
         return 0

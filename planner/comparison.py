@@ -11,7 +11,7 @@ from planner.ditango import RUN_DEFAULTS
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.memory import MemoryOptions, cfg_branches, estimate_memory
-from planner.models import ModelShape
+from planner.models import ModelShape, VideoSize
 from planner.plan_shape import PlanReplay, PlanSource, recorded_source
 from planner.preflight import fit_to_memory, usable_bytes
 
@@ -32,14 +32,14 @@ def memory_options(shard_weights: bool, cfg_scale: float, vae_tiling: bool, cach
                          vae_tiling=vae_tiling, cache_bytes=4 if cache_dtype == "float32" else 2)  # fmt: skip
 
 
-def memory_row(shape: ModelShape, layout: ParallelLayout, height: int, width: int, frames: int,
+def memory_row(shape: ModelShape, layout: ParallelLayout, size: VideoSize,
                options: MemoryOptions, vae_parallel: bool | None, gpu_memory_bytes: int | None) -> dict:  # fmt: skip
     """`simulate`'s memory columns for one layout (planner/memory.py), with the offloads the
     runtime turns on when memory is short; `vae_parallel` None: on with more than one rank."""
     o = replace(options, vae_parallel=layout.world_size > 1 if vae_parallel is None else vae_parallel)
     if gpu_memory_bytes:
-        o = fit_to_memory(shape, layout, height, width, frames, o, gpu_memory_bytes)
-    est = estimate_memory(shape, layout, height, width, frames, o)
+        o = fit_to_memory(shape, layout, size, o, gpu_memory_bytes)
+    est = estimate_memory(shape, layout, size, o)
     return {"peak_memory_bytes": est.peak_bytes, "peak_memory_stage": est.peak_stage,
             "weights_bytes": est.stages["weights"],
             "offload": [n for n, on in (("encoders", o.offload_text_encoder), ("transformer", o.offload_transformer)) if on],
@@ -48,7 +48,7 @@ def memory_row(shape: ModelShape, layout: ParallelLayout, height: int, width: in
 
 def compare_layouts(
     hw: Hardware, shape: ModelShape, nodes: int, gpus_per_node: int, strategies: list[str], group_size: str,
-    height: int, width: int, frames: int, steps: int, source: PlanSource | None = None,
+    size: VideoSize, steps: int, source: PlanSource | None = None,
     memory: MemoryOptions = MemoryOptions(), vae_parallel: bool | None = None, gpu_memory_bytes: int | None = None,
 ) -> tuple[list[dict], list[str]]:  # fmt: skip
     """`ditango simulate`'s rows: every strategy on 1..`nodes` nodes, with the speedup over the
@@ -75,8 +75,8 @@ def compare_layouts(
             except (ConfigError, ValueError) as exc:
                 notes.append(f"{s} on {n} node(s): {exc}")
                 continue
-            est, plan = _priced(hw, layout, shape, height, width, frames, steps, source, memory.shard_weights)
-            mem = memory_row(shape, layout, height, width, frames, memory, vae_parallel, gpu_memory_bytes)
+            est, plan = _priced(hw, layout, shape, size, steps, source, memory.shard_weights)
+            mem = memory_row(shape, layout, size, memory, vae_parallel, gpu_memory_bytes)
             found.append((est, mem, _plan_summary(plan)))
         exact = [e.e2e_s for e, _, _ in found if e.strategy != "ditango"]
         best = min(exact) if exact else None
@@ -91,18 +91,18 @@ def compare_layouts(
     return rows, notes
 
 
-def _priced(hw: Hardware, layout: ParallelLayout, shape: ModelShape, height: int, width: int, frames: int,
+def _priced(hw: Hardware, layout: ParallelLayout, shape: ModelShape, size: VideoSize,
             steps: int, source: PlanSource, shard: bool = False) -> tuple[Estimate, PlanReplay | float | None]:  # fmt: skip
     """One layout's estimate; for DiTango, with the plan replayed on it; `shard`: --shard-weights
     (its weight gathers counted in the bytes)."""
     shard = shard and layout.strategy != "tp"
     if layout.strategy != "ditango":
-        return estimate(hw, layout, shape, height, width, frames, steps, shard_weights=shard), None
+        return estimate(hw, layout, shape, size, steps, shard_weights=shard), None
     plan = source.replay(layout, shape.layers, steps)
     if not isinstance(plan, PlanReplay):  # a flat fraction: no step kinds, no control bytes
-        return estimate(hw, layout, shape, height, width, frames, steps, compute_fraction=plan,
+        return estimate(hw, layout, shape, size, steps, compute_fraction=plan,
                         own_group=source.own_group, shard_weights=shard), plan  # fmt: skip
-    est = estimate(hw, layout, shape, height, width, frames, steps, compute_fraction=plan.unit_fractions,
+    est = estimate(hw, layout, shape, size, steps, compute_fraction=plan.unit_fractions,
                    own_group=source.own_group, plan_kinds=plan.kinds, planner=plan.planner,
                    shard_weights=shard)  # fmt: skip
     return est, plan

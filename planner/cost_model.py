@@ -18,7 +18,7 @@ from pathlib import Path
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout, chunk_sizes
 from planner.memory import GIB
-from planner.models import ModelShape
+from planner.models import ModelShape, VideoSize
 from planner.traffic import Topology, ditango_units, predict_traffic, tp_all_reduces
 
 # -- hardware -----------------------------------------------------------------------------
@@ -261,9 +261,7 @@ def estimate(
     hw: Hardware,
     layout: ParallelLayout,
     shape: ModelShape,
-    height: int,
-    width: int,
-    frames: int,
+    size: VideoSize,
     steps: int,
     *,
     compute_fraction: float | list[float] = 1.0,
@@ -278,7 +276,7 @@ def estimate(
     over all steps (see `attention_time`), or exactly `plan_bits`; `plan_kinds` (each step's
     kind) adds the planner's control bytes."""
     topo = Topology(layout)
-    tokens = shape.tokens(height, width, frames)
+    tokens = shape.tokens(size)
     sizes = chunk_sizes(tokens, layout.cp_degree)
     forwards = 1 if layout.cfg_degree == 2 else 2
     attn = attention_time(hw, topo, shape, tokens, element_bytes, compute_fraction, own_group)
@@ -300,14 +298,14 @@ def estimate(
     if layout.cfg_degree == 2:
         pair = topo.groups["cfg"][0]
         link = topo.link(pair[0], pair[1])
-        f, h, w = shape.latent_shape(height, width, frames)
+        f, h, w = shape.latent_shape(size)
         step += f * h * w * shape.latent_channels * element_bytes / _bw(hw, link) + _lat(hw, link)
-    traffic = predict_traffic(layout, shape, height, width, frames, steps, element_bytes=element_bytes,
+    traffic = predict_traffic(layout, shape, size, steps, element_bytes=element_bytes,
                               plan_bits=plan_bits, plan_kinds=plan_kinds, own_group=own_group, planner=planner,
                               shard_weights=shard_weights)  # fmt: skip
     if layout.strategy == "ditango" and plan_bits is None:
         fractions = unit_fractions(compute_fraction, layout, own_group)
-        for key, n in _fractional_attention_bytes(layout, shape, height, width, frames, element_bytes, fractions,
+        for key, n in _fractional_attention_bytes(layout, shape, size, element_bytes, fractions,
                                                   own_group).items():  # fmt: skip
             traffic[key] -= round(steps * forwards * shape.layers * n)
     return Estimate(
@@ -316,7 +314,7 @@ def estimate(
     )  # fmt: skip
 
 
-def _fractional_attention_bytes(layout: ParallelLayout, shape: ModelShape, height: int, width: int, frames: int,
+def _fractional_attention_bytes(layout: ParallelLayout, shape: ModelShape, size: VideoSize,
                                 e: int, fractions: list[float], own_group: str) -> dict:  # fmt: skip
     """Bytes per (forward, layer) that units computed only `fractions` of the time do not
     move, against computing all: each unit's bytes are those of a one-layer, one-forward
@@ -327,7 +325,7 @@ def _fractional_attention_bytes(layout: ParallelLayout, shape: ModelShape, heigh
         return {"inter_node_bytes": 0, "intra_node_bytes": 0}
 
     def one_layer(bits: list[bool]) -> dict:
-        return predict_traffic(layout, one, height, width, frames, 1, guidance=False, element_bytes=e,
+        return predict_traffic(layout, one, size, 1, guidance=False, element_bytes=e,
                                plan_bits=[[bits]], own_group=own_group)  # fmt: skip
 
     local, full = one_layer([False] * n), one_layer([True] * n)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from planner.decode_memory import decode_bytes
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout, chunk_sizes, rank_groups
-from planner.models import ModelShape
+from planner.models import ModelShape, VideoSize
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 GIB = 2**30
@@ -282,13 +282,13 @@ def block_bytes(shape: ModelShape, layout: ParallelLayout, tokens: int, options:
 
 
 def estimate_memory(
-    shape: ModelShape, layout: ParallelLayout, height: int, width: int, frames: int,
+    shape: ModelShape, layout: ParallelLayout, size: VideoSize,
     options: MemoryOptions = MemoryOptions(),
 ) -> MemoryEstimate:  # fmt: skip
     """Peak bytes per GPU by phase and component for one item of this size on `layout` (one
     replica's layout)."""
     o = options
-    tokens = shape.tokens(height, width, frames)
+    tokens = shape.tokens(size)
     w = weight_parts(shape, layout, o)
     activations, states, transient = block_bytes(shape, layout, tokens, o)
     branches = min(o.cfg_branches_per_rank, 1 if layout.cfg_degree == 2 else 2)
@@ -298,7 +298,7 @@ def estimate_memory(
     decode = 0
     if vae is not None:
         ranks = layout.world_size if o.vae_parallel else 1
-        decode = decode_bytes(vae, shape.latent_shape(height, width, frames), o.vae_tiling or o.vae_parallel,
+        decode = decode_bytes(vae, shape.latent_shape(size), o.vae_tiling or o.vae_parallel,
                               o.tile_px, ranks)  # fmt: skip
     image = shape.image_encoder_params * F32  # CLIP stays on the GPU (the runtime offloads text encoders only)
     stages = {

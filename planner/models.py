@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from planner.errors import ConfigError
 from planner.layout import token_count
+
+
+class VideoSize(NamedTuple):
+    """A video as an item asks for it: pixels high and wide, and frames."""
+
+    height: int
+    width: int
+    frames: int
 
 
 @dataclass(frozen=True)
@@ -109,9 +118,9 @@ class ModelShape:
     def out_channels(self) -> int:
         return self.latent_channels * math.prod(self.patch)
 
-    def latent_shape(self, height: int, width: int, frames: int) -> tuple[int, int, int]:
+    def latent_shape(self, size: VideoSize) -> tuple[int, int, int]:
         t, s, _ = self.vae_stride
-        return ((frames - 1) // t + 1, height // s, width // s)
+        return ((size.frames - 1) // t + 1, size.height // s, size.width // s)
 
-    def tokens(self, height: int, width: int, frames: int) -> int:
-        return token_count(self.latent_shape(height, width, frames), self.patch)
+    def tokens(self, size: VideoSize) -> int:
+        return token_count(self.latent_shape(size), self.patch)

@@ -9,6 +9,7 @@ from dataclasses import replace
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.memory import GIB, HEADROOM_BYTES, HEADROOM_FRACTION, MemoryOptions, estimate_memory
+from planner.models import VideoSize
 
 MAX_SUGGESTED_GPUS = 64
 GPUS_PER_NODE_MAX = 8  # more ranks fill a node to this before adding nodes
@@ -19,7 +20,7 @@ def usable_bytes(gpu_memory_bytes: int) -> int:
     return int(gpu_memory_bytes * (1 - HEADROOM_FRACTION)) - HEADROOM_BYTES
 
 
-def fit_to_memory(shape, layout, height, width, frames, options, gpu_memory_bytes) -> MemoryOptions:
+def fit_to_memory(shape, layout, size: VideoSize, options, gpu_memory_bytes) -> MemoryOptions:
     """`options` with offload_text_encoder / offload_transformer turned on only where needed to
     fit (the runtime offloads only when memory is short): the first of none, the encoders, the
     transformer, both that fits; both when none does. Unchanged when everything fits."""
@@ -28,7 +29,7 @@ def fit_to_memory(shape, layout, height, width, frames, options, gpu_memory_byte
                                  offload_transformer=m or options.offload_transformer)
                          for t, m in ((True, False), (False, True), (True, True))]  # fmt: skip
     for o in tries:
-        if estimate_memory(shape, layout, height, width, frames, o).peak_bytes <= usable:
+        if estimate_memory(shape, layout, size, o).peak_bytes <= usable:
             return o
     return tries[-1]
 
@@ -64,7 +65,7 @@ def _fixes(layout: ParallelLayout, o: MemoryOptions) -> list[tuple[str, dict]]:
     return fixes
 
 
-def find_fix(shape, layout, height, width, frames, options, gpu_memory_bytes) -> str | None:
+def find_fix(shape, layout, size: VideoSize, options, gpu_memory_bytes) -> str | None:
     """The fewest options, on the fewest ranks (doubling), that make the item fit; None if
     nothing up to MAX_SUGGESTED_GPUS does."""
     usable, factor = usable_bytes(gpu_memory_bytes), 1
@@ -81,8 +82,8 @@ def find_fix(shape, layout, height, width, frames, options, gpu_memory_bytes) ->
             if factor == 1 and not chosen:
                 continue  # the caller's own options: known not to fit
             o = replace(options, **{k: v for _, change in chosen for k, v in change.items()})
-            o = fit_to_memory(shape, big, height, width, frames, o, gpu_memory_bytes)
-            if estimate_memory(shape, big, height, width, frames, o).peak_bytes <= usable:
+            o = fit_to_memory(shape, big, size, o, gpu_memory_bytes)
+            if estimate_memory(shape, big, size, o).peak_bytes <= usable:
                 words = [flag for flag, _ in chosen]
                 if factor > 1:
                     where = f"--gpus-per-node {big.gpus_per_node}"
@@ -94,16 +95,16 @@ def find_fix(shape, layout, height, width, frames, options, gpu_memory_bytes) ->
     return None
 
 
-def preflight(shape, layout, height, width, frames, options, gpu_memory_bytes, what: str) -> MemoryOptions:
+def preflight(shape, layout, size: VideoSize, options, gpu_memory_bytes, what: str) -> MemoryOptions:
     """`fit_to_memory`, and when even that does not fit raise a one-line ConfigError: the
     predicted peak (GiB, phase) against the GPU's memory and the options that would make it
     fit, found by trying them on the model. Returns the fitted options otherwise."""
-    fitted = fit_to_memory(shape, layout, height, width, frames, options, gpu_memory_bytes)
-    est = estimate_memory(shape, layout, height, width, frames, fitted)
+    fitted = fit_to_memory(shape, layout, size, options, gpu_memory_bytes)
+    est = estimate_memory(shape, layout, size, fitted)
     usable = usable_bytes(gpu_memory_bytes)
     if est.peak_bytes <= usable:
         return fitted
-    fix = find_fix(shape, layout, height, width, frames, options, gpu_memory_bytes)
+    fix = find_fix(shape, layout, size, options, gpu_memory_bytes)
     # what neither sharding nor offloading shrinks: the text encoders' embeddings and CLIP, the image encoder, the VAE
     unshrunk = shape.text_encoder_root_params + shape.text_encoder_whole_params
     floor = unshrunk * options.dtype_bytes + est.stages["image_encoder"] + est.stages["vae_weights"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from planner.ditango import unit_offsets
 from planner.layout import ParallelLayout, chunk_sizes, rank_groups, virtual_node_map
-from planner.models import ModelShape
+from planner.models import ModelShape, VideoSize
 
 
 @dataclass
@@ -252,9 +252,7 @@ def control_traffic(
 def predict_traffic(
     layout: ParallelLayout,
     shape: ModelShape,
-    height: int,
-    width: int,
-    frames: int,
+    size: VideoSize,
     steps: int,
     *,
     guidance: bool = True,
@@ -276,7 +274,7 @@ def predict_traffic(
     none on the first step when `first_step`). With DiTango's
     `plan_kinds` (each step's kind, from its plan file) the control plane is counted too."""
     topo = Topology(layout, node_of)
-    tokens = shape.tokens(height, width, frames)
+    tokens = shape.tokens(size)
     branches = 2 if guidance else 1
     forwards = steps * (1 if layout.cfg_degree == 2 else branches)
     t = Traffic()
@@ -291,7 +289,7 @@ def predict_traffic(
     if step_cache == "first-block":  # its agreement, on every step but the run's first
         step_cache_traffic(t, topo, forwards - (forwards // steps if first_step else 0))
     if layout.cfg_degree == 2:
-        cfg_traffic(t, topo, math.prod(shape.latent_shape(height, width, frames)) * shape.latent_channels,
+        cfg_traffic(t, topo, math.prod(shape.latent_shape(size)) * shape.latent_channels,
                     element_bytes, steps)  # fmt: skip
     if layout.strategy == "ditango" and plan_kinds is not None:  # the plan check runs with one group too
         units = len(plan_bits[0][0]) if plan_bits else len(ditango_units(layout, own_group))

@@ -15,6 +15,7 @@ from planner.ditango import DiTangoOptions
 from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import ParallelLayout, token_count
+from planner.models import VideoSize
 from runtime.step_cache import StepCacheSpec
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -165,6 +166,10 @@ class Item:
         """(frames, height, width) of the latent video."""
         return ((self.frames - 1) // TEMPORAL_STRIDE + 1, self.height // self.vae_stride, self.width // self.vae_stride)
 
+    @property
+    def size(self) -> VideoSize:
+        return VideoSize(self.height, self.width, self.frames)
+
     def tokens(self) -> int:
         """Length of the transformer's token sequence for this item."""
         return self._tokens
@@ -274,16 +279,16 @@ def plan_memory(cfg: RunConfig, shape, gpu_bytes: int, dtype_bytes: int, what: s
     from planner.preflight import preflight
 
     offload: set[str] = set()
-    for (h, w, f), options in item_memory_options(cfg, dtype_bytes):
-        where = f"{what} {w}x{h}x{f} on {cfg.layout.world_size} GPU(s) per replica"
-        fitted = preflight(shape, cfg.layout, h, w, f, options, gpu_bytes, where)
+    for size, options in item_memory_options(cfg, dtype_bytes):
+        where = f"{what} {size.width}x{size.height}x{size.frames} on {cfg.layout.world_size} GPU(s) per replica"
+        fitted = preflight(shape, cfg.layout, size, options, gpu_bytes, where)
         offload |= {"text_encoder"} if fitted.offload_text_encoder else set()
         offload |= {"transformer"} if fitted.offload_transformer else set()
     return replace(cfg, offload=tuple(sorted(offload)), gpu_memory=gpu_bytes)
 
 
 def item_memory_options(cfg: RunConfig, dtype_bytes: int):
-    """((height, width, frames), MemoryOptions) of each distinct item size and guidance of `cfg`."""
+    """(VideoSize, MemoryOptions) of each distinct item size and guidance of `cfg`."""
     from planner.memory import MemoryOptions, cfg_branches
 
     cache_bytes = 4 if cfg.ditango is not None and cfg.ditango.cache_dtype == "float32" else 2
@@ -296,7 +301,7 @@ def item_memory_options(cfg: RunConfig, dtype_bytes: int):
             vae_tiling=cfg.decode.tiled, vae_parallel=cfg.decode.parallel, tile_px=cfg.decode.tile_px or 256,
             **ditango,
         )  # fmt: skip
-        yield (h, w, f), options
+        yield VideoSize(h, w, f), options
 
 
 # A CPU rank before its model: the interpreter, torch, diffusers and gloo (369 MiB measured with
@@ -325,8 +330,7 @@ def check_local_cpu_ranks(cfg: RunConfig, shape, dtype_bytes: int) -> None:
     if available is None:
         return
     peak = max(
-        estimate_memory(shape, cfg.layout, h, w, f, o).peak_bytes
-        for (h, w, f), o in item_memory_options(cfg, dtype_bytes)
+        estimate_memory(shape, cfg.layout, size, o).peak_bytes for size, o in item_memory_options(cfg, dtype_bytes)
     )
     per_rank = RANK_BASE_BYTES + peak
     fits, n = available // per_rank, cfg.world_size

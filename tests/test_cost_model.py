@@ -13,7 +13,7 @@ import torch
 from planner.cost_model import HARDWARE, estimate
 from planner.ditango import DiTangoOptions, DiTangoPlanner, PlannerConfig
 from planner.layout import ParallelLayout, virtual_node_map
-from planner.models import ModelShape
+from planner.models import ModelShape, VideoSize
 from planner.plan import KINDS
 from planner.traffic import ditango_units, plan_bits_from_log, predict_traffic
 from runtime.assembly import build_denoiser
@@ -28,6 +28,7 @@ from tiny_wan import build_tiny_wan
 SHAPE = ModelShape("cp-test", layers=CP_MODEL.layers, heads=CP_MODEL.heads, head_dim=CP_MODEL.head_dim,
                    ffn=CP_MODEL.ffn_dim, text_len=TEXT_LEN, text_dim=CP_MODEL.text_dim)  # fmt: skip
 H, W, F, STEPS = 48, 80, 5, 6
+SIZE = VideoSize(H, W, F)
 BYTE_KEYS = ("inter_node_bytes", "intra_node_bytes")
 OPTS = DiTangoOptions(PlannerConfig(cache_ratio=0.5, warmup=1, cooldown=1))
 RUNS = [  # name, layout kwargs, ditango options
@@ -71,7 +72,7 @@ def test_byte_predictions_equal_runtime_counters():
             bits = plan_bits_from_log(per_rank[0][name][1], SHAPE.layers, branches=2)
             kinds = [step["kind"] for step in per_rank[0][name][1]["steps"]]
             assert not all(all(all(row) for row in f) for f in bits)  # the plan reused something
-        predicted = predict_traffic(layout, SHAPE, H, W, F, STEPS, element_bytes=4, plan_bits=bits, plan_kinds=kinds)
+        predicted = predict_traffic(layout, SHAPE, SIZE, STEPS, element_bytes=4, plan_bits=bits, plan_kinds=kinds)
         assert predicted == measured, name
         assert measured["inter_node_bytes"] > 0
 
@@ -79,11 +80,11 @@ def test_byte_predictions_equal_runtime_counters():
 def test_estimates_are_ordered_sensibly():
     shape = ModelShape("wan2.1-14b", layers=40, heads=40, head_dim=128, ffn=13824, text_len=512)
     hw = HARDWARE["h20"]
-    one = estimate(hw, ParallelLayout(1, 8, strategy="ring"), shape, 720, 1280, 81, 50)
-    four = estimate(hw, ParallelLayout(4, 8, strategy="ring"), shape, 720, 1280, 81, 50)
+    one = estimate(hw, ParallelLayout(1, 8, strategy="ring"), shape, VideoSize(720, 1280, 81), 50)
+    four = estimate(hw, ParallelLayout(4, 8, strategy="ring"), shape, VideoSize(720, 1280, 81), 50)
     assert four.e2e_s < one.e2e_s and four.inter_node_bytes > 0 == one.inter_node_bytes
-    exact = estimate(hw, ParallelLayout(4, 8, strategy="ditango", group_size=8), shape, 720, 1280, 81, 50)
-    reuse = estimate(hw, ParallelLayout(4, 8, strategy="ditango", group_size=8), shape, 720, 1280, 81, 50,
+    exact = estimate(hw, ParallelLayout(4, 8, strategy="ditango", group_size=8), shape, VideoSize(720, 1280, 81), 50)
+    reuse = estimate(hw, ParallelLayout(4, 8, strategy="ditango", group_size=8), shape, VideoSize(720, 1280, 81), 50,
                      compute_fraction=0.5)  # fmt: skip
     assert reuse.attention_s < exact.attention_s
 
@@ -186,9 +187,9 @@ def test_fractional_plan_bytes_interpolate_exact_counts():
     for group, fractions in cases:
         layout = ParallelLayout(nodes=2, gpus_per_node=2, strategy="ditango", group_size=group)
         for f in fractions:
-            est = estimate(hw, layout, SHAPE, H, W, F, STEPS, compute_fraction=f, element_bytes=4)
+            est = estimate(hw, layout, SHAPE, SIZE, STEPS, compute_fraction=f, element_bytes=4)
             bits = [[[bool(x) for x in f] for _ in range(SHAPE.layers)] for _ in range(forwards)]
-            exact = predict_traffic(layout, SHAPE, H, W, F, STEPS, element_bytes=4, plan_bits=bits)
+            exact = predict_traffic(layout, SHAPE, SIZE, STEPS, element_bytes=4, plan_bits=bits)
             assert [est.inter_node_bytes, est.intra_node_bytes] == [exact[k] for k in BYTE_KEYS], (group, f)
     assert map_offsets((0.75, 0.25), 5) == [0.75, 0.75, 0.25, 0.25]
     assert map_offsets((0.75, 0.25), 2) == [0.75]
@@ -232,12 +233,12 @@ def test_replaying_a_runs_own_plan_gives_its_exact_bytes(tmp_path, planner):
     source = report_source(_write_run(tmp_path, log, planner, 0.5))  # warm-up, cool-down: the run's (2, 2)
     plan = source.replay(layout, SHAPE.layers, steps)
     assert (plan.exact, plan.anchors, plan.selective) == tuple(kinds.count(k) for k in ("exact", "anchor", "selective"))
-    est = estimate(HARDWARE["h100"], layout, SHAPE, H, W, F, steps, compute_fraction=plan.unit_fractions,
+    est = estimate(HARDWARE["h100"], layout, SHAPE, SIZE, steps, compute_fraction=plan.unit_fractions,
                    element_bytes=4, plan_kinds=plan.kinds, planner=planner)  # fmt: skip
     bits = plan_bits_from_log(log, SHAPE.layers, branches=2)
-    exact = predict_traffic(layout, SHAPE, H, W, F, steps, element_bytes=4, plan_bits=bits, plan_kinds=kinds,
+    exact = predict_traffic(layout, SHAPE, SIZE, steps, element_bytes=4, plan_bits=bits, plan_kinds=kinds,
                             planner=planner)  # fmt: skip
-    every = predict_traffic(layout, SHAPE, H, W, F, steps, element_bytes=4, plan_kinds=kinds, planner=planner)
+    every = predict_traffic(layout, SHAPE, SIZE, steps, element_bytes=4, plan_kinds=kinds, planner=planner)
     assert [est.inter_node_bytes, est.intra_node_bytes] == [exact[k] for k in BYTE_KEYS]
     assert exact["inter_node_bytes"] < every["inter_node_bytes"]  # the plan reused something
 
@@ -361,7 +362,7 @@ def test_ditango_time_follows_each_offsets_slowest_rank():
 
     hw = Hardware("slow-nic", bf16_tflops=1000.0, hbm_tbps=3.0, intra_gbps=400.0, inter_gbps=0.01, latency_us=1.0)
     layout = ParallelLayout(nodes=2, gpus_per_node=2, strategy="ditango", group_size=1)  # offsets 1, 2, 3
-    tokens = SHAPE.tokens(H, W, F)
+    tokens = SHAPE.tokens(SIZE)
 
     def offset_1(node_of: tuple[int, ...]) -> float:  # only offset 1 computed
         return attention_time(hw, Topology(layout, node_of), SHAPE, tokens, 2, [1.0, 0.0, 0.0])

@@ -131,6 +131,7 @@ def test_strategies_equal_one_process(world):
                 err = (latents - refs[true_cfg]).abs().max().item()
                 assert err <= 1e-4, (name, rank, err)
     # The cost model's byte counts (planner/traffic.py) equal the runtime's, text rows included.
+    from planner.models import VideoSize
     from planner.traffic import predict_traffic
     from runtime.item_records import sum_comm
     from runtime.models.hunyuan import shape_of
@@ -143,7 +144,7 @@ def test_strategies_equal_one_process(world):
             continue
         nodes = 2 if world == 4 else 1
         layout = ParallelLayout(nodes=nodes, gpus_per_node=world // nodes, **kwargs)
-        want = predict_traffic(layout, shape, size["height"], size["width"], size["frames"], STEPS, guidance=False,
+        want = predict_traffic(layout, shape, VideoSize(**size), STEPS, guidance=False,
                                element_bytes=4)  # fmt: skip
         got = sum_comm([per_rank[r][name][1] for r in range(world)])
         assert got == want, (name, got, want)

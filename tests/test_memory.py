@@ -15,12 +15,12 @@ import torch
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.memory import GIB, MemoryOptions, ditango_cache_bytes, estimate_memory, unit_bytes
-from planner.models import VaeShape
+from planner.models import VaeShape, VideoSize
 from planner.preflight import fit_to_memory, preflight, usable_bytes
 from runtime.models.registry import REGISTRY
 
 WAN14 = REGISTRY["wan2.1-14b"].shape
-P720 = (720, 1280, 81)
+P720 = VideoSize(720, 1280, 81)
 ONE = ParallelLayout()
 
 
@@ -114,8 +114,8 @@ def test_component_counts_and_vae_shapes_are_those_of_the_configs():
 
 def test_shard_weights_divides_the_weights_by_the_ranks_that_run_the_same_blocks():
     eight = ParallelLayout(1, 8, strategy="ring")
-    full = estimate_memory(WAN14, eight, *P720).stages
-    sharded = estimate_memory(WAN14, eight, *P720, MemoryOptions(shard_weights=True)).stages
+    full = estimate_memory(WAN14, eight, P720).stages
+    sharded = estimate_memory(WAN14, eight, P720, MemoryOptions(shard_weights=True)).stages
     assert full["weights"] == WAN14.params * 2 and full["weights_gathered"] == 0
     assert WAN14.block_params * WAN14.layers + WAN14.root_params == WAN14.params
     assert abs(sharded["weights"] * 8 - (WAN14.params - WAN14.root_params) * 2) <= 8 * 2
@@ -124,38 +124,38 @@ def test_shard_weights_divides_the_weights_by_the_ranks_that_run_the_same_blocks
     te = WAN14.text_encoder_params - WAN14.text_encoder_root_params  # UMT5's blocks shard, its embeddings gather
     assert abs(sharded["text_encoder"] * 8 - te * 2) <= 8 * 2 and sharded["text_encoder_gathered"] > 2e9
     cfg_split = ParallelLayout(1, 8, cfg_degree=2, strategy="ring")  # each CFG branch's cp group: 4 ranks
-    split = estimate_memory(WAN14, cfg_split, *P720, MemoryOptions(shard_weights=True)).stages
+    split = estimate_memory(WAN14, cfg_split, P720, MemoryOptions(shard_weights=True)).stages
     assert abs(split["weights"] * 4 - (WAN14.params - WAN14.root_params) * 2) <= 4 * 2
     # sharded modules stay where FSDP put them: an offload moves nothing
     offload = MemoryOptions(shard_weights=True, offload_text_encoder=True, offload_transformer=True)
     assert (
-        estimate_memory(WAN14, eight, *P720, offload).phases
-        == estimate_memory(WAN14, eight, *P720, MemoryOptions(shard_weights=True)).phases
+        estimate_memory(WAN14, eight, P720, offload).phases
+        == estimate_memory(WAN14, eight, P720, MemoryOptions(shard_weights=True)).phases
     )
     a14b = REGISTRY["wan2.2-t2v-a14b"].shape  # both experts resident
-    assert estimate_memory(a14b, ONE, *P720).stages["weights"] == 2 * full["weights"]
+    assert estimate_memory(a14b, ONE, P720).stages["weights"] == 2 * full["weights"]
 
 
 def test_one_gpu_14b_720p_needs_more_than_40_gib_and_its_phases_add_up():
-    est = estimate_memory(WAN14, ONE, *P720)
+    est = estimate_memory(WAN14, ONE, P720)
     # untiled, the decode's working set beside the resident transformer and encoders peaks
     assert est.peak_bytes > 40 * GIB and est.peak_stage == "decode"
     assert est.phases["denoise"] > est.phases["text_encode"] > est.stages["weights"]
     assert est.phases["decode"] == sum(est.stages[k] for k in ("weights", "text_encoder", "vae_weights", "vae_decode"))
     assert est.stages["nccl"] == 0  # one rank: no communicator
-    tiled = estimate_memory(WAN14, ONE, *P720, MemoryOptions(vae_tiling=True))
+    tiled = estimate_memory(WAN14, ONE, P720, MemoryOptions(vae_tiling=True))
     assert tiled.peak_stage == "denoise" and tiled.peak_bytes == est.phases["denoise"] > 40 * GIB
     assert est.stages["attention_states"] == 0 and est.stages["ditango_cache"] == 0  # one rank: no ring, no cache
-    ring = estimate_memory(WAN14, ParallelLayout(1, 8, strategy="ring"), *P720)
+    ring = estimate_memory(WAN14, ParallelLayout(1, 8, strategy="ring"), P720)
     assert ring.stages["attention_states"] > 0 and ring.stages["activations"] < est.stages["activations"]
     assert json.loads(json.dumps(est.to_json()))["peak_stage"] == "decode"
 
 
 def test_ditango_cache_counts_both_cfg_branches_on_one_rank_and_is_freed_before_decode():
     layout = ParallelLayout(2, 8, strategy="ditango", group_size=8)
-    two = estimate_memory(WAN14, layout, *P720, MemoryOptions(cfg_branches_per_rank=2))
-    one = estimate_memory(WAN14, layout, *P720, MemoryOptions(cfg_branches_per_rank=1))
-    fp32 = estimate_memory(WAN14, layout, *P720, MemoryOptions(cache_bytes=4))
+    two = estimate_memory(WAN14, layout, P720, MemoryOptions(cfg_branches_per_rank=2))
+    one = estimate_memory(WAN14, layout, P720, MemoryOptions(cfg_branches_per_rank=1))
+    fp32 = estimate_memory(WAN14, layout, P720, MemoryOptions(cache_bytes=4))
     assert two.stages["ditango_cache"] == 2 * one.stages["ditango_cache"] > 0
     assert fp32.stages["ditango_cache"] > two.stages["ditango_cache"]
     assert "ditango_cache" not in two.resident["decode"] and two.phases["denoise"] > one.phases["denoise"]
@@ -164,11 +164,9 @@ def test_ditango_cache_counts_both_cfg_branches_on_one_rank_and_is_freed_before_
 def test_tiled_and_parallel_decode_hold_less_than_the_untiled_one():
     for name in ("wan2.1-14b", "hunyuanvideo"):
         shape = REGISTRY[name].shape
-        untiled = estimate_memory(shape, ONE, *P720).stages["vae_decode"]
-        tiled = estimate_memory(shape, ONE, *P720, MemoryOptions(vae_tiling=True)).stages["vae_decode"]
-        parallel = estimate_memory(
-            shape, ParallelLayout(1, 8, strategy="ring"), *P720, MemoryOptions(vae_parallel=True)
-        )
+        untiled = estimate_memory(shape, ONE, P720).stages["vae_decode"]
+        tiled = estimate_memory(shape, ONE, P720, MemoryOptions(vae_tiling=True)).stages["vae_decode"]
+        parallel = estimate_memory(shape, ParallelLayout(1, 8, strategy="ring"), P720, MemoryOptions(vae_parallel=True))
         assert parallel.stages["vae_decode"] <= tiled < untiled, name
         # the writer holds the whole video at least (3 x 81 frames x 720 x 1280 float32)
         assert tiled > 3 * 81 * 720 * 1280 * 4
@@ -176,7 +174,7 @@ def test_tiled_and_parallel_decode_hold_less_than_the_untiled_one():
 
 def test_preflight_refuses_24_gib_for_one_gpu_naming_the_fix_and_passes_141_gib():
     with pytest.raises(ConfigError) as info:
-        preflight(WAN14, ONE, *P720, MemoryOptions(), 24 * GIB, "wan2.1-14b 1280x720x81 on 1 GPU")
+        preflight(WAN14, ONE, P720, MemoryOptions(), 24 * GIB, "wan2.1-14b 1280x720x81 on 1 GPU")
     message = str(info.value)
     assert (
         "\n" not in message
@@ -185,28 +183,28 @@ def test_preflight_refuses_24_gib_for_one_gpu_naming_the_fix_and_passes_141_gib(
     )
     assert "--shard-weights" in message and "GPUs (--gpus-per-node" in message
     options = MemoryOptions()
-    assert preflight(WAN14, ONE, *P720, options, 141 * GIB, "x") == options
+    assert preflight(WAN14, ONE, P720, options, 141 * GIB, "x") == options
 
 
 def test_the_named_fix_fits_and_offloads_are_turned_on_only_when_needed():
     with pytest.raises(ConfigError) as info:
-        preflight(WAN14, ONE, *P720, MemoryOptions(), 24 * GIB, "run")
+        preflight(WAN14, ONE, P720, MemoryOptions(), 24 * GIB, "run")
     found = re.search(r"fits with --shard-weights( and --vae-parallel)? and (\d+) GPUs \(--gpus-per-node \2\)$",
                       str(info.value))  # fmt: skip
     assert found, str(info.value)
     gpus = int(found.group(2))
     layout = ParallelLayout(1, gpus, strategy="ring")
     named = MemoryOptions(shard_weights=True, vae_parallel=bool(found.group(1)))
-    fitted = preflight(WAN14, layout, *P720, named, 24 * GIB, "run")  # does not raise
-    assert estimate_memory(WAN14, layout, *P720, fitted).peak_bytes <= usable_bytes(24 * GIB)
+    fitted = preflight(WAN14, layout, P720, named, 24 * GIB, "run")  # does not raise
+    assert estimate_memory(WAN14, layout, P720, fitted).peak_bytes <= usable_bytes(24 * GIB)
     half = ParallelLayout(1, gpus // 2, strategy="ring")
-    assert estimate_memory(WAN14, half, *P720, named).peak_bytes > usable_bytes(24 * GIB)  # fewer ranks do not fit
-    est = estimate_memory(WAN14, ONE, *P720)
-    roomy = fit_to_memory(WAN14, ONE, *P720, MemoryOptions(), est.peak_bytes * 2)
+    assert estimate_memory(WAN14, half, P720, named).peak_bytes > usable_bytes(24 * GIB)  # fewer ranks do not fit
+    est = estimate_memory(WAN14, ONE, P720)
+    roomy = fit_to_memory(WAN14, ONE, P720, MemoryOptions(), est.peak_bytes * 2)
     assert roomy == MemoryOptions()
     # just short of the peak: offloading the encoders after encoding is enough
     tight = int((est.peak_bytes + 2 * GIB) / 0.95) - 2 * GIB
-    short = fit_to_memory(WAN14, ONE, *P720, MemoryOptions(), tight)
+    short = fit_to_memory(WAN14, ONE, P720, MemoryOptions(), tight)
     assert short.offload_text_encoder and not short.offload_transformer
 
 
@@ -215,7 +213,7 @@ def test_a_gpu_too_small_for_the_encoders_is_told_so():
     with pytest.raises(
         ConfigError, match="no option makes it fit: the encoders' embeddings and the VAE alone need 2.4"
     ):
-        preflight(shape, ONE, 480, 832, 81, MemoryOptions(), 2 * GIB, "wan2.1-1.3b")
+        preflight(shape, ONE, VideoSize(480, 832, 81), MemoryOptions(), 2 * GIB, "wan2.1-1.3b")
 
 
 def test_options_and_shapes_are_validated():
@@ -295,5 +293,5 @@ def test_each_distinct_communicator_is_budgeted():
     assert communicators(ParallelLayout(4, 8, strategy="ditango", group_size=8)) == 2
     # cfg-parallel: each branch's cp group, the CFG pair and the world
     assert communicators(ParallelLayout(1, 8, cfg_degree=2, strategy="ring")) == 3
-    usp = estimate_memory(WAN14, ParallelLayout(4, 8, strategy="usp").with_default_ulysses(40), *P720)
+    usp = estimate_memory(WAN14, ParallelLayout(4, 8, strategy="usp").with_default_ulysses(40), P720)
     assert usp.stages["nccl"] == 3 * NCCL_COMM_BYTES and all(usp.resident[p]["nccl"] for p in usp.resident)

@@ -13,7 +13,7 @@ from planner.cost_model import HARDWARE, estimate
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout, replica_layout, virtual_node_map
 from planner.memory import estimate_memory
-from planner.models import ModelShape
+from planner.models import ModelShape, VideoSize
 from planner.traffic import predict_traffic
 from runtime.assembly import build_denoiser
 from runtime.comm import Comm
@@ -141,7 +141,7 @@ def test_tp_equals_one_process_and_counts_ring_bytes(reference):
             fwd = got["forward_bytes"]
             assert fwd["intra_node_bytes"] + fwd["inter_node_bytes"] == CP_MODEL.layers * per_block
         measured = sum_comm([per_rank[r][name]["bytes"] for r in range(world)])
-        predicted = predict_traffic(layout, SHAPE, SIZE["height"], SIZE["width"], SIZE["frames"], GEN["steps"],
+        predicted = predict_traffic(layout, SHAPE, VideoSize(**SIZE), GEN["steps"],
                                     element_bytes=4, node_of=virtual_node_map(layout))  # fmt: skip
         assert predicted == measured, name
         forwards = GEN["steps"] * 2 // cfg_degree  # per rank: both CFG branches, or its own
@@ -155,7 +155,7 @@ def test_tp_equals_one_process_and_counts_ring_bytes(reference):
                            head_dim=I2V["attention_head_dim"], ffn=I2V["ffn_dim"], text_len=I2V_TEXT,
                            image_tokens=I2V_IMAGE)  # fmt: skip
     layout = ParallelLayout(nodes, world // nodes, strategy="tp")
-    predicted = predict_traffic(layout, i2v_shape, 48, 80, 5, 1, guidance=False, element_bytes=4)
+    predicted = predict_traffic(layout, i2v_shape, VideoSize(48, 80, 5), 1, guidance=False, element_bytes=4)
     assert predicted == sum_comm([per_rank[r]["i2v"]["forward_bytes"] for r in range(world)])
     for rank in range(world):
         assert per_rank[rank]["i2v"]["forward_err"] <= TP_ATOL, (rank, per_rank[rank]["i2v"])
@@ -191,13 +191,13 @@ def test_cost_model_prices_and_lists_tp():
 
     shape = REGISTRY["wan2.1-14b"].shape  # 40 heads, FFN 13824: tp 4 and 8, not 12
     hw = HARDWARE["h100"]
-    rows, notes = compare_layouts(hw, shape, 2, 4, ["ring", "ulysses", "tp"], "node", 480, 832, 81, 50)
+    rows, notes = compare_layouts(hw, shape, 2, 4, ["ring", "ulysses", "tp"], "node", VideoSize(480, 832, 81), 50)
     tp = {r["nodes"]: r for r in rows if r["strategy"] == "tp"}
     assert set(tp) == {1, 2} and {r["nodes"] for r in rows if r["strategy"] == "ring"} == {1, 2}
     assert tp[1]["inter_node_bytes"] == 0 < tp[2]["inter_node_bytes"]
     for r in tp.values():
         layout = ParallelLayout(r["nodes"], 4, strategy="tp")
-        bytes_ = predict_traffic(layout, shape, 480, 832, 81, 50)
+        bytes_ = predict_traffic(layout, shape, VideoSize(480, 832, 81), 50)
         assert (r["inter_node_bytes"], r["intra_node_bytes"]) == (
             bytes_["inter_node_bytes"],
             bytes_["intra_node_bytes"],
@@ -209,18 +209,18 @@ def test_cost_model_prices_and_lists_tp():
     # Attention: the local heads over all tokens, 1/n of one process's; the same degree across
     # a node boundary is slower (its all-reduces cross the NIC), and a heads count that tp
     # cannot split is a note, not a row.
-    one = estimate(hw, ParallelLayout(1, 1), shape, 480, 832, 81, 50)
-    inside = estimate(hw, ParallelLayout(1, 4, strategy="tp"), shape, 480, 832, 81, 50)
-    across = estimate(hw, ParallelLayout(2, 2, strategy="tp"), shape, 480, 832, 81, 50)
+    one = estimate(hw, ParallelLayout(1, 1), shape, VideoSize(480, 832, 81), 50)
+    inside = estimate(hw, ParallelLayout(1, 4, strategy="tp"), shape, VideoSize(480, 832, 81), 50)
+    across = estimate(hw, ParallelLayout(2, 2, strategy="tp"), shape, VideoSize(480, 832, 81), 50)
     assert inside.attention_s == pytest.approx(one.attention_s / 4, rel=1e-9)
     assert one.step_s / 4 < inside.step_s < across.step_s
-    _, notes = compare_layouts(hw, shape, 3, 4, ["tp"], "node", 480, 832, 81, 50)
+    _, notes = compare_layouts(hw, shape, 3, 4, ["tp"], "node", VideoSize(480, 832, 81), 50)
     assert notes == ["tp on 3 node(s): tp degree 12 must divide the model's 40 attention heads; use --parallel ring, "
                      "or tp over 4 ranks per cp group"]  # fmt: skip
     # Memory: 1/n of each block's split weights; the root (embeddings, head) and 11 C a block whole.
-    whole = estimate_memory(shape, ParallelLayout(1, 1), 480, 832, 81).stages["weights"]
+    whole = estimate_memory(shape, ParallelLayout(1, 1), VideoSize(480, 832, 81)).stages["weights"]
     assert whole == 2 * shape.params
-    split = estimate_memory(shape, ParallelLayout(1, 4, strategy="tp"), 480, 832, 81).stages["weights"]
+    split = estimate_memory(shape, ParallelLayout(1, 4, strategy="tp"), VideoSize(480, 832, 81)).stages["weights"]
     kept = shape.root_params + shape.layers * 11 * shape.hidden
     assert split == pytest.approx(2 * (kept + (shape.params - kept) / 4), rel=1e-6)
 

@@ -59,15 +59,15 @@ TOLERANCE = 0.15  # a rank's traced against its modelled peak: more apart than t
 def modelled_phases(cfg: RunConfig, shape, rank: int, dtype_bytes: int) -> dict[str, int]:
     """The memory model's bytes of each phase on `rank` for the first item (the writer decodes
     alone unless the decode is parallel; the others hold only what stays)."""
-    (h, w, f), options = next(item_memory_options(replace(cfg, items=cfg.items[:1]), dtype_bytes))
+    size, options = next(item_memory_options(replace(cfg, items=cfg.items[:1]), dtype_bytes))
     options = replace(options, offload_text_encoder="text_encoder" in cfg.offload,
                       offload_transformer="transformer" in cfg.offload)  # fmt: skip
-    est = estimate_memory(shape, cfg.layout, h, w, f, options)
+    est = estimate_memory(shape, cfg.layout, size, options)
     nccl = est.stages["nccl"]  # NCCL's buffers: estimated, a fake process group has none to trace
     phases = {"load": est.phases["load"] - nccl, **{p: est.phases[m] - nccl for p, m in MODEL_PHASE.items()}}
     decode = est.resident["decode"].get("vae_decode", 0)
     if options.vae_parallel and shape.vae is not None:  # this rank's tiles (the writer: all of them, blended)
-        latent = shape.latent_shape(h, w, f)
+        latent = shape.latent_shape(size)
         phases["decode"] += decode_bytes(shape.vae, latent, True, options.tile_px, cfg.layout.world_size, rank) - decode
     elif rank != 0:
         phases["decode"] -= decode
@@ -88,7 +88,7 @@ def modelled_step_bytes(cfg: RunConfig, shape, rank: int, plan: StepPlan | None,
         planner = cfg.ditango.planner
         extra = {"plan_bits": [plan.compute_LU.tolist()] * forwards, "plan_kinds": [plan.kind],
                  "own_group": planner.own_group, "planner": planner.planner}  # fmt: skip
-    return predict_traffic(cfg.layout, shape, item.height, item.width, item.frames, 1, guidance=guidance,
+    return predict_traffic(cfg.layout, shape, item.size, 1, guidance=guidance,
                            element_bytes=dtype_bytes, rank=rank, shard_weights=cfg.shard_weights, roots=roots,
                            step_cache=None if cfg.step_cache is None else cfg.step_cache.name, first_step=step == 0,
                            **extra)  # fmt: skip
