@@ -123,6 +123,7 @@ def walk(strategy: str | None, out: Path, config_only: bool = False) -> Trace:
     argv = ["generate", "--prompt", "a red circle", "--steps", "2", "--out", str(out), "--quiet"]
     if strategy is not None:
         argv += ["--parallel", strategy]
+    FOLLOWED.clear()  # taken afresh from this run's config
     trace = Trace(config_only)
     with mock.patch("slurm.launch.run_ranks", in_process_ranks):
         sys.setprofile(trace)
