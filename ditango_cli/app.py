@@ -1,5 +1,6 @@
 """The `ditango` command: owns the Typer app and registers the commands of the modules beside
-it (generate, check, models; status, cancel, report; simulate), which never import it.
+it (generate, check; models, download; status, cancel, report; simulate; rehearse), which never
+import it.
 Predictable mistakes print one `error: ...` line on stderr and exit 2; outputs that cannot be
 written (a full disk) one line and exit 1."""
 
@@ -10,7 +11,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from ditango_cli import generate, jobs, rehearse, simulate
+from ditango_cli import generate, jobs, models, rehearse, simulate
 from planner.errors import ConfigError
 from runtime.errors import OutputWriteError
 
@@ -58,8 +59,8 @@ app = typer.Typer(
     rich_markup_mode="markdown",  # option groups as panels; help texts hold [defaults] in brackets, kept as written
     help="Batch video generation with Diffusion Transformers.",
 )
-for fn in (generate.generate, generate.check, generate.models, jobs.status, jobs.cancel, jobs.report,
-           simulate.simulate, rehearse.rehearse):  # fmt: skip
+for fn in (generate.generate, generate.check, models.models, models.download, jobs.status, jobs.cancel,
+           jobs.report, simulate.simulate, rehearse.rehearse):  # fmt: skip
     app.command(fn.__name__)(fn)
 
 

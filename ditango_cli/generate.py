@@ -1,4 +1,4 @@
-"""`ditango generate`, `check` and `models`: the options mapped onto a RunConfig, handed to
+"""`ditango generate` and `check`: the options mapped onto a RunConfig, handed to
 the supervisor (slurm/supervise.py) with the executor the run asks for, and rendered."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextlib
 import json
 import shlex
+from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Annotated
 
 import torch
 import typer
@@ -41,14 +41,18 @@ from runtime.config import (
     check_local_cpu_ranks,
     check_timeouts,
     memory_preflight,
+    plan_host_memory,
 )
+from runtime.errors import ModelDirError
 from runtime.items import Overrides, build_items
 from runtime.kernels import resolve_backend
-from runtime.models.loading import check_torch, human_count, placement_on, quiet_loading_bars
-from runtime.models.registry import REGISTRY, ResolvedModel, model_root, resolve_model
+from runtime.models.loading import check_torch, placement_on, quiet_loading_bars
+from runtime.models.registry import REGISTRY, ResolvedModel, resolve_model
 from runtime.outputs import check_writable
 from runtime.step_cache import parse_step_cache
-from slurm.options import SlurmOptions, check_log_folder, choose_executor
+from slurm.env import launcher_layout
+from slurm.options import SlurmOptions, check_log_folder, choose_executor, host_request
+from slurm.rank import launched_rank
 
 EXIT_FAILED_ITEMS = 1
 
@@ -97,18 +101,22 @@ def slurm_options(s: SlurmArgs) -> SlurmOptions:
 def build_run_config(
     m: ModelArgs, i: ItemArgs, o: OutputArgs, p: ParallelArgs, d: DiTangoArgs, g: GuidanceArgs, mem: MemoryArgs, *,
     where: str, create_out: bool, options: dict | None = None, array: int = 1, weights: bool = True,
+    warn: Callable[[str], None] | None = None,
 ) -> tuple[RunConfig, ResolvedModel | None]:  # fmt: skip
     """Validate everything that can be checked before anything runs; `where`: the executor
     (local, srun, sbatch), which decides what the device checks are made against; `array`:
     the array tasks the items are split over; `weights` False: a registry name needs no
-    checkpoint (a rehearsal builds it from its configs; the resolved model is then None). `generate` and `check` both validate here, so
-    they refuse the same inputs with the same message."""
+    checkpoint (a rehearsal builds it from its configs; the resolved model is then None); `warn`
+    given (a dry run, a rehearsal): what would refuse the run before it queues, a torch without
+    CUDA for GPU ranks, is said through it instead, and nothing is downloaded. `generate` and `check` both validate here, so they refuse
+    the same inputs with the same message."""
     from runtime.strategies.selective import check_cache_limit
-    from slurm.placement import ranks_device
+    from slurm.placement import cpu_only_torch, ranks_device
 
     check_torch()
     named = REGISTRY.get(m.model)  # a named model's spec: the memory pre-flight needs no weights
-    resolved = None if named is not None else resolve_model(m.model, m.model_root)
+    fetch = m.download and warn is None  # a dry run never downloads
+    resolved = None if named is not None else resolve_model(m.model, m.model_root, m.revision, fetch)
     spec = named or resolved.spec
     overrides = Overrides(**{k: getattr(i, k) for k in Overrides.__dataclass_fields__})
     items = build_items(i.prompt, i.prompts, overrides, spec.defaults)
@@ -132,6 +140,10 @@ def build_run_config(
         raise ConfigError(f"{', '.join(ditango_only)} only apply to --parallel ditango")
     check_timeouts(p.timeout, p.setup_timeout)
     device = ranks_device(where, m.device.value, layout.world_size * p.replicas, p.gpus_per_node)
+    if problem := cpu_only_torch(device):  # the jobs run this environment: refused before anything queues
+        if warn is None:
+            raise ConfigError(problem)
+        warn(f"warning: {problem}")
     placement = placement_on(torch.device(device), None if m.dtype is None else m.dtype.value)
     ditango = ditango_options(d) if layout.strategy == "ditango" else None
     if ditango is not None:  # fail now, not inside the ranks
@@ -152,9 +164,16 @@ def build_run_config(
         options=options or {},
     )  # fmt: skip
     cfg = memory_preflight(cfg, spec.shape, mem.gpu_memory, placement, where == "local", m.dtype is not None)
+    cfg = plan_host_memory(cfg, spec.shape, placement.dtype.itemsize)  # a submission's --mem
     if not weights and resolved is None:
         return cfg, None
-    resolved = resolved or resolve_model(m.model, m.model_root)
+    if resolved is None and m.download and warn is not None:  # a dry run of a named model
+        try:
+            resolved = resolve_model(m.model, m.model_root, m.revision)
+        except ModelDirError:
+            warn(f"note: {m.model} is not here yet: the run would download it first (--download)")
+            return cfg, None
+    resolved = resolved or resolve_model(m.model, m.model_root, m.revision, fetch)
     if where == "local" and placement.device.type == "cpu":  # after the model: a missing one is said first
         check_local_cpu_ranks(cfg, spec.shape, placement.dtype.itemsize)
     return replace(cfg, model_path=None if spec.builtin else resolved.path), resolved  # built-in: this code's copy
@@ -163,34 +182,48 @@ def build_run_config(
 @command(*GROUPS, GenerateArgs)
 def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> int:
     """Generate one MP4 per prompt, plus a sidecar JSON per item and report.json."""
-    from ditango_cli.progress import RichObserver
-    from runtime.context import SilentObserver  # the runtime and diffusers: only when work is asked for
-    from slurm.executors import executor_for, own_output_folder
+    from slurm.executors import executor_for, own_output_folder  # the runtime: only when work is asked for
     from slurm.supervise import supervise
 
     quiet_loading_bars()
     opts = slurm_options(s)
     ranks = p.nodes * p.gpus_per_node
     where = choose_executor(p.executor.value, p.nodes, opts, require_sbatch=not run.dry_run, ranks=ranks)
-    cfg, _ = build_run_config(
-        m, i, o, p, d, g, mem, where=where, create_out=not run.dry_run, options=options, array=opts.array
-    )
-    cfg = replace(cfg, retries=run.retries)
+    p, launched = launcher_args(p, where)
+    if launched is not None and m.download:  # every rank would fetch it, on nodes often offline
+        raise ConfigError(
+            f"--download under a launcher's ranks: fetch the model first, on a host that reaches the Hub "
+            f"(ditango download {m.model}), into a cache or --model-root the ranks read"
+        )
     err = Console(stderr=True, soft_wrap=True)
-    say = (lambda text: None) if run.quiet else (lambda text: err.print(text, highlight=False, markup=False))
+    # Under a launcher only rank 0 speaks: every rank's output reaches the same console or log.
+    quiet = run.quiet or (launched is not None and not launched.writer)
+    say = (lambda text: None) if quiet else (lambda text: err.print(text, highlight=False, markup=False))
+    cfg, _ = build_run_config(
+        m, i, o, p, d, g, mem, where=where, create_out=not run.dry_run, options=options, array=opts.array,
+        warn=say if run.dry_run else None,
+    )  # fmt: skip
+    cfg = replace(cfg, retries=run.retries)
     if cfg.hybrid is not None and cfg.hybrid.scaled():
         for n in sorted({item.steps for item in cfg.items} - {50}):
             h = cfg.hybrid.resolved(n)
             say(f"note: --hybrid defaults are the paper's 50-step values scaled to {n} steps: k {h.k}, window "
                 f"{h.window}, slope {h.slope:g}, tau cap {h.tau_cap}"
                 + (" (k 1: the pipeline window is only its fill step)" if h.k == 1 else ""))  # fmt: skip
+    if where == "sbatch":  # a request cut to what the partition's nodes have is said
+        from slurm.submit import partition_node
+
+        if note := host_request(cfg, opts, partition_node(opts))[2]:
+            say(f"note: {note}")
     if run.dry_run:
         from ditango_cli.dry_run import show_dry_run
 
         return show_dry_run(cfg, opts, where, r.json)
+    if launched is not None:
+        return run_as_launched(cfg, launched, opts, run, err, say, r.json)
     if p.executor == ExecutorChoice.auto and where == "local" and cfg.nodes > 1:
         say(f"executor: local ({cfg.nodes} virtual nodes; no sbatch on PATH)")
-    progress = contextlib.nullcontext(SilentObserver()) if run.quiet or where != "local" else RichObserver(err)
+    progress = progress_view(err, run.quiet or where != "local")
     with own_output_folder(cfg.out_dir, run.wait_for_lock, say), progress as observer:
         executor = executor_for(cfg, opts, where, s.wait, observer, say)
         outcome = supervise(cfg, executor, opts.array, observer.message if where == "local" else say)
@@ -208,6 +241,50 @@ def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> i
     return report_summary(executor.report(), cfg.out_dir / "report.json", run.quiet, r.json, err)
 
 
+def progress_view(err: Console, quiet: bool):
+    """The observer that shows this process's progress: none (`quiet`), the bar on a terminal,
+    plain timestamped lines elsewhere (Slurm, nohup, `| tee`)."""
+    from ditango_cli.progress import RichObserver
+    from runtime.context import SilentObserver
+    from runtime.progress import LogObserver
+
+    if quiet:
+        return contextlib.nullcontext(SilentObserver())
+    return RichObserver(err) if err.is_terminal else LogObserver()
+
+
+def launcher_args(p: ParallelArgs, where: str) -> tuple[ParallelArgs, object]:
+    """Under a launcher's ranks (`where` env): --nodes and --gpus-per-node as its ranks make
+    them, and this process's rank (slurm/rank.py LaunchedRank); else as they are, and None."""
+    launched = launched_rank() if where == "env" else None
+    if launched is None:
+        return p, None
+    if p.replicas > 1:
+        raise ConfigError(
+            "--replicas with a launcher's ranks: start one launcher job per replica (each its own --out), "
+            "or use --executor local or slurm"
+        )
+    nodes, per_node = launcher_layout(launched, p.nodes, p.gpus_per_node)
+    return replace(p, nodes=nodes, gpus_per_node=per_node), launched
+
+
+def run_as_launched(cfg: RunConfig, launched, opts: SlurmOptions, run: GenerateArgs, err: Console, say,
+                    as_json: bool) -> int:  # fmt: skip
+    """`generate` as one rank of a launcher's (slurm/env.py): rank 0 draws progress and sums up."""
+    from slurm.env import LaunchedRankFailed, run_launched
+
+    progress = progress_view(err, run.quiet or not launched.writer)
+    try:
+        with progress as observer:
+            report = run_launched(cfg, launched, opts.array, run.wait_for_lock, observer, say)
+    except LaunchedRankFailed as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return EXIT_FAILED_ITEMS
+    if not launched.writer:
+        return 0
+    return report_summary(report, cfg.out_dir / "report.json", run.quiet, as_json, err)
+
+
 @command(*GROUPS)
 def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
     """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
@@ -216,6 +293,7 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
 
     opts = slurm_options(s)
     where = choose_executor(p.executor.value, p.nodes, opts, ranks=p.nodes * p.gpus_per_node)
+    p, _ = launcher_args(p, where)
     cfg, resolved = build_run_config(m, i, o, p, d, g, mem, where=where, create_out=False, array=opts.array)
     placement = placement_on(torch.device(cfg.device), cfg.dtype)
     check_output_folder_free(cfg.out_dir)  # generate would refuse an OUT that another run or live jobs own
@@ -255,25 +333,6 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
     console.print(table)
     todo = len(cfg.items) - len(skipped)
     console.print(f"ok: {todo} item(s) would be generated, {len(skipped)} skipped (outputs exist)", highlight=False)
-    return 0
-
-
-def models(
-    model_root_dir: Annotated[Path | None, typer.Option("--model-root", help="Folder of named checkpoints.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")] = False,
-) -> int:
-    """List registry names with size, heads, layers and where each resolves."""
-    rows = [spec.to_json(model_root(model_root_dir)) for spec in REGISTRY.values()]
-    if as_json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    table = Table("name", "task", "params", "heads", "layers", "defaults", "resolves to")
-    for row in rows:
-        d = row["defaults"]
-        g = f"{d['guidance']:g}" + ("" if d["guidance_2"] is None else f"/{d['guidance_2']:g}")
-        table.add_row(row["name"], row["task"], human_count(row["params"]), str(row["heads"]), str(row["layers"]),
-                      f"{d['width']}x{d['height']}x{d['frames']}, {d['steps']} steps, cfg {g}", row["resolves_to"])  # fmt: skip
-    Console().print(table)
     return 0
 
 

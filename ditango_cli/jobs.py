@@ -15,21 +15,31 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output o
 
 
 def status(out: OutArg) -> int:
-    """State of the Slurm jobs submitted for OUT and of its items.
+    """State of the Slurm jobs submitted for OUT, of its items, and of the item being generated
+    (its step and ETAs, read from the writer's heartbeat file, with the file's age: an old one
+    is a run that stopped). A folder of a local run (no job recorded) shows its items and progress.
 
     Exit status 1 when a job of the latest submission failed, 2 when OUT is not an output
-    folder of ditango, nothing was submitted from it, its job record is damaged, or a Slurm
-    command failed."""
+    folder of ditango, its job record is damaged, or a Slurm command failed."""
     from runtime.outputs import require_output_folder, status_counts
+    from runtime.progress import heartbeat_line, read_progress
     from slurm.job_errors import job_states
-    from slurm.jobs import failed_state
+    from slurm.jobs import failed_state, recorded_jobs
 
-    rows = job_states(require_output_folder(out))
-    table = Table("job", "state", "submitted", "error")
-    for r in rows:
-        table.add_row(r["job_id"], r["state"], r["submitted_at"], escape(r["error"] or ""))
-    Console().print(table)
-    Console().print(f"items in {out}: {status_counts(out)}", highlight=False)
+    console = Console()
+    rows = job_states(out) if recorded_jobs(require_output_folder(out)) is not None else []
+    if rows:
+        table = Table("job", "state", "submitted", "error")
+        for r in rows:
+            table.add_row(r["job_id"], r["state"], r["submitted_at"], escape(r["error"] or ""))
+        console.print(table)
+    else:
+        console.print(f"no Slurm job is recorded for {out} (a local run)", highlight=False, soft_wrap=True)
+    console.print(f"items in {out}: {status_counts(out)}", highlight=False, soft_wrap=True)
+    beats = read_progress(out)
+    for name, beat in beats:
+        label = f"progress ({name})" if len(beats) > 1 else "progress"
+        console.print(f"{label}: {heartbeat_line(beat)}", highlight=False, markup=False, soft_wrap=True)
     # Earlier submissions of a retried batch may have failed; the latest one says how it stands.
     latest = max((r["submitted_at"] for r in rows), default=None)
     return 1 if any(failed_state(r["state"]) for r in rows if r["submitted_at"] == latest) else 0

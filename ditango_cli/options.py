@@ -21,12 +21,13 @@ from planner.layout import STRATEGIES
 from runtime.config import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, setup_timeout
 from runtime.kernels import BACKENDS
 from runtime.models.loading import DTYPES
-from runtime.models.registry import ALIASES, MODEL_ROOT_ENV
+from runtime.models.registry import ALIASES, MODEL_ROOT_ENV, REGISTRY
 
 
 def canonical_model(name: str) -> str:
-    """A registry alias (wan2.2-a14b) as its entry's name."""
-    return ALIASES.get(name, name)
+    """A registry alias (wan2.2-a14b), or an entry's Hugging Face repo id without a revision, as
+    the entry's name."""
+    return ALIASES.get(name) or next((s.name for s in REGISTRY.values() if s.repo_id == name), name)
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -36,7 +37,7 @@ def _choices(name: str, values) -> type[Enum]:
 DeviceChoice = _choices("DeviceChoice", ("auto", "cpu", "cuda"))
 DTypeChoice = _choices("DTypeChoice", DTYPES)
 ParallelChoice = _choices("ParallelChoice", STRATEGIES)
-ExecutorChoice = _choices("ExecutorChoice", ("local", "slurm", "auto"))
+ExecutorChoice = _choices("ExecutorChoice", ("local", "slurm", "env", "auto"))
 BackendChoice = _choices("BackendChoice", BACKENDS)
 CACHE_DTYPES = ("float32", "bfloat16")  # DiTangoOptions.cache_dtype
 REFERENCES = ("exact",)
@@ -77,13 +78,22 @@ class ModelArgs:
         _o(
             "--model",
             "-m",
-            help="Registry name (see `ditango models`) or a diffusers directory.",
+            help="Registry name (see `ditango models`), Hugging Face repo id ORG/NAME[@REVISION], or a diffusers "
+            "directory.",
             callback=canonical_model,
         ),
     ] = "tiny-wan"
     model_root: Annotated[
         Path | None, _o("--model-root", help=f"Folder of named checkpoints [env: {MODEL_ROOT_ENV}].")
     ] = None
+    revision: Annotated[
+        str | None,
+        _o("--revision", help="Hugging Face cache: a branch, tag or commit of the repo [refs/main]."),
+    ] = None
+    download: Annotated[
+        bool,
+        _o("--download", help="Fetch a model found neither under --model-root nor in the HF cache, on this host."),
+    ] = False
     dtype: Annotated[
         DTypeChoice | None,
         _o("--dtype", help="Transformer/text-encoder dtype [default: float32 on CPU, bfloat16 on CUDA]."),
@@ -150,7 +160,12 @@ class ParallelArgs:
     ] = None
     ulysses_degree: Annotated[int | None, _o("--ulysses-degree", help="USP: Ulysses degree [in-node max].")] = None
     executor: Annotated[
-        ExecutorChoice, _o("--executor", help="local processes, a Slurm job, or auto (Slurm when needed).")
+        ExecutorChoice,
+        _o(
+            "--executor",
+            help="local processes, a Slurm job, env (this process is a rank torchrun or Kubernetes started), "
+            "or auto (env under such a launcher, Slurm when needed).",
+        ),
     ] = ExecutorChoice.auto
     replicas: Annotated[int, _o("--replicas", min=1, help="Independent model replicas taking items round-robin.")] = 1
     timeout: Annotated[float, _o("--timeout", help="Per-step collective timeout in seconds.")] = STEP_TIMEOUT_S
@@ -260,8 +275,9 @@ class SlurmArgs:
     account: Annotated[str | None, _o("--account", help="Slurm account.")] = None
     qos: Annotated[str | None, _o("--qos", help="Slurm QOS.")] = None
     time: Annotated[int, _o("--time", help="Slurm time limit per job, minutes.")] = 60
-    cpus_per_task: Annotated[int | None, _o("--cpus-per-task", help="Slurm CPUs per rank.")] = None
-    mem: Annotated[str | None, _o("--mem", help="Slurm memory per node, e.g. 200G.")] = None
+    cpus_per_task: Annotated[int | None, _o("--cpus-per-task", min=1, help="Slurm CPUs per rank [8].")] = None
+    mem: Annotated[str | None, _o("--mem", help="Slurm memory per node, e.g. 200G [the model's need].")] = None
+    exclusive: Annotated[bool, _o("--exclusive", help="Slurm: whole nodes (sbatch --exclusive).")] = False
     constraint: Annotated[str | None, _o("--constraint", help="Slurm node constraint.")] = None
     slurm_arg: Annotated[list[str] | None, _o("--slurm-arg", help="Extra sbatch option KEY=VALUE (repeatable).")] = None
     array: Annotated[int, _o("--array", help="Split the items over N array tasks (locally: N rounds).")] = 1

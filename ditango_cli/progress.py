@@ -1,4 +1,5 @@
-"""Rich progress over items and denoising steps (stderr, so stdout stays parseable)."""
+"""Rich progress over items and denoising steps (stderr, so stdout stays parseable), with the
+pace and ETAs of the plain log lines (runtime/pace.py) beside the step bar."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from runtime.config import Item
+from runtime.pace import Pace, pace_text
 
 
 class RichObserver:
@@ -16,12 +18,14 @@ class RichObserver:
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
+            TextColumn("{task.fields[pace]}"),
             console=console,
             transient=True,
         )
         self._items = None
         self._steps = None
         self._label = ""
+        self.pace = Pace()
 
     def __enter__(self) -> RichObserver:
         self.progress.__enter__()
@@ -31,24 +35,29 @@ class RichObserver:
         self.progress.__exit__(*exc)
 
     def run_started(self, total: int) -> None:
+        self.pace.run_started(total)
         if total:
-            self._items = self.progress.add_task("items", total=total)
+            self._items = self.progress.add_task("items", total=total, pace="")
 
     def item_started(self, item: Item) -> None:
         if self._steps is not None:
             self.progress.remove_task(self._steps)
+        self.pace.item_started(item.id, item.steps)
         self._label = f"  {item.id}"
-        self._steps = self.progress.add_task(self._label, total=item.steps)
+        self._steps = self.progress.add_task(self._label, total=item.steps, pace="")
 
     def step_done(self, step: int, steps: int) -> None:
+        self.pace.step_done(step, steps)
         if self._steps is not None:
-            self.progress.update(self._steps, completed=step)
+            self.progress.update(self._steps, completed=step, pace=pace_text(self.pace.snapshot()))
 
     def phase(self, name: str) -> None:
+        self.pace.set_phase(name)
         if self._steps is not None:
             self.progress.update(self._steps, description=f"{self._label} ({name})")
 
     def item_finished(self, record: dict) -> None:
+        self.pace.item_finished()
         if self._items is not None:
             self.progress.advance(self._items)
         if record["status"] == "failed":

@@ -40,8 +40,10 @@ def rehearse(m, i, o, p, d, g, mem, s, r, run: RehearseArgs, options: dict) -> i
     if i.prompt is None and i.prompts is None:
         i = replace(i, prompt="a rehearsal")  # the text decides nothing: every prompt is the longest
     gpu_bytes = parse_bytes(mem.gpu_memory or DEFAULT_GPU, "--gpu-memory")
-    cfg, resolved = build_run_config(m, i, o, p, d, g, replace(mem, gpu_memory=mem.gpu_memory or DEFAULT_GPU),
-                                     where="sbatch", create_out=False, weights=False)  # fmt: skip
+    memory = replace(mem, gpu_memory=mem.gpu_memory or DEFAULT_GPU)
+    # No GPU job runs here: the torch build does not matter (`warn` silent), nothing downloads.
+    cfg, resolved = build_run_config(m, i, o, p, d, g, memory, where="sbatch", create_out=False, weights=False,
+                                     warn=lambda text: None)  # fmt: skip
     spec = REGISTRY[cfg.model] if resolved is None else resolved.spec
     path = None if resolved is None or spec.builtin else resolved.path
     if resolved is None and m.model not in REGISTRY:

@@ -217,6 +217,7 @@ class RunConfig:
     # before the decode (back for the next item).
     offload: tuple[str, ...] = ()
     gpu_memory: int | None = None  # --gpu-memory: the pre-flight's bytes per GPU (None: the device's)
+    host_memory: int | None = None  # host bytes per node the run needs (planner/host_memory.py): Slurm's --mem
     retries: int = 1  # a failed item is tried again this many times before it is given up
     # Data parallelism: `replicas` independent copies of `layout` (each its own process group)
     # take the items round-robin. The allocation is replicas x layout.world_size ranks on
@@ -363,3 +364,19 @@ def memory_preflight(cfg: RunConfig, shape, gpu_memory: str | None, placement, l
         return cfg
     element = placement.dtype.itemsize if dtype_given or placement.device.type == "cuda" else 2
     return plan_memory(cfg, shape, gpu_bytes, element, cfg.model)
+
+
+def plan_host_memory(cfg: RunConfig, shape, dtype_bytes: int) -> RunConfig:
+    """`cfg` with the host bytes per node its ranks need (planner/host_memory.py), the largest
+    over its item sizes, with the offloads the pre-flight chose."""
+    from planner.host_memory import host_memory
+    from planner.memory import estimate_memory
+
+    on_gpu, per_node = cfg.device == "cuda", 0
+    offload = {f"offload_{name}": name in cfg.offload for name in ("text_encoder", "transformer")}
+    for size, options in item_memory_options(cfg, dtype_bytes):
+        options = replace(options, **offload)
+        peak = 0 if on_gpu else estimate_memory(shape, cfg.layout, size, options).peak_bytes
+        estimate = host_memory(shape, cfg.layout, options, cfg.gpus_per_node, on_gpu, peak)
+        per_node = max(per_node, estimate.per_node)
+    return replace(cfg, host_memory=per_node)

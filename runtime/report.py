@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -61,6 +62,62 @@ class ItemTiming:
             "step_s": [round(s, 6) for s in self.step_s],
             "reference_s": None if self.reference_s is None else round(self.reference_s, 6),
         }
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux's /proc), None where that cannot be read."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        start_ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, starttime
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+# perf_counter() at this process's start (else at this import), claimed by its first run.
+_process_start: float | None = time.perf_counter() - (process_age_s() or 0.0)
+
+
+def claim_bring_up_start(called: float) -> float:
+    """The perf_counter() time a run's bring-up counts from: the process start for the first
+    run of a process (its imports, process group and mesh all come before `execute`), else
+    `called`, that run's own start (a local one-rank run executes its array tasks and retries
+    one after another in the CLI process)."""
+    global _process_start
+    start, _process_start = (called if _process_start is None else _process_start), None
+    return start
+
+
+@dataclass
+class RunTiming:
+    """Where a run's wall time went, for report.json's `timing` (videos per hour over all of
+    it, not only the items): bring-up (from the rank's process start, or the run's own start
+    for a later run in the same process, to the model load: imports, process group, mesh,
+    resume), the model load (resolve, load, shard, build the denoiser), the calibration (a
+    step cache's or --target-psnr's trials) and the items (first start to last end); decode and
+    write are the sums over the items this run generated (part of items_s)."""
+
+    bring_up_s: float = 0.0
+    model_load_s: float = 0.0
+    calibration_s: float = 0.0
+    items_s: float = 0.0
+    generated: list[str] = field(default_factory=list)  # ids of the items this run generated
+
+    def to_json(self, records: dict[str, dict]) -> dict:
+        timings = [records[i].get("timing") or {} for i in self.generated if i in records]
+        return {
+            "bring_up_s": round(self.bring_up_s, 6),
+            "model_load_s": round(self.model_load_s, 6),
+            "calibration_s": round(self.calibration_s, 6),
+            "items_s": round(self.items_s, 6),
+            "decode_s": round(sum(t.get("decode_s") or 0.0 for t in timings), 6),
+            "write_s": round(sum(t.get("write_s") or 0.0 for t in timings), 6),
+            "items": len(timings),
+        }
+
+
+TIMING_SUMS = ("bring_up_s", "model_load_s", "calibration_s", "items_s", "decode_s", "write_s", "items")
 
 
 def item_record(
@@ -153,6 +210,7 @@ class ReportWriter:
     weights: dict = field(default_factory=lambda: {"shard_degree": 1})  # the transformers' and text encoder's
     calibration: dict | None = None  # --target-psnr: the chosen cache ratio and its trials
     step_cache_calibration: dict | None = None  # --step-cache magcache without mag_ratios: measured on item 1
+    timing: RunTiming | None = None  # a run that started a rank (None: settled without one)
     started: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     wall_start: float = field(default_factory=time.perf_counter)
 
@@ -169,5 +227,7 @@ class ReportWriter:
             report["calibration"] = self.calibration
         if self.step_cache_calibration is not None:
             report["step_cache_calibration"] = self.step_cache_calibration
+        if self.timing is not None:
+            report["timing"] = self.timing.to_json(self.records)
         write_json(self.path, report)
         return report

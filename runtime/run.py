@@ -27,8 +27,9 @@ from runtime.loop_types import NonFiniteLatents
 from runtime.models.loading import load_components, placement_on
 from runtime.models.registry import resolve_model
 from runtime.outputs import mark_running, plan_resume, record_failure
+from runtime.progress import ProgressFile, progress_path
 from runtime.quality import quality_record
-from runtime.report import ItemTiming, ReportWriter, peak_memory, run_report
+from runtime.report import ItemTiming, ReportWriter, RunTiming, claim_bring_up_start, peak_memory, run_report
 from runtime.video import write_json
 from runtime.weights import SHARDED, local_param_bytes, place, shard_weights
 from runtime.writer import write_item
@@ -153,6 +154,7 @@ def execute(
     Non-finite latents are the exception: every rank sees them at the same point, so the
     item is recorded failed for good (no retry: it would happen again) and all ranks go on.
     """
+    bring_up_start = claim_bring_up_start(time.perf_counter())
     observer = observer or SilentObserver()
     ctx = ctx or RankContext.single(cfg)
     placement = placement_on(ctx.device, cfg.dtype)
@@ -164,8 +166,12 @@ def execute(
     skipped = plan_resume(cfg) if skipped is None else skipped
     records: dict[str, dict] = {**skipped, **(decided or {})}
     report = ReportWriter(cfg, cfg.out_dir / report_name, placement.device, placement.dtype_name, backend, records)
+    report.timing = timing = RunTiming()
+    heartbeat = None
     if ctx.is_writer:
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        # The writer's heartbeat file (`ditango status`), whatever launched this rank.
+        observer = heartbeat = ProgressFile(observer, progress_path(cfg.out_dir, report_name))
         for item_id in skipped:
             if item_id not in (decided or {}):  # not those this command already made in an earlier launch
                 observer.message(f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)")
@@ -173,6 +179,8 @@ def execute(
 
     observer.run_started(len(todo))
     if todo:
+        started = time.perf_counter()
+        timing.bring_up_s = started - bring_up_start
         resolved = resolve_model(cfg.model if cfg.model_path is None else str(cfg.model_path))
         if placement.device.type == "cuda" and cfg.gpu_memory is None:  # submitted without a GPU to ask
             total = torch.cuda.get_device_properties(placement.device).total_memory
@@ -185,6 +193,8 @@ def execute(
         report.weights["param_bytes_per_rank"] = sum(
             local_param_bytes(components[n]) for n in SHARDED if n in components
         )
+        calibrating = time.perf_counter()
+        timing.model_load_s = calibrating - started
         first_reference = None
         if denoiser.step_cache is not None and denoiser.step_cache.needs_calibration:
             report.step_cache_calibration, first_reference = step_cache_ratios(
@@ -194,6 +204,8 @@ def execute(
             cfg, report.calibration, first_reference = target_quality(
                 denoiser, todo[0], cfg, ctx, observer.message, report_name
             )
+        items_start = time.perf_counter()
+        timing.calibration_s = items_start - calibrating
         for item in todo:
             observer.item_started(item)
             reference, first_reference = first_reference, None
@@ -213,9 +225,13 @@ def execute(
                 record = {}
                 if ctx.is_writer:
                     record = record_failure(cfg, item, f"{type(exc).__name__}: {exc}", 1, final=True)
+            timing.items_s = time.perf_counter() - items_start
             if ctx.is_writer:
                 records[item.id] = record
+                timing.generated.append(item.id)
                 observer.item_finished(record)
                 report.write()
+    if heartbeat is not None:
+        heartbeat.finish()
     rank_peaks = [p for p, _ in ctx.gather(peak_memory(placement.device))]
     return report.write(rank_peaks) if ctx.is_writer else None

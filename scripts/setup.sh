@@ -1,32 +1,104 @@
 #!/usr/bin/env bash
-# Create (or refresh) the project's virtual environment at .venv/ and install
-# ditango into it in editable mode with the dev extras.
+# Create (or refresh) the project's virtual environment at .venv/ and install ditango into it
+# in editable mode with the dev extras, with the torch build that fits where the videos will
+# be made:
+#   a CUDA build where they are made on NVIDIA GPUs: this machine has an NVIDIA driver
+#     (nvidia-smi lists a GPU), or it is a Slurm login node whose cluster advertises GPUs
+#     (sinfo shows a gpu generic resource; a login node has no GPU of its own);
+#   the CPU wheel elsewhere, through constraints/cpu.txt (torch==2.13.0).
 #
-# torch is taken through constraints/cpu.txt (torch==2.13.0) so CPU machines get
-# the CPU wheel instead of a multi-GB CUDA build. On a GPU machine set
-# DITANGO_CONSTRAINTS to another file (or to an empty string) to keep your torch.
+#   ./scripts/setup.sh [--cpu | --cuda]     force one build (or DITANGO_TORCH_BUILD=cpu|cuda)
+#   ./scripts/setup.sh --which              say which build it would install, and why; install nothing
+#
+# DITANGO_TORCH_INDEX=URL picks the index the CUDA build comes from (default: PyPI, whose Linux
+# wheels are CUDA builds), e.g. https://download.pytorch.org/whl/cu126 for an older driver.
+# DITANGO_CONSTRAINTS=FILE replaces constraints/cpu.txt on the CPU path (empty: none).
+# Air-gapped: pip's own PIP_FIND_LINKS / PIP_NO_INDEX apply (README: "Set-up on a cluster").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python3}"
-CONSTRAINTS="${DITANGO_CONSTRAINTS-constraints/cpu.txt}"
+build="${DITANGO_TORCH_BUILD:-}"
+which_only=""
+case "$build" in "" | cpu | cuda) ;; *) echo "error: DITANGO_TORCH_BUILD must be cpu or cuda, got $build" >&2; exit 2 ;; esac
+for arg in "$@"; do
+    case "$arg" in
+        --cpu) build=cpu ;;
+        --cuda) build=cuda ;;
+        --which) which_only=1 ;;
+        -h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "error: setup.sh takes --cpu or --cuda, got $arg" >&2; exit 2 ;;
+    esac
+done
+
+gpus_here() {
+    # An NVIDIA driver that lists a GPU, or a Slurm cluster whose nodes advertise one.
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+        echo "an NVIDIA GPU on this machine"
+        return 0
+    fi
+    if command -v sinfo >/dev/null 2>&1 && timeout 20 sinfo -h -o '%G' 2>/dev/null | grep -qi 'gpu'; then
+        echo "Slurm nodes that advertise GPUs"
+        return 0
+    fi
+    return 1
+}
+
+why="asked for"
+if [ -z "$build" ]; then
+    if why="$(gpus_here)"; then
+        build=cuda
+        [ -n "$which_only" ] || echo "setup: installing a CUDA build of torch ($why; --cpu for the CPU wheel)"
+    else
+        build=cpu
+        why="no NVIDIA GPU here and no Slurm nodes that advertise one"
+    fi
+fi
+if [ -n "$which_only" ]; then
+    echo "$build ($why)"
+    exit 0
+fi
 
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 
+if [ "$build" = cpu ]; then
+    CONSTRAINTS="${DITANGO_CONSTRAINTS-constraints/cpu.txt}"
+else
+    CONSTRAINTS=""
+fi
+INDEX="${DITANGO_TORCH_INDEX:-}"
+
 # Skip the install when nothing it depends on changed since the last one.
 stamp=.venv/.ditango-setup
-want="$(cat pyproject.toml "${CONSTRAINTS:-/dev/null}" | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml "${CONSTRAINTS:-/dev/null}" <(echo "$build $INDEX") | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/ditango ]; then
     exit 0
 fi
 
+installed_build() {
+    .venv/bin/python -c 'import torch; print("cuda" if torch.version.cuda or torch.version.hip else "cpu")' 2>/dev/null || true
+}
+have="$(installed_build)"
+if [ -n "$have" ] && [ "$have" != "$build" ]; then
+    echo "setup: replacing the $have build of torch with a $build one"
+    .venv/bin/python -m pip uninstall --quiet --yes torch
+fi
+
 pip_args=(--quiet --disable-pip-version-check)
+torch_args=()
 if [ -n "$CONSTRAINTS" ]; then
     pip_args+=(-c "$CONSTRAINTS")
-    # Install the pinned torch first so no other requirement pulls a different build.
-    .venv/bin/python -m pip install "${pip_args[@]}" torch
 fi
+if [ -n "$INDEX" ]; then
+    torch_args+=(--index-url "$INDEX")
+fi
+# torch first, so that no other requirement pulls a different build.
+.venv/bin/python -m pip install "${pip_args[@]}" "${torch_args[@]}" torch
 .venv/bin/python -m pip install "${pip_args[@]}" -e ".[dev]"
+if [ "$build" = cuda ] && [ "$(installed_build)" != cuda ]; then
+    echo "warning: pip installed a CPU-only torch; pick a CUDA index, e.g." \
+        "DITANGO_TORCH_INDEX=https://download.pytorch.org/whl/cu128 ./scripts/setup.sh --cuda" >&2
+fi
 echo "$want" > "$stamp"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from runtime.outputs import check_foreign_files, item_records, read_record
-from runtime.report import SCHEMA
+from runtime.report import SCHEMA, TIMING_SUMS
 from runtime.video import write_json
 from slurm.supervise import REPORTS
 
@@ -48,12 +48,28 @@ def aggregate(out_dir: Path, write: bool = True) -> dict:
     previous = [r for r, p in loaded if p == target and r is not None and "aggregated_from" in r]
     base = reports[-1][0] if reports else (previous[0] if previous else {})
     merged = {
-        **{k: v for k, v in base.items() if k not in ("items", "counts")},
+        **{k: v for k, v in base.items() if k not in ("items", "counts", "timing")},
         "schema": SCHEMA,
         "aggregated_from": sorted(p.relative_to(out_dir).as_posix() for _, p in reports if p != target),
         "counts": counts,
         "items": ordered,
     }
+    timing = merged_timing([(p.relative_to(out_dir).as_posix(), r) for r, p in reports])
+    if timing is None and base.get("timing"):  # a folder aggregated before: its earlier sums
+        timing = base["timing"]
+    if timing is not None:
+        merged["timing"] = timing
     if write:
         write_json(target, merged)
     return merged
+
+
+def merged_timing(reports: list[tuple[str, dict]]) -> dict | None:
+    """The `timing` of the reports that have one (reports written before it existed have
+    none): each field summed (rank-seconds of the tasks, which may have run side by side),
+    and `per_report`, each report's own. None when no report has one."""
+    timed = [(name, r["timing"]) for name, r in reports if isinstance(r.get("timing"), dict)]
+    if not timed:
+        return None
+    sums = {k: round(sum(t.get(k) or 0 for _, t in timed), 6) for k in TIMING_SUMS}
+    return {**sums, "per_report": dict(timed)}

@@ -258,3 +258,24 @@ def slurm_message(text: str) -> str:
     else its first line ("" when it said nothing)."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "")
+
+
+def partition_nodes(partition: str | None) -> tuple[int, int] | None:
+    """(CPUs, memory in MiB) of the smallest node of `partition` (None: the default one), by
+    sinfo; None where sinfo cannot say (not installed, no answer, no such partition)."""
+    cmd = ["sinfo", "--noheader", "--format=%c %m %P", *([f"--partition={partition}"] if partition else [])]
+    try:
+        shown = run_slurm(cmd)
+    except ConfigError:
+        return None
+    if shown.returncode != 0:
+        return None
+    sizes = []
+    for line in shown.stdout.splitlines():
+        cpus, mem, name = (line.split() + ["", "", ""])[:3]
+        if partition is None and not name.endswith("*"):  # the default partition is starred
+            continue
+        cpus, mem = cpus.rstrip("+"), mem.rstrip("+")  # "64+": nodes of that many or more
+        if cpus.isdigit() and mem.isdigit():
+            sizes.append((int(cpus), int(mem)))
+    return (min(c for c, _ in sizes), min(m for _, m in sizes)) if sizes else None

@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Literal
 
 from planner.errors import ConfigError
+from planner.host_memory import CPUS_PER_RANK, mem_request
 from runtime.config import RunConfig
+from slurm.rank import LAUNCHER_VARIABLES, launched_rank
 
-Executor = Literal["auto", "local", "slurm"]
+Executor = Literal["auto", "local", "slurm", "env"]
 _KEY = re.compile(r"[a-z][a-z0-9_-]*")
 
 
@@ -27,8 +29,9 @@ class SlurmOptions:
     qos: str | None = None
     time_min: int = 60
     cpus_per_task: int | None = None
-    mem: str | None = None
+    mem: str | None = None  # None: the run's host memory per node (planner/host_memory.py)
     constraint: str | None = None
+    exclusive: bool = False  # sbatch --exclusive: whole nodes
     extra: tuple[tuple[str, str], ...] = ()  # --slurm-arg KEY=VALUE, in order
     job_name: str = "ditango"
     array: int = 1
@@ -39,6 +42,8 @@ class SlurmOptions:
             raise ConfigError(f"--time must be >= 1 minute, got {self.time_min}")
         if self.array < 1:
             raise ConfigError(f"--array must be >= 1, got {self.array}")
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise ConfigError(f"--cpus-per-task must be >= 1, got {self.cpus_per_task}")
         if self.array_parallelism is not None and self.array_parallelism < 1:
             raise ConfigError(f"--array-parallelism must be >= 1, got {self.array_parallelism}")
         for key, _ in self.extra:
@@ -69,7 +74,7 @@ class SlurmOptions:
     def any_given(self) -> bool:
         """Whether the user asked for anything Slurm-specific (makes `auto` submit)."""
         defaults = SlurmOptions()
-        keys = ("partition", "account", "qos", "cpus_per_task", "mem", "constraint", "extra")
+        keys = ("partition", "account", "qos", "cpus_per_task", "mem", "constraint", "exclusive", "extra")
         return any(getattr(self, k) != getattr(defaults, k) for k in keys) or self.array > 1
 
 
@@ -88,8 +93,38 @@ def check_log_folder(out: Path) -> None:
         )
 
 
-def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool) -> dict:
-    """`SlurmExecutor.update_parameters(**this)` for one multi-node job (or array task)."""
+@dataclass(frozen=True)
+class NodeSize:
+    """The smallest node of the partition a job goes to, as sinfo tells (slurm/jobs.py
+    `partition_nodes`): its CPUs and its memory in MiB (Slurm's RealMemory)."""
+
+    cpus: int
+    mem_mib: int
+
+
+def host_request(cfg: RunConfig, opts: SlurmOptions, node: NodeSize | None = None) -> tuple[int, str | None, str]:
+    """(CPUs per task, memory per node or None, a note: "" or why a request was cut) of a job
+    of `cfg`. Unless the user gave them: CPUs per task `CPUS_PER_RANK`, and memory per node the
+    host bytes the run recorded (`cfg.host_memory`, planner/host_memory.py) in whole GiB; neither
+    is left to the cluster's default (often one CPU and a few GiB per task, which a 14B model's
+    load outgrows). Where `node` is known, neither asks for more than it has: sbatch refuses a
+    job no node can hold."""
+    cpus, note = opts.cpus_per_task, []
+    if cpus is None:
+        cpus = CPUS_PER_RANK if node is None else max(1, min(CPUS_PER_RANK, node.cpus // cfg.gpus_per_node))
+    mem = opts.mem
+    if mem is None and cfg.host_memory is not None:
+        mem = mem_request(cfg.host_memory)
+        if node is not None and node.mem_mib > 0 and cfg.host_memory > node.mem_mib * 2**20:
+            note.append(f"the run needs about {mem} of host memory per node, the partition's smallest nodes have "
+                        f"{node.mem_mib}M: asking for that (--mem overrides)")  # fmt: skip
+            mem = f"{node.mem_mib}M"
+    return cpus, mem, "; ".join(note)
+
+
+def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool, node: NodeSize | None = None) -> dict:
+    """`SlurmExecutor.update_parameters(**this)` for one multi-node job (or array task); the
+    CPUs and memory are `host_request`'s (`node`: the partition's smallest, when known)."""
     params: dict = {
         "job_name": opts.job_name,
         "nodes": cfg.nodes,  # the whole allocation: every replica
@@ -103,10 +138,11 @@ def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool) -> d
     }
     if use_gpus:  # one GPU per task; each task picks its own by SLURM_LOCALID
         params["gpus_per_node"] = cfg.gpus_per_node
+    cpus, mem, _ = host_request(cfg, opts, node)
     optional = {
-        "partition": opts.partition, "account": opts.account, "qos": opts.qos, "mem": opts.mem,
-        "constraint": opts.constraint, "cpus_per_task": opts.cpus_per_task,
-        "array_parallelism": opts.array_parallelism,
+        "partition": opts.partition, "account": opts.account, "qos": opts.qos, "mem": mem,
+        "constraint": opts.constraint, "cpus_per_task": cpus,
+        "array_parallelism": opts.array_parallelism, "exclusive": opts.exclusive or None,
     }  # fmt: skip
     params.update({k: v for k, v in optional.items() if v is not None})
     if opts.extra:
@@ -116,12 +152,25 @@ def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool) -> d
 
 def choose_executor(
     requested: Executor, layout_nodes: int, opts: SlurmOptions, require_sbatch: bool = True, ranks: int | None = None
-) -> Literal["local", "srun", "sbatch"]:
-    """`auto`: inside an allocation (SLURM_JOB_ID) start ranks with srun there, except one rank
+) -> Literal["local", "srun", "sbatch", "env"]:
+    """`auto`: where a launcher started this process as one rank of several (torchrun,
+    Kubernetes, MPI: slurm/rank.py LAUNCHER_VARIABLES), run as that rank (`env`); inside an
+    allocation (SLURM_JOB_ID) start ranks with srun there, except one rank
     (`ranks`) on a node of the allocation itself (an `srun --pty` shell, a batch script:
     SLURMD_NODENAME is set), which runs in this process; else submit with sbatch when it is on
     PATH and the run needs more than one node or any Slurm option was given; else run locally.
     `require_sbatch` False (a dry run): `slurm` means sbatch even where sbatch is not installed."""
+    launched = launched_rank()
+    if requested == "env":
+        if launched is None:
+            missing = ", ".join(v for v in LAUNCHER_VARIABLES if not os.environ.get(v))
+            raise ConfigError(
+                f"--executor env: no launcher started this process ({missing} not set); start it with "
+                "torchrun (or a Kubernetes PyTorchJob), or use --executor local or slurm"
+            )
+        return "env"
+    if requested == "auto" and launched is not None:
+        return "env"
     in_allocation = bool(os.environ.get("SLURM_JOB_ID"))
     if requested == "auto" and in_allocation and ranks == 1 and os.environ.get("SLURMD_NODENAME"):
         return "local"  # a nested step would wait for the resources this shell's own step holds

@@ -23,7 +23,7 @@ from runtime.config import RunConfig
 from runtime.models.loading import resolve_placement
 from slurm.allocation import allocation_gpus_per_node, srun_command
 from slurm.options import SlurmOptions
-from slurm.rank import rank_environment
+from slurm.rank import device_intent, rank_environment
 
 
 @dataclass(frozen=True)
@@ -93,13 +93,32 @@ def ranks_device(where: str, device: str, world: int, gpus_per_node: int) -> str
                 f"{os.environ.get('SLURM_JOB_ID')} has {have}; use --gpus-per-node <= {have}, or --device cpu"
             )
         return "cuda"
-    placement = resolve_placement(device)  # local: this machine's GPUs
+    placement = resolve_placement(device)  # local, or a launcher's rank: this machine's GPUs
+    if where == "env":  # one rank of the launcher's on this machine (slurm/rank.py select_device picks its GPU)
+        return placement.device.type
     if placement.device.type == "cuda" and world > torch.cuda.device_count():
         raise ConfigError(
             f"{world} ranks need {world} GPUs on this machine, found "
             f"{torch.cuda.device_count()} (NCCL needs one GPU per rank); use fewer ranks or --device cpu"
         )
     return placement.device.type
+
+
+# How to get a torch that computes on NVIDIA GPUs (the README's set-up section says more).
+INSTALL_CUDA_TORCH = "./scripts/setup.sh --cuda (in the checkout), or pip install torch --index-url https://download.pytorch.org/whl/cu128"
+
+
+def cpu_only_torch(device: str) -> str | None:
+    """The problem, in one line, of ranks that are to compute on GPUs (`device` "cuda", the
+    executor's decision) with this environment's torch when it is a CPU-only build: the jobs and
+    steps run this very environment, so they would fail on the node after queueing. None when
+    the build has CUDA (or ROCm), or the ranks compute on CPUs (--device cpu, DITANGO_RANK_DEVICE)."""
+    if device != "cuda" or device_intent(device) == "cpu" or torch.version.cuda or torch.version.hip:
+        return None
+    return (
+        f"this run computes on GPUs, but this environment's torch ({torch.__version__}) is a CPU-only build, "
+        f"which the ranks would run; install a CUDA build: {INSTALL_CUDA_TORCH}; or run with --device cpu"
+    )
 
 
 def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
@@ -131,7 +150,12 @@ def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
         "environment": rank_environment(cfg.out_dir),
         "ranks": [s.to_json() for s in rank_slots(cfg, local=where == "local")],
     }
-    if where == "local":
+    if where == "env":
+        record["executor_line"] = (
+            f"env: this process is one of {cfg.world_size} rank(s) its launcher started ({cfg.nodes} node(s) of "
+            f"{cfg.gpus_per_node}); rank 0 writes" + ("; one GPU per rank" if cfg.device == "cuda" else "")
+        )
+    elif where == "local":
         record["executor_line"] = (
             f"local, {cfg.world_size} process(es) on this machine ({cfg.nodes} virtual node(s) of "
             f"{cfg.gpus_per_node})" + ("; one GPU per rank" if cfg.device == "cuda" else "")

@@ -20,6 +20,7 @@ import os
 import random
 import signal
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,6 +44,44 @@ PEER_FAILURE_MARKERS = (
 
 def is_peer_failure(message: str) -> bool:
     return any(m in message for m in PEER_FAILURE_MARKERS)
+
+
+# What a launcher that starts the ranks itself sets in each one (torchrun, Kubernetes'
+# PyTorchJob and JobSet, MPI wrappers that export them): `ditango generate` then runs as
+# that rank (slurm/env.py).
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class LaunchedRank:
+    """This process as a launcher started it: its global and local rank, the world's size, and
+    the node it is on (torchrun's GROUP_RANK, else this host's name)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node: str
+
+    @property
+    def writer(self) -> bool:
+        return self.rank == 0
+
+
+def launched_rank(environ=os.environ) -> LaunchedRank | None:
+    """This process's place when a launcher started it with LAUNCHER_VARIABLES (all of them),
+    else None. Values that are not ranks are a ConfigError naming the variable."""
+    if any(not environ.get(name) for name in LAUNCHER_VARIABLES):
+        return None
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        raw = environ[name].strip()
+        if not raw.isdigit():
+            raise ConfigError(f"{name}={environ[name]!r} (set by the launcher) is not a rank number")
+        values[name] = int(raw)
+    if values["WORLD_SIZE"] < 1 or values["RANK"] >= values["WORLD_SIZE"]:
+        raise ConfigError(f"RANK={values['RANK']} is not below WORLD_SIZE={values['WORLD_SIZE']} (set by the launcher)")
+    node = environ.get("GROUP_RANK") or socket.gethostname()
+    return LaunchedRank(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], node)
 
 
 def nccl_environment(log_dir: Path) -> dict[str, str]:
@@ -120,6 +159,11 @@ def select_device(device: str, local_rank: int) -> torch.device:
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
+        if not (torch.version.cuda or torch.version.hip):  # the build, not the node, is the problem
+            raise ConfigError(
+                f"this run asked for GPUs, but the torch on {socket.gethostname()} ({torch.__version__}) is a "
+                "CPU-only build; install a CUDA build (./scripts/setup.sh --cuda), or run with --device cpu"
+            )
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         raise ConfigError(
             f"this run asked for GPUs, but {socket.gethostname()} has no CUDA device that torch can use "

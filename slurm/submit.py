@@ -32,6 +32,7 @@ from submitit.core.utils import FailedJobError, FailedSubmissionError
 from planner.errors import ConfigError
 from runtime.config import RunConfig
 from runtime.context import SilentObserver
+from runtime.progress import LogObserver
 from slurm.aggregate import aggregate
 from slurm.entry import run_rank
 from slurm.heartbeat import BeatWatch, Heartbeat, kill_step, stopped_failure
@@ -40,12 +41,13 @@ from slurm.jobs import (
     check_job_id,
     discard_folder,
     jobs_file,
+    partition_nodes,
     recorded_jobs,
     run_slurm,
     slurm_message,
     write_jobs,
 )
-from slurm.options import SlurmOptions, submitit_parameters
+from slurm.options import NodeSize, SlurmOptions, submitit_parameters
 from slurm.rank import (
     apply_environment,
     choose_gloo_interface,
@@ -118,7 +120,9 @@ class SlurmRun(submitit.helpers.Checkpointable):
         items = tuple(shard(cfg.items, task, tasks))
         if not items:
             return None
-        return run_rank(replace(cfg, items=items), rank, tuple(node_of), replica, task_report(task), SilentObserver(),
+        # The writer (of each replica) logs its progress as plain lines into its stderr, the job's log.
+        observer = LogObserver(sys.stderr) if rank == 0 else SilentObserver()
+        return run_rank(replace(cfg, items=items), rank, tuple(node_of), replica, task_report(task), observer,
                         global_rank, device, decided=decided)  # fmt: skip
 
 
@@ -139,7 +143,7 @@ def submission_config(cfg: RunConfig) -> RunConfig:
 def job_parameters(cfg: RunConfig, opts: SlurmOptions, code: Path) -> dict:
     """`SlurmExecutor.update_parameters(**this)` for a submission of `submission_config(cfg)`
     running the snapshot at `code`."""
-    params = submitit_parameters(cfg, opts, use_gpus=cfg.device == "cuda")
+    params = submitit_parameters(cfg, opts, use_gpus=cfg.device == "cuda", node=partition_node(opts))
     # Run from the snapshot: the job's working directory is the first entry of its sys.path
     # (python -m), ahead of PYTHONPATH and of an editable install of the checkout.
     # Each start of the job (a requeue appends to the same log) leaves a marker in task 0's
@@ -151,6 +155,12 @@ def job_parameters(cfg: RunConfig, opts: SlurmOptions, code: Path) -> dict:
     ]
     params.setdefault("additional_parameters", {})["chdir"] = str(code)
     return params
+
+
+def partition_node(opts: SlurmOptions) -> NodeSize | None:
+    """The smallest node of the partition the job goes to (sinfo), when Slurm says."""
+    found = partition_nodes(opts.partition)
+    return None if found is None else NodeSize(*found)
 
 
 def submission_folder(cfg: RunConfig) -> Path:

@@ -36,20 +36,23 @@ def test_unknown_model(runner, out):
     run_error(runner, gen(out, "--model", "wan9-huge"), "unknown model 'wan9-huge'", "tiny-wan")
 
 
-def test_named_model_without_root(runner, out, monkeypatch):
+def test_named_model_without_root(runner, out, tmp_path, monkeypatch):
     monkeypatch.delenv("DITANGO_MODEL_ROOT", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     run_error(
         runner,
         gen(out, "--model", "wan2.1-14b"),
         "--model-root",
         "DITANGO_MODEL_ROOT",
-        "Wan2.1-T2V-14B-Diffusers",
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+        "ditango download wan2.1-14b",
     )
 
 
 def test_named_model_missing_under_root(runner, out, tmp_path, monkeypatch):
     monkeypatch.setenv("DITANGO_MODEL_ROOT", str(tmp_path))
-    run_error(runner, gen(out, "--model", "wan2.1-1.3b"), "does not exist", "Wan2.1-T2V-1.3B-Diffusers")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    run_error(runner, gen(out, "--model", "wan2.1-1.3b"), f"is not in --model-root {tmp_path}", "ditango download")
 
 
 def test_model_dir_without_index(runner, out, tmp_path):
@@ -260,7 +263,9 @@ def test_cuda_requested_without_gpu(runner, out):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    run_error(runner, [*gen(out)[:-2], "--device", "cuda"], "--device cuda", "no CUDA device")
+    cpu_build = not (torch.version.cuda or torch.version.hip)
+    said = ("CPU-only build", "setup.sh --cuda") if cpu_build else ("no CUDA device",)
+    run_error(runner, [*gen(out)[:-2], "--device", "cuda"], "--device cuda", *said)
 
 
 def test_existing_output_is_skipped_not_overwritten(runner, tmp_path):

@@ -126,7 +126,8 @@ def test_json_flag_prints_report_path(runner, tmp_path):
     assert json.loads((out / "report.json").read_text())["items"][0]["latents"] is None
 
 
-def test_models_lists_registry(runner, tmp_path):
+def test_models_lists_registry(runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # not the user's
     (tmp_path / "Wan2.1-T2V-1.3B-Diffusers").mkdir()
     result = runner.invoke(app, ["models", "--json", "--model-root", str(tmp_path)])
     assert result.exit_code == 0
@@ -135,7 +136,7 @@ def test_models_lists_registry(runner, tmp_path):
                          "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "hunyuanvideo"}  # fmt: skip
     assert rows["tiny-wan"]["resolves_to"] == "built-in"
     assert rows["wan2.1-1.3b"]["resolves_to"] == str(tmp_path / "Wan2.1-T2V-1.3B-Diffusers")
-    assert rows["wan2.1-14b"]["resolves_to"].startswith("missing:")
+    assert rows["wan2.1-14b"]["resolves_to"] == "not found: ditango download wan2.1-14b"
     assert (rows["wan2.1-14b"]["heads"], rows["wan2.1-14b"]["layers"]) == (40, 40)
     a14b, ti2v = rows["wan2.2-t2v-a14b"], rows["wan2.2-ti2v-5b"]
     assert (a14b["task"], a14b["experts"], a14b["defaults"]["guidance_2"]) == ("t2v", 2, 3.0)

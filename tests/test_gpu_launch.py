@@ -25,10 +25,12 @@ SMALL = ["--prompt", "a red ball", "--steps", "2", "--height", "32", "--width", 
 
 
 class FakeCuda:
-    """torch.cuda as a node with `count` GPUs would show it (no kernels run)."""
+    """torch.cuda as a node with `count` GPUs would show it, under a CUDA build of torch (no
+    kernels run)."""
 
     def __init__(self, monkeypatch, count: int) -> None:
         self.count, self.current = count, None
+        monkeypatch.setattr(torch.version, "cuda", "12.8")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "set_device", self.set_device)

@@ -68,3 +68,52 @@ def test_registry_parameter_counts_are_those_of_the_configs():
     counted = {k: (hunyuan if k == "hunyuanvideo" else wan).count_params(c) for k, c in CONFIGS.items()}
     assert counted == PARAMS
     assert REGISTRY["wan2.2-t2v-a14b"].params == 2 * PARAMS["wan2.2-t2v-a14b"]  # two experts loaded
+
+
+def test_components_are_those_the_pipeline_class_loads():
+    """Each module read by its own class (runtime/models/loading.py) equals what the pipeline
+    class's from_pretrained made before, parameter by parameter: name, dtype and value (the
+    float32 VAE, the modules diffusers keeps in float32 in a bfloat16 transformer)."""
+    from diffusers import WanPipeline
+
+    from runtime.models.loading import _dtype_kwarg
+
+    dtypes = {"default": torch.bfloat16, "vae": torch.float32}
+    pipe = WanPipeline.from_pretrained(str(BUILTIN_DIR), local_files_only=True, **{_dtype_kwarg(): dtypes})
+    loaded = load_components(resolve_model("tiny-wan"), resolve_placement("cpu", "bfloat16"))
+    assert sorted(loaded) == sorted(k for k, v in pipe.components.items() if v is not None)
+    for name in ("text_encoder", "transformer", "vae"):
+        want, got = pipe.components[name].state_dict(), loaded[name].state_dict()
+        assert want.keys() == got.keys()
+        for key in want:
+            assert want[key].dtype == got[key].dtype and torch.equal(want[key], got[key]), (name, key)
+        assert not loaded[name].training and not any(p.requires_grad for p in loaded[name].parameters())
+
+
+def test_each_component_is_read_onto_its_own_device(monkeypatch):
+    """The bug: every rank loaded the whole pipeline into host memory, then moved it (8 ranks of a
+    node: 8 host copies). Each module now goes straight to its device (no module built on the
+    CPU is moved off it); `on_cpu` ones to the CPU, in their dtype. The meta device stands in
+    for a GPU (the CPU suite has none)."""
+    from runtime.models.loading import Placement
+
+    moved_off_host = []
+    module_to = torch.nn.Module.to
+
+    def spy(module, *args, **kwargs):
+        on_host = any(p.device.type == "cpu" for p in module.parameters())
+        result = module_to(module, *args, **kwargs)
+        if on_host and not any(p.device.type == "cpu" for p in result.parameters()):
+            moved_off_host.append(type(module).__name__)
+        return result
+
+    monkeypatch.setattr(torch.nn.Module, "to", spy)
+    placement = Placement(torch.device("meta"), torch.bfloat16)
+    parts = load_components(resolve_model("tiny-wan"), placement, on_cpu=("transformer",))
+    assert moved_off_host == []
+    devices = {n: {p.device.type for p in parts[n].parameters()} for n in ("text_encoder", "transformer", "vae")}
+    assert devices == {"text_encoder": {"meta"}, "transformer": {"cpu"}, "vae": {"meta"}}
+    assert {p.dtype for p in parts["transformer"].parameters()} == {torch.float32, torch.bfloat16}
+    assert {p.dtype for p in parts["vae"].parameters()} == {torch.float32}
+    assert parts["text_encoder"].dtype == torch.bfloat16
+    assert not hasattr(parts["transformer"], "hf_device_map")  # later moves (FSDP, offload) stay plain

@@ -256,7 +256,7 @@ def test_check_runs_the_preflight_before_any_weights_are_needed(runner, tmp_path
     line = refused.stderr.strip()
     assert "\n" not in line and "GiB per GPU at its peak" in line and "--shard-weights" in line, line
     fits = runner.invoke(app, [*base, "--gpu-memory", "24GiB", "--gpus", "8", "--shard-weights"])
-    assert fits.exit_code == 2 and "needs a local checkpoint" in fits.stderr  # past the pre-flight
+    assert fits.exit_code == 2 and "ditango download wan2.1-14b" in fits.stderr  # past the pre-flight
     small = runner.invoke(app, [*base, "--gpu-memory", "1GiB"])
     assert small.exit_code == 2 and "below 2 GiB" in small.stderr
 

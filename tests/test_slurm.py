@@ -242,14 +242,24 @@ def test_a_gres_allocation_is_seen_with_its_gpus():
     assert "gpus 2" in shown.stdout, shown.stdout
 
 
-def test_a_gpu_job_on_nodes_without_cuda_fails_clearly(runner, tmp_path, monkeypatch):
-    """Never a silent CPU run: the job asked for GPUs, torch finds none on the node."""
+def test_a_gpu_job_with_a_cpu_only_torch_is_refused_before_it_queues(runner, tmp_path, monkeypatch):
+    """Never a silent CPU run, and never a job that fails on the node after its wait in the
+    queue: the job would ask for GPUs and run this environment's CPU-only torch, so the
+    submission is refused in one line naming the install command; nothing is queued."""
+    import torch
+
+    if torch.version.cuda or torch.version.hip:
+        pytest.skip("this environment has a CUDA build of torch")
     monkeypatch.delenv("DITANGO_RANK_DEVICE", raising=False)
     out = tmp_path / "out"
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout
     result = runner.invoke(app, ["generate", "--prompt", "a red ball", "--out", str(out), *GPU_ARGS])
-    assert result.exit_code == 1
-    assert "this run asked for GPUs" in result.stderr and "no CUDA device" in result.stderr
-    assert not list(out.glob("*.mp4"))
+    assert result.exit_code == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "CPU-only build" in line and "setup.sh --cuda" in line, line
+    assert not (out / ".ditango" / "jobs.json").exists()
+    after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout
+    assert set(after.split()) <= set(before.split())
 
 
 def _sacct_end(job_id: str) -> str:

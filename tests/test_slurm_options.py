@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,16 @@ def rendered() -> dict:
         extra=SlurmOptions.parse_extra(["exclusive=user", "--mail_type=END"]), job_name="batch", array=8,
         array_parallelism=2,
     )  # fmt: skip
+    # A config with the host memory build_run_config records (planner/host_memory.py): --mem from
+    # it unless given; --cpus-per-task 8 unless given (test_host_memory.py derives 120641751450).
+    recorded = replace(config(1, 8), host_memory=120_641_751_450)
     return {
         "full_4x8_gpus": submitit_parameters(config(4, 8), full, use_gpus=True),
         "default_2x2_cpu": submitit_parameters(config(2, 2), SlurmOptions(), use_gpus=False),
+        "recorded_host_memory_1x8_gpus": submitit_parameters(recorded, SlurmOptions(), use_gpus=True),
+        "recorded_host_memory_given_mem_exclusive": submitit_parameters(
+            recorded, SlurmOptions(mem="300G", cpus_per_task=12, exclusive=True), use_gpus=True
+        ),
     }
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from planner.errors import ConfigError
 from runtime.errors import ModelDirError
+from runtime.models.hub import hub_offline
 from runtime.models.registry import ResolvedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,6 +50,12 @@ def resolve_placement(device: str = "auto", dtype: str | None = None) -> Placeme
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
+        if not (torch.version.cuda or torch.version.hip):
+            raise ConfigError(
+                f"--device cuda: this environment's torch ({torch.__version__}) is a CPU-only build; install a CUDA "
+                "build (./scripts/setup.sh --cuda, or pip install torch --index-url "
+                "https://download.pytorch.org/whl/cu128), or use --device cpu or auto"
+            )
         raise ConfigError("--device cuda requested but no CUDA device is available; use --device cpu or auto")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
@@ -71,34 +81,61 @@ def _dtype_kwarg() -> str:
         return "torch_dtype"
 
 
+# The components that are torch modules, each read by its own class (the rest: the pipeline's).
+MODULES = ("text_encoder", "transformer", "transformer_2", "vae", "image_encoder")
+FLOAT32 = ("vae", "image_encoder")  # as Wan's reference code and diffusers' examples run them
+LIBRARIES = ("diffusers", "transformers")  # where a model_index.json's module classes may come from
+
+
+def module_classes(path: Path) -> dict[str, type]:
+    """{component: its class} of the torch modules model_index.json lists (`[library, class]`;
+    `[null, null]`: absent, as Wan2.1's transformer_2)."""
+    index = json.loads((path / "model_index.json").read_text(encoding="utf-8"))
+    classes = {}
+    for name in MODULES:
+        entry = index.get(name)
+        if isinstance(entry, list) and len(entry) == 2 and None not in entry:
+            if entry[0] not in LIBRARIES:  # the file is the user's: import nothing else by its word
+                raise ModelDirError(f"{path}/model_index.json: {name} comes from {entry[0]!r}, not one of "
+                                    f"{', '.join(LIBRARIES)}")  # fmt: skip
+            classes[name] = getattr(importlib.import_module(entry[0]), entry[1])
+    return classes
+
+
+@hub_offline()  # a local directory only: a rank never downloads (runtime/models/hub.py)
 def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[str, ...] = ()) -> dict:
     """Return {tokenizer, text_encoder, transformer[, transformer_2], vae, scheduler[,
     image_encoder, image_processor]} ready for inference, through the diffusers pipeline class
     the directory names (the spec's variant).
 
-    The VAE and the CLIP image encoder are kept in float32 (as Wan's reference code and
-    diffusers' examples do); the text encoder and transformers take `placement.dtype`, with
-    the float32 modules diffusers/transformers keep when loading. The built-in model is a
-    directory shipped in the package, loaded through the same path as a user checkpoint.
-    `on_cpu`: components left on the CPU (sharded first, then moved: runtime/weights.py).
+    Each module is read by its own class's from_pretrained straight into its dtype and onto
+    its device (`device_map`, meta-device init: no float32 copy, and on a GPU no copy of the
+    model in host memory; what the host holds is the safetensors file being read, mapped),
+    then handed to the pipeline class, which loads the rest (tokenizer, scheduler). The VAE and
+    the CLIP image encoder are kept in float32; the text encoder and transformers take
+    `placement.dtype`, with the float32 modules diffusers/transformers keep when loading
+    (`_keep_in_fp32_modules`). The built-in model is a directory shipped in the package, loaded
+    through the same path as a user checkpoint. `on_cpu`: components read onto the CPU (in
+    their dtype), sharded or split there first, then moved (runtime/weights.py).
     """
     import diffusers
 
     check_torch()
     path = model.path
     pipeline_class = getattr(diffusers, model.spec.variant.pipeline)
-    dtypes = {"default": placement.dtype, "vae": torch.float32, "image_encoder": torch.float32}
+    common = {"local_files_only": True, "use_safetensors": True}
     try:
-        pipe = pipeline_class.from_pretrained(
-            str(path), local_files_only=True, use_safetensors=True, **{_dtype_kwarg(): dtypes}
-        )
-        components = {k: v for k, v in pipe.components.items() if v is not None}
-        for name in ("text_encoder", "transformer", "transformer_2", "vae", "image_encoder"):
-            if name not in components:
-                continue
-            # Device only: a dtype cast here would undo the float32 modules kept by from_pretrained.
+        modules = {}
+        for name, cls in module_classes(path).items():
             device = torch.device("cpu") if name in on_cpu else placement.device
-            components[name].to(device).eval().requires_grad_(False)
+            dtype = torch.float32 if name in FLOAT32 else placement.dtype
+            module = cls.from_pretrained(str(path), subfolder=name, low_cpu_mem_usage=True, device_map={"": device},
+                                         **common, **{_dtype_kwarg(): dtype})  # fmt: skip
+            # One device: no dispatch hooks, but the map would make later moves (offload, FSDP) suspect.
+            vars(module).pop("hf_device_map", None)
+            modules[name] = module.eval().requires_grad_(False)
+        pipe = pipeline_class.from_pretrained(str(path), **common, **modules)
+        components = {k: v for k, v in pipe.components.items() if v is not None}
     except Exception as exc:  # diffusers/transformers raise many types for a broken directory
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ModelDirError(f"cannot load the model from {path}: {type(exc).__name__}: {first}") from exc

@@ -1,8 +1,9 @@
 """Registry of model names and how a `--model` argument resolves to components.
 
-`--model` is a registry name (`ditango models` lists them) or a path to a diffusers-format
-directory. Real checkpoints are never downloaded: named ones resolve
-under `--model-root` or `$DITANGO_MODEL_ROOT`.
+`--model` is a registry name (`ditango models` lists them), a Hugging Face repo id
+(ORG/NAME[@REVISION]) or a path to a diffusers-format directory. Names and repo ids are looked
+for under `--model-root` / `$DITANGO_MODEL_ROOT`, then in the Hugging Face cache, and are
+downloaded only when the user asks (runtime/models/hub.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from planner.errors import ConfigError
 from planner.models import ModelShape
 from runtime.errors import ModelDirError
+from runtime.models import hub
 from runtime.models.checkpoint import ModelDirInfo, count_params, inspect_model_dir
 from runtime.models.families import FAMILIES
 from runtime.models.wan import WanVariant
@@ -60,6 +62,7 @@ class ModelSpec:
     shape: ModelShape  # the transformer, from its config through the family adapter
     defaults: Defaults
     dir_name: str | None = None  # directory under the model root, for named checkpoints
+    repo_id: str | None = None  # its Hugging Face repo (None: built in)
     builtin: bool = False  # shipped inside the package (BUILTIN_DIR)
     variant: WanVariant = WanVariant()
     family: str = "wan"  # its key in runtime/models/families.py
@@ -86,20 +89,19 @@ class ModelSpec:
         return self.variant.task
 
     def resolves_to(self, root: Path | None) -> str:
-        """Where `--model NAME` resolves, in words: built-in, a directory, or why not."""
+        """Where `--model NAME` resolves, in words: built-in, a directory, an HF cache snapshot, or how to fetch it."""
         if self.builtin:
             return "built-in"
-        if root is None:
-            return f"not configured (set --model-root or {MODEL_ROOT_ENV})"
-        path = root / self.dir_name
-        return str(path) if path.is_dir() else f"missing: {path}"
+        found = hub.locate(self.repo_id, None, root, (self.dir_name,))
+        return found[1] if found else f"not found: ditango download {self.name}"
 
     def to_json(self, root: Path | None) -> dict:
         """The row of `ditango models --json`."""
         d = self.defaults
         return {
-            "name": self.name, "family": self.family, "task": self.task, "experts": self.variant.experts,
-            "params": self.params, "heads": self.heads, "layers": self.layers, "head_dim": self.head_dim,
+            "name": self.name, "repo_id": self.repo_id, "family": self.family, "task": self.task,
+            "experts": self.variant.experts, "params": self.params, "heads": self.heads, "layers": self.layers,
+            "head_dim": self.head_dim,
             "defaults": {"steps": d.steps, "guidance": d.guidance, "guidance_2": d.guidance_2, "height": d.height,
                          "width": d.width, "frames": d.frames, "fps": d.fps},
             "resolves_to": self.resolves_to(root), "description": self.description,
@@ -196,10 +198,11 @@ def vae_key(config_key: str, family: str) -> str:
 
 def _spec(
     name: str, description: str, config_key: str, dir_name: str | None, variant: WanVariant, vae_stride: int = 8,
-    params: int | None = None, builtin: bool = False, family: str = "wan", **defaults,
+    params: int | None = None, builtin: bool = False, family: str = "wan", org: str = "Wan-AI", **defaults,
 ) -> ModelSpec:  # fmt: skip
     """A registry entry: shape from the transformer config (through its family), defaults from
-    diffusers' pipeline (the family's) and the model card, geometry from the config and VAE."""
+    diffusers' pipeline (the family's) and the model card, geometry from the config and VAE.
+    `dir_name` is also the repo's name on the Hub: its repo id is `org`/`dir_name`."""
     adapter = FAMILIES[family]
     config = TINY_CONFIG if config_key == "tiny-wan" else CONFIGS[config_key]
     n = PARAMS.get(config_key, 0) if params is None else params
@@ -216,8 +219,9 @@ def _spec(
         vae_stride=vae_stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
         image=variant.image, experts=variant.experts,
     )  # fmt: skip
+    repo = None if dir_name is None else f"{org}/{dir_name}"
     return ModelSpec(
-        name, description, shape, replace(geometry, **defaults), dir_name, builtin, variant, family, config_key
+        name, description, shape, replace(geometry, **defaults), dir_name, repo, builtin, variant, family, config_key
     )
 
 
@@ -274,7 +278,8 @@ REGISTRY: dict[str, ModelSpec] = {
               width=1280, frames=121, fps=24),
         # HunyuanVideo: HunyuanVideoPipeline's defaults (720x1280, 129 frames, 50 steps, embedded guidance 6.0).
         _spec("hunyuanvideo", "HunyuanVideo text-to-video 13B (joint text-video attention)", "hunyuanvideo",
-              "HunyuanVideo", WanVariant(pipeline="HunyuanVideoPipeline"), family="hunyuanvideo"),
+              "HunyuanVideo", WanVariant(pipeline="HunyuanVideoPipeline"), family="hunyuanvideo",
+              org="hunyuanvideo-community"),
     )
 }  # fmt: skip
 
@@ -293,37 +298,43 @@ def model_root(cli_root: str | Path | None) -> Path | None:
     return Path(root).expanduser() if root else None
 
 
-def resolve_model(model: str, root: str | Path | None = None) -> ResolvedModel:
-    """Turn a `--model` argument into a spec and a validated directory (weights not loaded)."""
-    if model in REGISTRY:
-        spec = REGISTRY[model]
-        if spec.builtin:
-            if not BUILTIN_DIR.is_dir():
-                raise ModelDirError(f"the built-in model is missing from {BUILTIN_DIR} (a broken install?)")
-            return ResolvedModel(spec, BUILTIN_DIR)
-        base = model_root(root)
-        if base is None:
-            raise ConfigError(
-                f"model {model!r} needs a local checkpoint: pass --model-root DIR or set {MODEL_ROOT_ENV} "
-                f"so that DIR/{spec.dir_name} exists (weights are never downloaded)"
-            )
-        path = base / spec.dir_name
-        if not path.is_dir():
-            raise ModelDirError(f"model {model!r}: {path} does not exist (expected a diffusers-format checkpoint)")
-        info = inspect_model_dir(path)
-        found = spec_from_dir(path, info)
-        mismatch = _differs(spec, found)
-        if mismatch:
-            raise ModelDirError(f"model {model!r}: {path} is not that checkpoint ({mismatch})")
-        return ResolvedModel(replace(spec, variant=info.variant), path)
-
+def resolve_model(
+    model: str, root: str | Path | None = None, revision: str | None = None, download: bool = False
+) -> ResolvedModel:
+    """A `--model` argument (a registry name; a Hub repo id ORG/NAME[@REVISION], the registry's
+    being its entry; a diffusers directory or a cache's models--ORG--NAME) as a spec and a checked
+    directory: under `root`, then in the HF cache, then (`download`, never on a rank) fetched."""
+    name, revision = hub.split_revision(model, revision)
+    spec = REGISTRY.get(name) or next((s for s in REGISTRY.values() if s.repo_id == name), None)
+    if spec is not None and spec.builtin:
+        if not BUILTIN_DIR.is_dir():
+            raise ModelDirError(f"the built-in model is missing from {BUILTIN_DIR} (a broken install?)")
+        return ResolvedModel(spec, BUILTIN_DIR)
     path = Path(model).expanduser()
-    if path.is_dir():
+    if name not in REGISTRY and path.is_dir():  # a path that exists is that directory
+        path = hub.repo_folder_snapshot(path, revision) or path
         return ResolvedModel(spec_from_dir(path, inspect_model_dir(path)), path)
-    if path.exists():
+    if name not in REGISTRY and path.exists():
         raise ModelDirError(f"--model {model}: not a directory (expected a diffusers-format model directory)")
-    names = ", ".join(REGISTRY)
-    raise ConfigError(f"unknown model {model!r}: use one of {names}, or a path to a diffusers-format directory")
+    repo_id = spec.repo_id if spec is not None else name if hub.is_repo_id(name) else None
+    if repo_id is None:
+        raise ConfigError(f"unknown model {model!r}: use one of {', '.join(REGISTRY)}, a Hugging Face repo id "
+                          "(ORG/NAME), or a path to a diffusers-format directory")  # fmt: skip
+    base = model_root(root)
+    found = hub.locate(repo_id, revision, base, () if spec is None else (spec.dir_name,))
+    if found is None and not download:
+        raise hub.missing(name, repo_id, revision, base, MODEL_ROOT_ENV)
+    return checked_dir(spec, found[0] if found else hub.download(repo_id, revision))
+
+
+def checked_dir(spec: ModelSpec | None, path: Path) -> ResolvedModel:
+    """`path` validated as the checkpoint of `spec` (None: whatever diffusers directory it is)."""
+    info = inspect_model_dir(path)
+    found = spec_from_dir(path, info)
+    mismatch = None if spec is None else _differs(spec, found)
+    if mismatch:
+        raise ModelDirError(f"model {spec.name!r}: {path} is not that checkpoint ({mismatch})")
+    return ResolvedModel(found if spec is None else replace(spec, variant=info.variant), path)
 
 
 def _differs(spec: ModelSpec, found: ModelSpec) -> str | None:

@@ -1,0 +1,219 @@
+"""Ranks another launcher started (torchrun, Kubernetes' PyTorchJob and JobSet, MPI with the
+torch.distributed variables): `ditango generate` runs as the rank its environment names.
+
+Every process validates the same command line, joins the launcher's process group (env://,
+the setup timeout), and runs its share of the items as a rank of any other launcher does
+(slurm/entry.py `run_rank`). Rank 0 alone owns the output folder (its lock), decides what is
+already done (resume and skip-done as everywhere else), writes the videos and the report,
+and speaks; the other ranks stay quiet. Array tasks (--array) run one after the other.
+
+A failure ends the process promptly and non-zero, and the launcher ends the others (torchrun
+does on the first worker to fail; under NCCL a peer would otherwise wait in its collective
+until the watchdog). The rank that failed is the one blamed: a rank's own error goes to the
+launcher's error file (TORCHELASTIC_ERROR_FILE: torchrun's summary shows it as the root cause)
+and to `.ditango/ranks/`, where rank 0 reads it to record the item that was running. A rank
+that only saw a peer go waits PEER_GRACE_S before it exits, so that the launcher, which
+blames the first process to exit, sees the one that failed first (a killed one says nothing).
+Retries are the launcher's (torchrun --max-restarts): each restart resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from planner.errors import ConfigError
+from runtime.config import RunConfig
+from runtime.context import Observer
+from runtime.outputs import STATE_DIR, fs_clock
+from slurm.rank import LaunchedRank, apply_environment, exit_soon, is_peer_failure, join, select_device
+
+PEER_GRACE_S = 5.0  # how long a rank that saw a peer fail waits before it exits
+ERROR_WAIT_S = 2.0  # how long rank 0 waits for a failed peer's error file
+
+
+def launcher_layout(launched: LaunchedRank, nodes: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of a run under a launcher: as given when given (they must make
+    the launcher's world), else the launcher's own (LOCAL_WORLD_SIZE ranks per node, which
+    torchrun sets; one per node without it, as Kubernetes starts one pod per rank)."""
+    world = launched.world_size
+    if (nodes, gpus_per_node) != (1, 1):
+        if nodes * gpus_per_node != world:
+            raise ConfigError(
+                f"--nodes {nodes} x --gpus-per-node {gpus_per_node} is {nodes * gpus_per_node} rank(s), but the "
+                f"launcher started {world}; leave them out to take the launcher's, or start {nodes * gpus_per_node}"
+            )
+        return nodes, gpus_per_node
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_node = int(raw) if raw.isdigit() and int(raw) > 0 and world % int(raw) == 0 else 1
+    return world // per_node, per_node
+
+
+def errors_dir(out_dir: Path) -> Path:
+    return out_dir / STATE_DIR / "ranks"
+
+
+def run_launched(
+    cfg: RunConfig, launched: LaunchedRank, tasks: int, wait_for_lock: bool, observer: Observer,
+    say: Callable[[str], None],
+) -> dict | None:  # fmt: skip
+    """Run `cfg` as rank `launched.rank`; the run report on rank 0, None elsewhere. Raises
+    `LaunchedRankFailed` (one line, the rank and its error) once the failure is recorded."""
+    if cfg.world_size != launched.world_size or cfg.replicas > 1:  # the CLI made it so (generate.py launcher_args)
+        raise ConfigError(f"the run has {cfg.world_size} rank(s) in {cfg.replicas} replica(s), the launcher started "
+                          f"{launched.world_size} for one")  # fmt: skip
+    apply_environment(cfg.out_dir)
+    device = select_device(cfg.device, launched.local_rank)
+    previous = signal.signal(signal.SIGTERM, _terminated)  # the launcher ends the others so: record, then go
+    started = fs_clock(cfg.out_dir) if launched.writer else 0.0
+    lock = None
+    try:
+        join(device, rank=launched.rank, world_size=launched.world_size, timeout_s=cfg.setup_timeout_s,
+             init_method="env://")  # fmt: skip
+        lock, refused = _own_folder(cfg, launched, wait_for_lock, say)
+        if refused:
+            raise ConfigError(refused)
+        return _tasks(cfg, launched, tasks, device, observer)
+    except ConfigError:
+        exit_soon()
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure is this rank's outcome
+        raise _failed(cfg, launched, exc, started) from None
+    finally:
+        if lock is not None:
+            lock.release()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _own_folder(cfg: RunConfig, launched: LaunchedRank, wait: bool, say) -> tuple[object, str | None]:
+    """Rank 0 takes the output folder (slurm/executors.py); every rank learns whether it did."""
+    from slurm.executors import own_output_folder
+
+    lock, refused = None, None
+    if launched.writer:
+        try:
+            lock = own_output_folder(cfg.out_dir, wait, say)
+        except ConfigError as exc:
+            refused = str(exc)
+        for stale in errors_dir(cfg.out_dir).glob("rank-*.error"):  # an earlier launch's
+            stale.unlink(missing_ok=True)
+    box = [refused]
+    dist.broadcast_object_list(box, src=0)
+    return lock, box[0]
+
+
+def _tasks(cfg: RunConfig, launched: LaunchedRank, tasks: int, device: torch.device, observer) -> dict | None:
+    from slurm.aggregate import aggregate
+    from slurm.entry import run_rank
+    from slurm.sharding import shard
+    from slurm.supervise import task_report
+
+    node_of = [None] * launched.world_size
+    dist.all_gather_object(node_of, launched.node)  # the real topology (byte counters, DiTango's groups)
+    nodes = {n: i for i, n in enumerate(dict.fromkeys(node_of))}
+    placed = tuple(nodes[n] for n in node_of)
+    report = None
+    for task in range(tasks):
+        items = tuple(shard(cfg.items, task, tasks))
+        if items:
+            report = run_rank(replace(cfg, items=items), launched.rank, placed, 0, task_report(task, tasks), observer,
+                              launched.rank, device)  # fmt: skip
+    dist.destroy_process_group()
+    if not launched.writer:
+        return None
+    return report if tasks == 1 else aggregate(cfg.out_dir)
+
+
+class LaunchedRankFailed(RuntimeError):
+    """This rank failed (`peer` False) or saw a peer fail; the message is one line."""
+
+    def __init__(self, message: str, peer: bool) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class Terminated(BaseException):
+    """The launcher's SIGTERM: it ends the other ranks so when one fails, or when it is stopped."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated("terminated by the launcher (another rank failed, or the job was stopped)")
+
+
+def _failed(cfg: RunConfig, launched: LaunchedRank, exc: BaseException, started: float) -> LaunchedRankFailed:
+    """Say and record this rank's failure: its own error to the launcher and the folder, the
+    running item's failure (rank 0) with the error of the rank that failed first where it
+    is known. Arms the exit deadline; a peer's reaction waits PEER_GRACE_S first."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the record first (seconds; torchrun waits 30 s to SIGKILL)
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    terminated = isinstance(exc, Terminated)
+    peer = terminated or is_peer_failure(message)
+    line = f"rank {launched.rank}: {text if terminated else message}"
+    if not peer:
+        _error_file(cfg, launched, line)
+    if launched.writer:
+        seen = f"rank {launched.rank} lost a peer ({message}); the launcher's summary names the rank that failed"
+        _record(cfg, launched, line if not peer else _peer_error(cfg) or (line if terminated else seen), started)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from now on the launcher's SIGTERM just ends it
+    exit_soon()
+    # torchrun dates each failure to the second and blames the earliest: a rank that only
+    # reacts exits later, so that it cannot take the blame from the one that failed first.
+    if peer:
+        time.sleep(1.5 if terminated else PEER_GRACE_S)
+    return LaunchedRankFailed(line, peer)
+
+
+def _error_file(cfg: RunConfig, launched: LaunchedRank, line: str) -> None:
+    """This rank's own error where the launcher and rank 0 read it."""
+    try:
+        folder = errors_dir(cfg.out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank-{launched.rank}.error").write_text(line + "\n", encoding="utf-8")
+    except OSError:
+        pass
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:  # torchrun's summary names the root cause by this file's message and time
+        record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        try:
+            Path(path).write_text(json.dumps(record), encoding="utf-8")
+        except OSError:
+            pass
+
+
+def _peer_error(cfg: RunConfig) -> str | None:
+    """The error a failed peer wrote (waiting up to ERROR_WAIT_S for it); None: none did (it was
+    killed, or is on another node whose file has not arrived)."""
+    deadline = time.monotonic() + ERROR_WAIT_S
+    while True:
+        found = sorted(errors_dir(cfg.out_dir).glob("rank-*.error"), key=lambda p: p.stat().st_mtime)
+        for path in found:
+            try:
+                return path.read_text(encoding="utf-8").strip()
+            except OSError:
+                continue
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+
+
+def _record(cfg: RunConfig, launched: LaunchedRank, error: str, started: float) -> None:
+    """Rank 0: the items marked running since this launch began, recorded failed (counted
+    with the launcher's restarts), as the supervisor of the other executors does."""
+    from slurm.supervise import blame
+
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempts = dict.fromkeys((i.id for i in cfg.items), int(restarts) if restarts.isdigit() else 0)
+    try:
+        blame(cfg, error, attempts, {}, started)
+    except Exception:  # noqa: BLE001 - the run is failing already: its own error is what to say
+        print(f"note: the running item's failure could not be recorded in {cfg.out_dir}", file=sys.stderr)

@@ -1,0 +1,182 @@
+"""Ranks another launcher started (torchrun; Kubernetes and MPI set the same variables):
+`ditango generate` runs as that rank (slurm/env.py), chosen by itself or by `--executor env`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from ditango_cli.app import app
+from planner.errors import ConfigError
+from slurm.env import launcher_layout
+from slurm.options import SlurmOptions, choose_executor
+from slurm.rank import LAUNCHER_VARIABLES, LaunchedRank, launched_rank
+
+from .conftest import FAST_ARGV
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+DITANGO = Path(sys.executable).parent / "ditango"
+PROMPTS = ["a red circle moving left", "a blue square moving up"]
+LATENT_TOL = 1e-4  # ring attention vs one process: float32 sums in another order
+TORCHRUN_S = 240  # the whole torchrun command, as a bound: a hang fails the test
+
+
+def launcher_env(rank: int = 1, world: int = 2, local: int = 1) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29555"}  # fmt: skip
+
+
+def test_the_launcher_variables_name_this_rank(monkeypatch):
+    assert launched_rank(launcher_env(1, 4, 1) | {"GROUP_RANK": "0"}) == LaunchedRank(1, 4, 1, "0")
+    for name in LAUNCHER_VARIABLES:  # all of them, or it is no launcher's rank
+        assert launched_rank({k: v for k, v in launcher_env().items() if k != name}) is None
+    with pytest.raises(ConfigError, match="RANK='one'"):
+        launched_rank(launcher_env() | {"RANK": "one"})
+    with pytest.raises(ConfigError, match="RANK=2 is not below WORLD_SIZE=2"):
+        launched_rank(launcher_env(2, 2))
+
+
+def test_auto_runs_as_the_launchers_rank_and_env_needs_one(monkeypatch):
+    for key, value in launcher_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SLURM_JOB_ID", "123")  # torchrun inside an allocation: the ranks are started already
+    assert choose_executor("auto", 1, SlurmOptions()) == "env"
+    assert choose_executor("local", 1, SlurmOptions()) == "local"
+    for key in ("MASTER_PORT", "SLURM_JOB_ID"):
+        monkeypatch.delenv(key)
+    assert choose_executor("auto", 1, SlurmOptions(), ranks=1) == "local"
+    with pytest.raises(ConfigError, match=r"--executor env: no launcher started this process \(MASTER_PORT not set\)"):
+        choose_executor("env", 1, SlurmOptions())
+
+
+def test_the_layout_is_the_launchers_unless_given(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert launcher_layout(LaunchedRank(0, 8, 0, "a"), 1, 1) == (2, 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a pod per rank
+    assert launcher_layout(LaunchedRank(0, 8, 0, "a"), 1, 1) == (8, 1)
+    assert launcher_layout(LaunchedRank(0, 8, 0, "a"), 4, 2) == (4, 2)
+    with pytest.raises(ConfigError, match="--nodes 2 x --gpus-per-node 2 is 4 rank.*launcher started 8"):
+        launcher_layout(LaunchedRank(0, 8, 0, "a"), 2, 2)
+
+
+def test_a_dry_run_under_a_launcher_shows_its_ranks(runner, tmp_path, monkeypatch):
+    for key, value in launcher_env(0, 2, 0).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    args = ["generate", "--prompt", "a red circle", "--out", str(tmp_path / "out"), "--parallel", "ring",
+            "--dry-run", "--json", *FAST_ARGV]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["executor"] == "env" and shown["layout"]["world_size"] == 2 and shown["tasks_per_node"] == 2
+    with_replicas = runner.invoke(app, [*args, "--replicas", "2"])
+    assert with_replicas.exit_code == 2 and "--replicas with a launcher's ranks" in with_replicas.stderr
+
+
+def torchrun(out: Path, *extra: str, env: dict | None = None, prompts=PROMPTS) -> subprocess.CompletedProcess:
+    batch = out.parent / f"{out.name}.txt"
+    batch.write_text("\n".join(prompts) + "\n")
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(DITANGO), "generate", "--prompts", str(batch),
+           "--out", str(out), "--parallel", "ring", "--save-latents", *FAST_ARGV, *extra]  # fmt: skip
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DITANGO_FAULT", "SLURM_"))}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TORCHRUN_S, env={**clean, **(env or {})})
+
+
+@pytest.mark.distributed
+def test_torchrun_ranks_make_the_same_latents_as_one_process(runner, tmp_path):
+    """Two ranks under torchrun: ring attention over the launcher's process group, one writer:
+    one MP4 and sidecar per item, one report, the latents of a one-process run."""
+    ran = torchrun(tmp_path / "ranks", "--seed", "3")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    batch = tmp_path / "one.txt"
+    batch.write_text("\n".join(PROMPTS) + "\n")
+    one = runner.invoke(app, ["generate", "--prompts", str(batch), "--out", str(tmp_path / "one"), "--seed", "3",
+                              "--save-latents", *FAST_ARGV])  # fmt: skip
+    assert one.exit_code == 0, one.stderr
+    report = json.loads((tmp_path / "ranks" / "report.json").read_text())
+    assert report["layout"]["world_size"] == 2 and report["layout"]["strategy"] == "ring"
+    assert report["counts"] == {"done": 2, "skipped": 0, "failed": 0}
+    assert sorted(p.name for p in (tmp_path / "ranks").glob("*.mp4")) == sorted(
+        p.name for p in (tmp_path / "one").glob("*.mp4")
+    )
+    assert not list((tmp_path / "ranks").glob(".ditango/reports/*.json"))  # one report: report.json
+    for record in report["items"]:
+        assert record["comm"]["intra_node_bytes"] > 0  # the ranks did talk: it was not two whole runs
+        ours = load_file(tmp_path / "ranks" / record["latents"])["latents"]
+        theirs = load_file(tmp_path / "one" / record["latents"])["latents"]
+        assert (ours - theirs).abs().max().item() <= LATENT_TOL
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["kill", "raise"])
+def test_a_failed_torchrun_worker_ends_the_job_and_is_named(tmp_path, kind):
+    """Rank 1 dies (SIGKILL) or raises after step 2 of the first item: the job ends, torchrun's
+    summary blames rank 1 (not rank 0, which only saw it go), and rank 0 records the item failed;
+    the same command then resumes and makes it."""
+    out = tmp_path / "out"
+    start = time.monotonic()
+    ran = torchrun(out, env={"DITANGO_FAULT_INJECT": "1:2", "DITANGO_FAULT_KIND": kind}, prompts=PROMPTS[:1])
+    assert ran.returncode != 0
+    assert time.monotonic() - start < TORCHRUN_S
+    cause = ran.stderr.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in cause, cause
+    if kind == "kill":
+        assert "SIGKILL" in cause
+    else:
+        assert "injected fault on rank 1 after step 2" in cause
+        assert "error: rank 1: RuntimeError: injected fault" in ran.stderr
+    (sidecar,) = out.glob("*.json")
+    record = json.loads(sidecar.read_text())
+    assert record["status"] == "failed"
+    if kind == "raise":
+        assert record["error"].startswith("rank 1: RuntimeError: injected fault")
+    if kind == "kill":  # the next launch resumes (once: the path is the same for either kind)
+        again = torchrun(out, prompts=PROMPTS[:1])
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert json.loads((out / "report.json").read_text())["counts"]["done"] == 1
+
+
+def test_the_kubernetes_example_runs_a_command_generate_accepts():
+    """examples/kubernetes/ditango-job.yaml: torchrun on every pod of an Indexed Job, each
+    naming its node rank, pod 0 the rendezvous host through the headless Service; every option
+    it passes to `ditango generate` is one generate has."""
+    import typer.main
+    import yaml
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "kubernetes" / "ditango-job.yaml"
+    service, job = yaml.safe_load_all(path.read_text())
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    torchrun_args = dict(a.removeprefix("--").split("=", 1) for a in args[: args.index("generate") - 1])
+    assert int(torchrun_args["nnodes"]) == spec["completions"]
+    assert torchrun_args["node-rank"] == "$(JOB_COMPLETION_INDEX)"
+    assert torchrun_args["master-addr"] == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == int(torchrun_args["nproc-per-node"])
+    generate = typer.main.get_command(app).commands["generate"]
+    known = {opt for param in generate.params for opt in param.opts}
+    given = [a.split("=", 1)[0] for a in args[args.index("generate") + 1 :]]
+    assert given and all(flag in known for flag in given), set(given) - known
+
+
+def test_ranks_never_download(runner, tmp_path, monkeypatch):
+    """--download under a launcher would fetch the model on every rank: refused, naming the
+    command that fetches it once."""
+    for key, value in launcher_env(0, 2, 0).items():
+        monkeypatch.setenv(key, value)
+    result = runner.invoke(app, ["generate", "--prompt", "a red circle", "--out", str(tmp_path / "out"),
+                                 "--model", "wan2.1-1.3b", "--download", *FAST_ARGV])  # fmt: skip
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "--download under a launcher's ranks" in line and "ditango download wan2.1-1.3b" in line
