@@ -102,10 +102,10 @@ def _own_folder(cfg: RunConfig, launched: LaunchedRank, wait: bool, say) -> tupl
     if launched.writer:
         try:
             lock = own_output_folder(cfg.out_dir, wait, say)
-        except ConfigError as exc:
+            for stale in errors_dir(cfg.out_dir).glob("rank-*.error"):  # an earlier launch's
+                stale.unlink(missing_ok=True)
+        except (ConfigError, OSError) as exc:  # every rank must hear of it, or they wait in the broadcast
             refused = str(exc)
-        for stale in errors_dir(cfg.out_dir).glob("rank-*.error"):  # an earlier launch's
-            stale.unlink(missing_ok=True)
     box = [refused]
     dist.broadcast_object_list(box, src=0)
     return lock, box[0]

@@ -180,3 +180,24 @@ def test_ranks_never_download(runner, tmp_path, monkeypatch):
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()
     assert "--download under a launcher's ranks" in line and "ditango download wan2.1-1.3b" in line
+
+
+@pytest.mark.distributed
+def test_a_folder_another_run_owns_ends_every_rank_in_one_line(tmp_path):
+    """Rank 0 alone asks for the output folder and every rank hears the answer: a folder held by
+    a live run ends the job at once (no rank waits in the broadcast for the setup timeout), with
+    the owner named on rank 0's one line and exit 2 everywhere."""
+    from runtime.lock import FolderLock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = FolderLock(out).acquire(say=lambda text: None)  # this test process: a live owner
+    try:
+        start = time.monotonic()
+        ran = torchrun(out, "--timeout", "60", "--setup-timeout", "120", prompts=PROMPTS[:1])
+    finally:
+        lock.release()
+    assert ran.returncode != 0 and time.monotonic() - start < 60
+    said = [ln for ln in ran.stderr.splitlines() if ln.startswith("error:")]
+    assert said and all(ln == said[0] for ln in said) and f"pid {os.getpid()}" in said[0], ran.stderr[-2000:]
+    assert "exitcode  : 2" in ran.stderr and not list(out.glob("*.mp4"))
