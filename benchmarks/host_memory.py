@@ -84,7 +84,7 @@ def load_before(model, placement, on_cpu=()):
     pipeline_class = getattr(diffusers, model.spec.variant.pipeline)
     dtypes = {"default": placement.dtype, "vae": torch.float32, "image_encoder": torch.float32}
     pipe = pipeline_class.from_pretrained(
-        str(model.path), local_files_only=True, use_safetensors=True, **{_dtype_kwarg(): dtypes}
+        str(model.path), local_files_only=True, use_safetensors=True, **{_dtype_kwarg(pipeline_class): dtypes}
     )
     components = {k: v for k, v in pipe.components.items() if v is not None}
     for name in ("text_encoder", "transformer", "transformer_2", "vae", "image_encoder"):

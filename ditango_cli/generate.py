@@ -116,7 +116,17 @@ def build_run_config(
     check_torch()
     named = REGISTRY.get(m.model)  # a named model's spec: the memory pre-flight needs no weights
     fetch = m.download and warn is None  # a dry run never downloads
-    resolved = None if named is not None else resolve_model(m.model, m.model_root, m.revision, fetch)
+    resolved = None
+    if named is None:
+        try:
+            resolved = resolve_model(m.model, m.model_root, m.revision, fetch)
+        except ModelDirError:
+            if not (m.download and warn is not None):
+                raise
+            raise ConfigError(  # the plan needs its config, which a dry run does not download
+                f"{m.model} is not here yet: the run would download it first (--download); to see its plan, fetch it "
+                f"now with: ditango download {m.model}"
+            ) from None
     spec = named or resolved.spec
     overrides = Overrides(**{k: getattr(i, k) for k in Overrides.__dataclass_fields__})
     items = build_items(i.prompt, i.prompts, overrides, spec.defaults)
@@ -194,6 +204,11 @@ def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> i
         raise ConfigError(
             f"--download under a launcher's ranks: fetch the model first, on a host that reaches the Hub "
             f"(ditango download {m.model}), into a cache or --model-root the ranks read"
+        )
+    if launched is not None and run.wait_for_lock:  # the other ranks would time out waiting for rank 0
+        raise ConfigError(
+            "--wait-for-lock under a launcher's ranks: start the job once the run that owns the folder has ended, "
+            "or give this one another --out"
         )
     err = Console(stderr=True, soft_wrap=True)
     # Under a launcher only rank 0 speaks: every rank's output reaches the same console or log.
@@ -276,7 +291,7 @@ def run_as_launched(cfg: RunConfig, launched, opts: SlurmOptions, run: GenerateA
     progress = progress_view(err, run.quiet or not launched.writer)
     try:
         with progress as observer:
-            report = run_launched(cfg, launched, opts.array, run.wait_for_lock, observer, say)
+            report = run_launched(cfg, launched, opts.array, observer, say)
     except LaunchedRankFailed as exc:
         typer.echo(f"error: {exc}", err=True)
         return EXIT_FAILED_ITEMS
@@ -294,7 +309,14 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
     opts = slurm_options(s)
     where = choose_executor(p.executor.value, p.nodes, opts, ranks=p.nodes * p.gpus_per_node)
     p, _ = launcher_args(p, where)
-    cfg, resolved = build_run_config(m, i, o, p, d, g, mem, where=where, create_out=False, array=opts.array)
+    try:  # validation downloads nothing: --download is what generate would do
+        cfg, resolved = build_run_config(replace(m, download=False), i, o, p, d, g, mem, where=where, create_out=False,
+                                         array=opts.array)  # fmt: skip
+    except ModelDirError:
+        if not m.download:
+            raise
+        raise ConfigError(f"{m.model} is not here yet: generate --download would download it first, check does not; "
+                          f"fetch it with: ditango download {m.model}") from None  # fmt: skip
     placement = placement_on(torch.device(cfg.device), cfg.dtype)
     check_output_folder_free(cfg.out_dir)  # generate would refuse an OUT that another run or live jobs own
     skipped = plan_resume(cfg) if cfg.out_dir.is_dir() else {}

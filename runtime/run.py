@@ -178,59 +178,64 @@ def execute(
     todo = [item for item in cfg.items if item.id not in records]
 
     observer.run_started(len(todo))
-    if todo:
-        started = time.perf_counter()
-        timing.bring_up_s = started - bring_up_start
-        resolved = resolve_model(cfg.model if cfg.model_path is None else str(cfg.model_path))
-        if placement.device.type == "cuda" and cfg.gpu_memory is None:  # submitted without a GPU to ask
-            total = torch.cuda.get_device_properties(placement.device).total_memory
-            cfg = plan_memory(cfg, resolved.spec.shape, total, placement.dtype.itemsize, cfg.model)
-        shard = cfg.shard_weights and ctx.distributed
-        components = load_components(resolved, placement, on_cpu=run_host_loaded(cfg, ctx))
-        if shard:
-            report.weights["shard_degree"] = shard_weights(components, ctx.mesh, placement.device)
-        denoiser = denoiser_for_run(cfg, ctx, resolved.spec, components, placement, backend)
-        report.weights["param_bytes_per_rank"] = sum(
-            local_param_bytes(components[n]) for n in SHARDED if n in components
-        )
-        calibrating = time.perf_counter()
-        timing.model_load_s = calibrating - started
-        first_reference = None
-        if denoiser.step_cache is not None and denoiser.step_cache.needs_calibration:
-            report.step_cache_calibration, first_reference = step_cache_ratios(
-                denoiser, todo[0], cfg, ctx, observer.message, report_name
+    try:
+        if todo:
+            started = time.perf_counter()
+            timing.bring_up_s = started - bring_up_start
+            resolved = resolve_model(cfg.model if cfg.model_path is None else str(cfg.model_path))
+            if placement.device.type == "cuda" and cfg.gpu_memory is None:  # submitted without a GPU to ask
+                total = torch.cuda.get_device_properties(placement.device).total_memory
+                cfg = plan_memory(cfg, resolved.spec.shape, total, placement.dtype.itemsize, cfg.model)
+            shard = cfg.shard_weights and ctx.distributed
+            components = load_components(resolved, placement, on_cpu=run_host_loaded(cfg, ctx))
+            if shard:
+                report.weights["shard_degree"] = shard_weights(components, ctx.mesh, placement.device)
+            denoiser = denoiser_for_run(cfg, ctx, resolved.spec, components, placement, backend)
+            report.weights["param_bytes_per_rank"] = sum(
+                local_param_bytes(components[n]) for n in SHARDED if n in components
             )
-        if cfg.ditango is not None and cfg.ditango.target_psnr is not None:
-            cfg, report.calibration, first_reference = target_quality(
-                denoiser, todo[0], cfg, ctx, observer.message, report_name
-            )
-        items_start = time.perf_counter()
-        timing.calibration_s = items_start - calibrating
-        for item in todo:
-            observer.item_started(item)
-            reference, first_reference = first_reference, None
-            try:
-                record = generate_item(denoiser, item, cfg, ctx, observer, reference)
-                if report.calibration is not None and cfg.reference == "exact":  # below the target: recalibrate
-                    cfg, redo = hold_target(
-                        denoiser, item, cfg, ctx, observer.message, report_name, report.calibration, record
-                    )
-                    if redo is not None:
-                        record = generate_item(denoiser, item, cfg, ctx, observer, redo)
-            except NonFiniteLatents as exc:
-                # Deterministic, so final at once. Every rank raised it at the same point
-                # (check_finite agrees first), so the ranks go on to the next item together.
-                # Recorded `final`: the supervisor and later launches of this command
-                # (`settled_since`) count it as given up and never run it again.
-                record = {}
+            calibrating = time.perf_counter()
+            timing.model_load_s = calibrating - started
+            first_reference = None
+            if denoiser.step_cache is not None and denoiser.step_cache.needs_calibration:
+                report.step_cache_calibration, first_reference = step_cache_ratios(
+                    denoiser, todo[0], cfg, ctx, observer.message, report_name
+                )
+            if cfg.ditango is not None and cfg.ditango.target_psnr is not None:
+                cfg, report.calibration, first_reference = target_quality(
+                    denoiser, todo[0], cfg, ctx, observer.message, report_name
+                )
+            items_start = time.perf_counter()
+            timing.calibration_s = items_start - calibrating
+            for item in todo:
+                observer.item_started(item)
+                reference, first_reference = first_reference, None
+                try:
+                    record = generate_item(denoiser, item, cfg, ctx, observer, reference)
+                    if report.calibration is not None and cfg.reference == "exact":  # below the target: recalibrate
+                        cfg, redo = hold_target(
+                            denoiser, item, cfg, ctx, observer.message, report_name, report.calibration, record
+                        )
+                        if redo is not None:
+                            record = generate_item(denoiser, item, cfg, ctx, observer, redo)
+                except NonFiniteLatents as exc:
+                    # Deterministic, so final at once. Every rank raised it at the same point
+                    # (check_finite agrees first), so the ranks go on to the next item together.
+                    # Recorded `final`: the supervisor and later launches of this command
+                    # (`settled_since`) count it as given up and never run it again.
+                    record = {}
+                    if ctx.is_writer:
+                        record = record_failure(cfg, item, f"{type(exc).__name__}: {exc}", 1, final=True)
+                timing.items_s = time.perf_counter() - items_start
                 if ctx.is_writer:
-                    record = record_failure(cfg, item, f"{type(exc).__name__}: {exc}", 1, final=True)
-            timing.items_s = time.perf_counter() - items_start
-            if ctx.is_writer:
-                records[item.id] = record
-                timing.generated.append(item.id)
-                observer.item_finished(record)
-                report.write()
+                    records[item.id] = record
+                    timing.generated.append(item.id)
+                    observer.item_finished(record)
+                    report.write()
+    except BaseException:
+        if heartbeat is not None:  # `ditango status` must not show a run that ended as running
+            heartbeat.write("stopped")
+        raise
     if heartbeat is not None:
         heartbeat.finish()
     rank_peaks = [p for p, _ in ctx.gather(peak_memory(placement.device))]

@@ -10,8 +10,10 @@
 #   ./scripts/setup.sh [--cpu | --cuda]     force one build (or DITANGO_TORCH_BUILD=cpu|cuda)
 #   ./scripts/setup.sh --which              say which build it would install, and why; install nothing
 #
-# DITANGO_TORCH_INDEX=URL picks the index the CUDA build comes from (default: PyPI, whose Linux
-# wheels are CUDA builds), e.g. https://download.pytorch.org/whl/cu126 for an older driver.
+# DITANGO_TORCH_INDEX=URL picks the index torch comes from. The CUDA build: PyPI by default (its
+# Linux wheels are CUDA builds), e.g. https://download.pytorch.org/whl/cu126 for an older driver.
+# The CPU wheel: https://download.pytorch.org/whl/cpu by default, as an extra index (PyPI's
+# Linux torch is a CUDA build); empty: none (a CPU wheel on local disk, as in CI).
 # DITANGO_CONSTRAINTS=FILE replaces constraints/cpu.txt on the CPU path (empty: none).
 # Air-gapped: pip's own PIP_FIND_LINKS / PIP_NO_INDEX apply (README: "Set-up on a cluster").
 set -euo pipefail
@@ -54,8 +56,13 @@ if [ -z "$build" ]; then
         why="no NVIDIA GPU here and no Slurm nodes that advertise one"
     fi
 fi
+if [ "$build" = cpu ]; then
+    INDEX="${DITANGO_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+else
+    INDEX="${DITANGO_TORCH_INDEX:-}"
+fi
 if [ -n "$which_only" ]; then
-    echo "$build ($why)"
+    echo "$build ($why); torch from ${INDEX:-the indexes pip is set to}"
     exit 0
 fi
 
@@ -68,7 +75,6 @@ if [ "$build" = cpu ]; then
 else
     CONSTRAINTS=""
 fi
-INDEX="${DITANGO_TORCH_INDEX:-}"
 
 # Skip the install when nothing it depends on changed since the last one.
 stamp=.venv/.ditango-setup
@@ -91,7 +97,9 @@ torch_args=()
 if [ -n "$CONSTRAINTS" ]; then
     pip_args+=(-c "$CONSTRAINTS")
 fi
-if [ -n "$INDEX" ]; then
+if [ -n "$INDEX" ] && [ "$build" = cpu ]; then
+    torch_args+=(--extra-index-url "$INDEX")  # its +cpu wheel outranks PyPI's build of the same version
+elif [ -n "$INDEX" ]; then
     torch_args+=(--index-url "$INDEX")
 fi
 # torch first, so that no other requirement pulls a different build.
@@ -100,5 +108,8 @@ fi
 if [ "$build" = cuda ] && [ "$(installed_build)" != cuda ]; then
     echo "warning: pip installed a CPU-only torch; pick a CUDA index, e.g." \
         "DITANGO_TORCH_INDEX=https://download.pytorch.org/whl/cu128 ./scripts/setup.sh --cuda" >&2
+elif [ "$build" = cpu ] && [ "$(installed_build)" != cpu ]; then
+    echo "warning: pip installed a CUDA build of torch for a CPU machine (it runs, but is GBs larger);" \
+        "DITANGO_TORCH_INDEX=https://download.pytorch.org/whl/cpu ./scripts/setup.sh --cpu picks the CPU wheel" >&2
 fi
 echo "$want" > "$stamp"

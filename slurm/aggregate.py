@@ -29,17 +29,20 @@ def aggregate(out_dir: Path, write: bool = True) -> dict:
     # done or failed; also by the launcher when it gives an item up after a crash). So an item
     # the latest run skipped stays "skipped", and one finished after its report was last
     # written (a requeue, a retry) shows its sidecar.
-    items: dict[str, tuple[dict, float]] = {}
+    items: dict[str, tuple[dict, float, Path]] = {}
     for report, path in reports:  # later reports win among reports
         when = path.stat().st_mtime
         for item in report["items"]:
-            items[item["id"]] = (item, when)
+            items[item["id"]] = (item, when, path)
     for path, record in item_records(out_dir):
         if record.get("status") not in ("done", "failed"):
             continue
         when = path.stat().st_mtime
         if record["id"] not in items or when >= items[record["id"]][1]:
-            items[record["id"]] = (record, when)
+            items[record["id"]] = (record, when, path)
+    # Timing: of the reports some item's newest word comes from (not those a later run of the
+    # same folder has superseded item by item, such as an earlier run's other array tasks).
+    current = {source for _, _, source in items.values()}
     items = {k: v[0] for k, v in items.items()}
     ordered = [items[k] for k in sorted(items)]
     counts = {s: sum(i.get("status") == s for i in ordered) for s in ("done", "skipped", "failed")}
@@ -54,7 +57,7 @@ def aggregate(out_dir: Path, write: bool = True) -> dict:
         "counts": counts,
         "items": ordered,
     }
-    timing = merged_timing([(p.relative_to(out_dir).as_posix(), r) for r, p in reports])
+    timing = merged_timing([(p.relative_to(out_dir).as_posix(), r) for r, p in reports if p in current])
     if timing is None and base.get("timing"):  # a folder aggregated before: its earlier sums
         timing = base["timing"]
     if timing is not None:

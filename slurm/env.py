@@ -14,7 +14,14 @@ launcher's error file (TORCHELASTIC_ERROR_FILE: torchrun's summary shows it as t
 and to `.ditango/ranks/`, where rank 0 reads it to record the item that was running. A rank
 that only saw a peer go waits PEER_GRACE_S before it exits, so that the launcher, which
 blames the first process to exit, sees the one that failed first (a killed one says nothing).
-Retries are the launcher's (torchrun --max-restarts): each restart resumes.
+
+Retries are the launcher's (torchrun --max-restarts): each restart is a later launch of the
+same run (torchrun's run id and restart count), which resumes. Rank 0 keeps the run's attempts
+in `.ditango/launch.json`: a restart first records what the previous launch left running (a
+rank blocked in an NCCL collective, or killed, never records its failure), then skips what is
+settled, an item failed more than --retries times included. A new torchrun is a new command:
+it retries failed items afresh, as the other executors do. Without a restart, an item whose
+failure nobody recorded stays "running" and the next command makes it again.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +41,10 @@ import torch.distributed as dist
 from planner.errors import ConfigError
 from runtime.config import RunConfig
 from runtime.context import Observer
-from runtime.outputs import STATE_DIR, fs_clock
+from runtime.errors import OutputWriteError
+from runtime.outputs import STATE_DIR, fs_clock, read_record, settled_since
+from runtime.report import SCHEMA
+from runtime.video import write_json
 from slurm.rank import LaunchedRank, apply_environment, exit_soon, is_peer_failure, join, select_device
 
 PEER_GRACE_S = 5.0  # how long a rank that saw a peer fail waits before it exits
@@ -53,8 +63,7 @@ def launcher_layout(launched: LaunchedRank, nodes: int, gpus_per_node: int) -> t
                 f"launcher started {world}; leave them out to take the launcher's, or start {nodes * gpus_per_node}"
             )
         return nodes, gpus_per_node
-    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
-    per_node = int(raw) if raw.isdigit() and int(raw) > 0 and world % int(raw) == 0 else 1
+    per_node = launched.local_size if launched.local_size > 0 and world % launched.local_size == 0 else 1
     return world // per_node, per_node
 
 
@@ -63,55 +72,128 @@ def errors_dir(out_dir: Path) -> Path:
 
 
 def run_launched(
-    cfg: RunConfig, launched: LaunchedRank, tasks: int, wait_for_lock: bool, observer: Observer,
-    say: Callable[[str], None],
-) -> dict | None:  # fmt: skip
+    cfg: RunConfig, launched: LaunchedRank, tasks: int, observer: Observer, say: Callable[[str], None]
+) -> dict | None:
     """Run `cfg` as rank `launched.rank`; the run report on rank 0, None elsewhere. Raises
     `LaunchedRankFailed` (one line, the rank and its error) once the failure is recorded."""
     if cfg.world_size != launched.world_size or cfg.replicas > 1:  # the CLI made it so (generate.py launcher_args)
         raise ConfigError(f"the run has {cfg.world_size} rank(s) in {cfg.replicas} replica(s), the launcher started "
                           f"{launched.world_size} for one")  # fmt: skip
     apply_environment(cfg.out_dir)
-    device = select_device(cfg.device, launched.local_rank)
+    device = select_device(cfg.device, launched.local_rank, launched.local_size)
     previous = signal.signal(signal.SIGTERM, _terminated)  # the launcher ends the others so: record, then go
-    started = fs_clock(cfg.out_dir) if launched.writer else 0.0
-    lock = None
+    series = lock = None
+    owned = False
     try:
-        join(device, rank=launched.rank, world_size=launched.world_size, timeout_s=cfg.setup_timeout_s,
-             init_method="env://")  # fmt: skip
-        lock, refused = _own_folder(cfg, launched, wait_for_lock, say)
-        if refused:
-            raise ConfigError(refused)
-        return _tasks(cfg, launched, tasks, device, observer)
-    except ConfigError:
-        exit_soon()
-        raise
+        _join(cfg, launched, device)
+        lock, series, decided = _own_folder(cfg, launched, say)
+        owned = True
+        return _tasks(cfg, launched, tasks, device, observer, decided)
     except BaseException as exc:  # noqa: BLE001 - every failure is this rank's outcome
-        raise _failed(cfg, launched, exc, started) from None
+        # The command or the folder, before any item (one line, exit 2); or the user's Ctrl-C
+        # (no item failed: the same command resumes). Anything else is this rank's failure.
+        if isinstance(exc, KeyboardInterrupt) or (isinstance(exc, ConfigError) and not owned):
+            exit_soon()
+            if isinstance(exc, ConfigError) and dist.is_initialized():  # every rank stops here, together:
+                dist.destroy_process_group()  # not left to the interpreter's exit, which can abort on it
+            raise
+        raise _failed(cfg, launched, exc, series) from None
     finally:
         if lock is not None:
             lock.release()
         signal.signal(signal.SIGTERM, previous)
 
 
-def _own_folder(cfg: RunConfig, launched: LaunchedRank, wait: bool, say) -> tuple[object, str | None]:
-    """Rank 0 takes the output folder (slurm/executors.py); every rank learns whether it did."""
+def _join(cfg: RunConfig, launched: LaunchedRank, device: torch.device) -> None:
+    try:
+        join(device, rank=launched.rank, world_size=launched.world_size, timeout_s=cfg.setup_timeout_s,
+             init_method="env://")  # fmt: skip
+    except Exception as exc:
+        if launched.restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's restarts reuse its rendezvous store, where a restarted process group
+            # can meet the previous launch's addresses (pytorch/pytorch#135712, #167288).
+            raise RuntimeError(
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''} (a torchrun "
+                "restart that shares its rendezvous store: start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)"
+            ) from exc
+        raise
+
+
+@dataclass
+class Series:
+    """What rank 0 keeps across the launches of one run of the launcher (torchrun's restarts
+    share its run id), in `.ditango/launch.json`: when the first began (`since`, fs_clock),
+    each item's failed attempts, and when this launch began (`started`, not kept)."""
+
+    run_id: str
+    since: float
+    attempts: dict[str, int] = field(default_factory=dict)
+    started: float = 0.0
+
+    @staticmethod
+    def path(out_dir: Path) -> Path:
+        return out_dir / STATE_DIR / "launch.json"
+
+    @classmethod
+    def of(cls, cfg: RunConfig, launched: LaunchedRank) -> Series:
+        """This launch's series: the one the previous launch kept when this is a restart of it,
+        else a new one (a first launch; torchrun says which by its restart count)."""
+        now = fs_clock(cfg.out_dir)
+        kept = read_record(cls.path(cfg.out_dir)) if launched.restart > 0 else None
+        if kept is not None and kept.get("run_id") == launched.run_id and isinstance(kept.get("since"), (int, float)):
+            attempts = {k: v for k, v in (kept.get("attempts") or {}).items() if isinstance(v, int)}
+            series = cls(launched.run_id, kept["since"], attempts, now)
+        else:
+            series = cls(launched.run_id, now, {}, now)
+        series.keep(cfg)
+        return series
+
+    def keep(self, cfg: RunConfig) -> None:
+        write_json(
+            self.path(cfg.out_dir),
+            {"schema": SCHEMA, "run_id": self.run_id, "since": self.since, "attempts": self.attempts},
+        )
+
+    def blame(self, cfg: RunConfig, error: str, since: float) -> list[str]:
+        """Record the items marked running since `since` failed (slurm/supervise.py blame),
+        counting this series' attempts; a line per item."""
+        from slurm.supervise import blame
+
+        lines, _ = blame(cfg, error, self.attempts, {}, since)
+        self.keep(cfg)
+        return lines
+
+
+def _own_folder(cfg: RunConfig, launched: LaunchedRank, say) -> tuple[object, Series | None, dict]:
+    """Rank 0 takes the output folder (slurm/executors.py), records what the previous launch of
+    this series left running (under NCCL a rank blocked in a collective cannot record its
+    failure; a killed one never does), and decides what earlier launches settled (done, given
+    up). Every rank learns that, or why the folder was refused."""
     from slurm.executors import own_output_folder
 
-    lock, refused = None, None
+    lock = series = None
+    refused, decided = None, {}
     if launched.writer:
         try:
-            lock = own_output_folder(cfg.out_dir, wait, say)
-            for stale in errors_dir(cfg.out_dir).glob("rank-*.error"):  # an earlier launch's
+            lock = own_output_folder(cfg.out_dir, False, say)
+            series = Series.of(cfg, launched)
+            if launched.restart > 0:
+                error = _peer_error(cfg, wait_s=0.0) or "a rank ended without saying why (killed, or out of memory)"
+                for line in series.blame(cfg, f"previous launch: {error}", series.since):
+                    say(line)
+            for stale in errors_dir(cfg.out_dir).glob("rank-*.error"):  # the previous launch's
                 stale.unlink(missing_ok=True)
-        except (ConfigError, OSError) as exc:  # every rank must hear of it, or they wait in the broadcast
-            refused = str(exc)
-    box = [refused]
+            decided = settled_since(cfg, series.since)
+        except (ConfigError, OutputWriteError, OSError) as exc:  # every rank must hear of it, or they wait
+            refused = str(exc).removesuffix(", or pass --wait-for-lock")  # refused under a launcher
+    box = [refused, decided]
     dist.broadcast_object_list(box, src=0)
-    return lock, box[0]
+    if box[0] is not None:
+        raise ConfigError(box[0])
+    return lock, series, box[1]
 
 
-def _tasks(cfg: RunConfig, launched: LaunchedRank, tasks: int, device: torch.device, observer) -> dict | None:
+def _tasks(cfg: RunConfig, launched: LaunchedRank, tasks: int, device: torch.device, observer, decided: dict):
     from slurm.aggregate import aggregate
     from slurm.entry import run_rank
     from slurm.sharding import shard
@@ -126,7 +208,7 @@ def _tasks(cfg: RunConfig, launched: LaunchedRank, tasks: int, device: torch.dev
         items = tuple(shard(cfg.items, task, tasks))
         if items:
             report = run_rank(replace(cfg, items=items), launched.rank, placed, 0, task_report(task, tasks), observer,
-                              launched.rank, device)  # fmt: skip
+                              launched.rank, device, decided=decided)  # fmt: skip
     dist.destroy_process_group()
     if not launched.writer:
         return None
@@ -146,10 +228,11 @@ class Terminated(BaseException):
 
 
 def _terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not interrupt the record
     raise Terminated("terminated by the launcher (another rank failed, or the job was stopped)")
 
 
-def _failed(cfg: RunConfig, launched: LaunchedRank, exc: BaseException, started: float) -> LaunchedRankFailed:
+def _failed(cfg: RunConfig, launched: LaunchedRank, exc: BaseException, series: Series | None) -> LaunchedRankFailed:
     """Say and record this rank's failure: its own error to the launcher and the folder, the
     running item's failure (rank 0) with the error of the rank that failed first where it
     is known. Arms the exit deadline; a peer's reaction waits PEER_GRACE_S first."""
@@ -161,9 +244,9 @@ def _failed(cfg: RunConfig, launched: LaunchedRank, exc: BaseException, started:
     line = f"rank {launched.rank}: {text if terminated else message}"
     if not peer:
         _error_file(cfg, launched, line)
-    if launched.writer:
+    if series is not None:  # rank 0, once it owns the folder
         seen = f"rank {launched.rank} lost a peer ({message}); the launcher's summary names the rank that failed"
-        _record(cfg, launched, line if not peer else _peer_error(cfg) or (line if terminated else seen), started)
+        _record(cfg, series, line if not peer else _peer_error(cfg) or (line if terminated else seen))
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from now on the launcher's SIGTERM just ends it
     exit_soon()
     # torchrun dates each failure to the second and blames the earliest: a rank that only
@@ -190,10 +273,10 @@ def _error_file(cfg: RunConfig, launched: LaunchedRank, line: str) -> None:
             pass
 
 
-def _peer_error(cfg: RunConfig) -> str | None:
-    """The error a failed peer wrote (waiting up to ERROR_WAIT_S for it); None: none did (it was
+def _peer_error(cfg: RunConfig, wait_s: float = ERROR_WAIT_S) -> str | None:
+    """The error a failed peer wrote (waiting up to `wait_s` for it); None: none did (it was
     killed, or is on another node whose file has not arrived)."""
-    deadline = time.monotonic() + ERROR_WAIT_S
+    deadline = time.monotonic() + wait_s
     while True:
         found = sorted(errors_dir(cfg.out_dir).glob("rank-*.error"), key=lambda p: p.stat().st_mtime)
         for path in found:
@@ -206,14 +289,10 @@ def _peer_error(cfg: RunConfig) -> str | None:
         time.sleep(0.1)
 
 
-def _record(cfg: RunConfig, launched: LaunchedRank, error: str, started: float) -> None:
-    """Rank 0: the items marked running since this launch began, recorded failed (counted
-    with the launcher's restarts), as the supervisor of the other executors does."""
-    from slurm.supervise import blame
-
-    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    attempts = dict.fromkeys((i.id for i in cfg.items), int(restarts) if restarts.isdigit() else 0)
+def _record(cfg: RunConfig, series: Series, error: str) -> None:
+    """Rank 0: the items marked running since this launch began, recorded failed (an item is
+    given up after `cfg.retries` retries, counted over the series' launches)."""
     try:
-        blame(cfg, error, attempts, {}, started)
+        series.blame(cfg, error, series.started)
     except Exception:  # noqa: BLE001 - the run is failing already: its own error is what to say
         print(f"note: the running item's failure could not be recorded in {cfg.out_dir}", file=sys.stderr)

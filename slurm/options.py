@@ -108,14 +108,17 @@ def host_request(cfg: RunConfig, opts: SlurmOptions, node: NodeSize | None = Non
     host bytes the run recorded (`cfg.host_memory`, planner/host_memory.py) in whole GiB; neither
     is left to the cluster's default (often one CPU and a few GiB per task, which a 14B model's
     load outgrows). Where `node` is known, neither asks for more than it has: sbatch refuses a
-    job no node can hold."""
+    job no node can hold. A --constraint picks nodes the partition's smallest may not be: then
+    nothing is cut."""
+    if opts.constraint:
+        node = None
     cpus, note = opts.cpus_per_task, []
     if cpus is None:
         cpus = CPUS_PER_RANK if node is None else max(1, min(CPUS_PER_RANK, node.cpus // cfg.gpus_per_node))
     mem = opts.mem
     if mem is None and cfg.host_memory is not None:
         mem = mem_request(cfg.host_memory)
-        if node is not None and node.mem_mib > 0 and cfg.host_memory > node.mem_mib * 2**20:
+        if node is not None and node.mem_mib > 0 and int(mem.removesuffix("G")) * 1024 > node.mem_mib:  # as asked
             note.append(f"the run needs about {mem} of host memory per node, the partition's smallest nodes have "
                         f"{node.mem_mib}M: asking for that (--mem overrides)")  # fmt: skip
             mem = f"{node.mem_mib}M"

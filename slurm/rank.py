@@ -54,13 +54,18 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 
 @dataclass(frozen=True)
 class LaunchedRank:
-    """This process as a launcher started it: its global and local rank, the world's size, and
-    the node it is on (torchrun's GROUP_RANK, else this host's name)."""
+    """This process as a launcher started it: its global and local rank, the world's size, the
+    node it is on (torchrun's GROUP_RANK, else this host's name), the ranks on its node
+    (LOCAL_WORLD_SIZE; 0: not said), and torchrun's run id and restart count (a restart is a
+    later launch of the same run)."""
 
     rank: int
     world_size: int
     local_rank: int
     node: str
+    local_size: int = 0
+    restart: int = 0
+    run_id: str = ""
 
     @property
     def writer(self) -> bool:
@@ -81,7 +86,12 @@ def launched_rank(environ=os.environ) -> LaunchedRank | None:
     if values["WORLD_SIZE"] < 1 or values["RANK"] >= values["WORLD_SIZE"]:
         raise ConfigError(f"RANK={values['RANK']} is not below WORLD_SIZE={values['WORLD_SIZE']} (set by the launcher)")
     node = environ.get("GROUP_RANK") or socket.gethostname()
-    return LaunchedRank(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], node)
+    local_size, restart = (environ.get(n, "").strip() for n in ("LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"))
+    return LaunchedRank(
+        values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], node,
+        local_size=int(local_size) if local_size.isdigit() else 0, restart=int(restart) if restart.isdigit() else 0,
+        run_id=environ.get("TORCHELASTIC_RUN_ID", ""),
+    )  # fmt: skip
 
 
 def nccl_environment(log_dir: Path) -> dict[str, str]:
@@ -147,13 +157,14 @@ def device_intent(device: str) -> str:
     return override
 
 
-def select_device(device: str, local_rank: int) -> torch.device:
+def select_device(device: str, local_rank: int, local_size: int = 0) -> torch.device:
     """The device of the rank with `local_rank` on this node, made current.
 
     "cuda" (what a Slurm submission asks for unless --device cpu) insists on a GPU: a node
     without one is an error, never a silent CPU run. "auto" takes a GPU when one is visible.
     Rank i of a node takes GPU i; a node that shows each task only its own GPU (Slurm's
-    per-task binding) gives every rank GPU 0.
+    per-task binding) gives every rank GPU 0. `local_size`: the ranks a launcher that binds
+    nothing (torchrun) started on this node, each of which must see a GPU of its own.
     """
     device = device_intent(device)
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
@@ -170,6 +181,11 @@ def select_device(device: str, local_rank: int) -> torch.device:
             f"(CUDA_VISIBLE_DEVICES={visible}); request GPUs on this partition, or run with --device cpu"
         )
     count = torch.cuda.device_count()
+    if local_size > count:
+        raise ConfigError(
+            f"the launcher started {local_size} ranks on {socket.gethostname()} (LOCAL_WORLD_SIZE), but {count} GPU(s) "
+            "are visible: they would share one; start at most one rank per GPU (torchrun --nproc-per-node)"
+        )
     if count == 1:
         index = 0
     elif local_rank < count:

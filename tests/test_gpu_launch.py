@@ -170,6 +170,12 @@ def test_select_device_takes_the_local_rank_gpu(monkeypatch):
     monkeypatch.delenv(rank_mod.RANK_DEVICE_ENV)
     FakeCuda(monkeypatch, 1)  # Slurm binding one GPU to each task
     assert rank_mod.select_device("cuda", 5) == torch.device("cuda", 0)
+    # torchrun binds nothing: 2 ranks on a node that shows one GPU would share it.
+    with pytest.raises(ConfigError, match=r"started 2 ranks on .*LOCAL_WORLD_SIZE.*1 GPU\(s\) are visible"):
+        rank_mod.select_device("cuda", 1, local_size=2)
+    assert rank_mod.select_device("cuda", 0, local_size=1) == torch.device("cuda", 0)  # a pod per rank
+    FakeCuda(monkeypatch, 8)
+    assert rank_mod.select_device("cuda", 7, local_size=8) == torch.device("cuda", 7)
 
 
 def test_a_node_without_gpus_is_an_error_when_gpus_were_asked_for(monkeypatch):

@@ -135,6 +135,12 @@ def test_requests_fit_the_partitions_smallest_node(tmp_path, monkeypatch):
     cpus, mem, note = host_request(cfg, SlurmOptions(), NodeSize(cpus=2, mem_mib=4000))
     assert (cpus, mem) == (1, "4000M") and "30G" in note and "4000M" in note and "--mem overrides" in note
     assert host_request(cfg, SlurmOptions(mem="64G", cpus_per_task=4), NodeSize(2, 4000)) == (4, "64G", "")
+    # What is compared is what is asked for: 29.5 GiB asks 30G, more than a node of 30000 MiB.
+    half = replace(cfg, host_memory=int(29.5 * GIB))
+    assert host_request(half, SlurmOptions(), NodeSize(224, 30_000))[1] == "30000M"
+    assert host_request(half, SlurmOptions(), NodeSize(224, 30 * 1024)) == (CPUS_PER_RANK, "30G", "")
+    # A --constraint picks other nodes than the partition's smallest: nothing is cut.
+    assert host_request(cfg, SlurmOptions(constraint="h100"), NodeSize(2, 4000)) == (CPUS_PER_RANK, "30G", "")
 
     fake = tmp_path / "bin" / "sinfo"
     fake.parent.mkdir()

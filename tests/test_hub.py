@@ -24,6 +24,8 @@ from runtime.errors import ModelDirError
 from runtime.models import hub
 from runtime.models.registry import BUILTIN_DIR, resolve_model
 
+from .conftest import FAST_ARGV
+
 REPO = "tiny-org/tiny-wan-diffusers"  # not in the registry: resolves as a user directory
 REV_A, REV_B = "a" * 40, "b" * 39 + "1"
 
@@ -241,13 +243,14 @@ def test_download_fetches_safetensors_into_the_cache_and_prints_the_snapshot(fak
 
 
 def test_download_flag_fetches_only_what_is_missing(fake_hub, cache, runner, tmp_path):
-    args = ["check", "--model", f"{REPO}@{REV_B}", "--prompt", "a", "--device", "cpu", "--json", "--out",
-            str(tmp_path / "out")]  # fmt: skip
-    result = runner.invoke(app, [*args, "--download"])
+    args = ["generate", "--model", f"{REPO}@{REV_B}", "--prompt", "a", "--out", str(tmp_path / "out"), *FAST_ARGV,
+            "--download"]  # fmt: skip
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
-    assert Path(json.loads(result.stdout)["model_path"]).name == REV_B
     assert [c["revision"] for c in fake_hub.calls] == [REV_B]
-    assert runner.invoke(app, [*args, "--download"]).exit_code == 0 and len(fake_hub.calls) == 1
+    shown = runner.invoke(app, ["check", *(a for a in args[1:-1] if a != "--quiet"), "--json"])  # in the cache now
+    assert shown.exit_code == 0 and Path(json.loads(shown.stdout)["model_path"]).name == REV_B
+    assert runner.invoke(app, [*args, "--overwrite"]).exit_code == 0 and len(fake_hub.calls) == 1
 
 
 def test_download_refuses_offline_and_pickle_only_repos(fake_hub, cache, runner, tmp_path, monkeypatch):
@@ -260,7 +263,7 @@ def test_download_refuses_offline_and_pickle_only_repos(fake_hub, cache, runner,
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     line = one_error_line(runner.invoke(app, ["download", "wan2.1-14b"]))
     assert "cannot download Wan-AI/Wan2.1-T2V-14B-Diffusers: HF_HUB_OFFLINE is set" in line
-    args = ["check", "--model", REPO, "--prompt", "a", "--device", "cpu", "--out", str(tmp_path / "o"), "--download"]
+    args = ["generate", "--model", REPO, "--prompt", "a", "--out", str(tmp_path / "o"), *FAST_ARGV, "--download"]
     assert "HF_HUB_OFFLINE is set" in one_error_line(runner.invoke(app, args))
     assert len(fake_hub.calls) == 1  # the pickle repo's only
     built_in = runner.invoke(app, ["download", "tiny-wan"])
@@ -292,3 +295,27 @@ def test_a_dry_run_never_downloads(fake_hub, cache, runner, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert "the run would download it first" in result.stderr
     assert fake_hub.calls == [] and not (tmp_path / "out").exists()
+
+
+def test_a_dry_run_of_a_repo_not_here_says_how_to_fetch_it(fake_hub, cache, runner, tmp_path):
+    """A repo id (no registry entry: its plan needs its config) with --download: the dry run
+    cannot show a plan without the download it never makes, and says so in one line."""
+    args = ["generate", "--model", "someone/not-here-T2V", "--prompt", "a", "--device", "cpu", "--executor", "local",
+            "--out", str(tmp_path / "out"), "--dry-run", "--download"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "the run would download it first" in line and "ditango download someone/not-here-T2V" in line
+    assert "pass --download" not in line and fake_hub.calls == []
+
+
+def test_check_never_downloads(fake_hub, cache, runner, tmp_path):
+    """`check` validates a would-be generate: with --download and the model not here, it says
+    that generate would fetch it, and fetches nothing."""
+    args = ["check", "--model", "wan2.1-1.3b", "--prompt", "a", "--device", "cpu", "--executor", "local",
+            "--out", str(tmp_path / "out"), "--download"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "generate --download would download it first" in line and "ditango download wan2.1-1.3b" in line
+    assert fake_hub.calls == []

@@ -56,10 +56,11 @@ def test_auto_runs_as_the_launchers_rank_and_env_needs_one(monkeypatch):
         choose_executor("env", 1, SlurmOptions())
 
 
-def test_the_layout_is_the_launchers_unless_given(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert launcher_layout(LaunchedRank(0, 8, 0, "a"), 1, 1) == (2, 4)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a pod per rank
+def test_the_layout_is_the_launchers_unless_given():
+    assert launched_rank(launcher_env(0, 8, 0) | {"LOCAL_WORLD_SIZE": "4"}).local_size == 4
+    assert launcher_layout(LaunchedRank(0, 8, 0, "a", local_size=4), 1, 1) == (2, 4)
+    assert launcher_layout(LaunchedRank(0, 8, 0, "a", local_size=3), 1, 1) == (8, 1)  # not a whole number of nodes
+    assert launcher_layout(LaunchedRank(0, 8, 0, "a"), 1, 1) == (8, 1)  # a pod per rank
     assert launcher_layout(LaunchedRank(0, 8, 0, "a"), 1, 1) == (8, 1)
     assert launcher_layout(LaunchedRank(0, 8, 0, "a"), 4, 2) == (4, 2)
     with pytest.raises(ConfigError, match="--nodes 2 x --gpus-per-node 2 is 4 rank.*launcher started 8"):
@@ -80,12 +81,14 @@ def test_a_dry_run_under_a_launcher_shows_its_ranks(runner, tmp_path, monkeypatc
     assert with_replicas.exit_code == 2 and "--replicas with a launcher's ranks" in with_replicas.stderr
 
 
-def torchrun(out: Path, *extra: str, env: dict | None = None, prompts=PROMPTS) -> subprocess.CompletedProcess:
+def torchrun(out: Path, *extra: str, env: dict | None = None, prompts=PROMPTS, restarts: int = 0):
     batch = out.parent / f"{out.name}.txt"
     batch.write_text("\n".join(prompts) + "\n")
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(DITANGO), "generate", "--prompts", str(batch),
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts), str(DITANGO), "generate", "--prompts", str(batch),
            "--out", str(out), "--parallel", "ring", "--save-latents", *FAST_ARGV, *extra]  # fmt: skip
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DITANGO_FAULT", "SLURM_"))}
+    if restarts:  # as the README says: torchrun's shared store does not survive its restarts
+        clean["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TORCHRUN_S, env={**clean, **(env or {})})
 
 
@@ -201,3 +204,66 @@ def test_a_folder_another_run_owns_ends_every_rank_in_one_line(tmp_path):
     said = [ln for ln in ran.stderr.splitlines() if ln.startswith("error:")]
     assert said and all(ln == said[0] for ln in said) and f"pid {os.getpid()}" in said[0], ran.stderr[-2000:]
     assert "exitcode  : 2" in ran.stderr and not list(out.glob("*.mp4"))
+
+
+@pytest.mark.distributed
+def test_torchrun_restarts_count_an_items_attempts_and_give_it_up(tmp_path):
+    """Rank 0 is killed mid-item (as NCCL's blocked rank or the OOM killer leave it: nothing
+    recorded) in every launch. Each torchrun restart records what the previous launch left
+    running, counts the attempts over the restarts (not per launch), and once --retries is
+    spent gives the item up: the last launch runs nothing and ends non-zero."""
+    out = tmp_path / "out"
+    ran = torchrun(out, "--retries", "1", env={"DITANGO_FAULT_INJECT": "0:2", "DITANGO_FAULT_KIND": "kill"},
+                   prompts=PROMPTS[:1], restarts=2)  # fmt: skip
+    assert ran.returncode != 0
+    # Killed in the first two launches; the third has nothing to run (given up) and ends 1.
+    assert ran.stderr.count("failed (exitcode: -9) local_rank: 0") == 2, ran.stderr[-3000:]
+    assert "failed (exitcode: 1) local_rank: 0" in ran.stderr
+    (sidecar,) = (p for p in out.glob("*.json") if p.name != "report.json")
+    record = json.loads(sidecar.read_text())
+    assert record["status"] == "failed" and record["attempts"] == 2
+    assert record["error"].startswith("previous launch: a rank ended without saying why")
+    report = json.loads((out / "report.json").read_text())
+    assert report["counts"] == {"done": 0, "skipped": 0, "failed": 1}
+    # A new torchrun (restart count 0) is a new command: it retries the item, and makes it.
+    again = torchrun(out, prompts=PROMPTS[:1])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((out / "report.json").read_text())["counts"]["done"] == 1
+
+
+def test_wait_for_lock_is_refused_under_a_launcher(runner, tmp_path, monkeypatch):
+    """Rank 0 waiting for the folder would leave the other ranks to time out in the broadcast."""
+    for key, value in launcher_env(0, 2, 0).items():
+        monkeypatch.setenv(key, value)
+    result = runner.invoke(app, ["generate", "--prompt", "a red circle", "--out", str(tmp_path / "out"),
+                                 "--wait-for-lock", *FAST_ARGV])  # fmt: skip
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "--wait-for-lock under a launcher's ranks" in line
+
+
+def test_a_failure_after_the_folder_is_owned_is_this_ranks_and_recorded(tmp_path, monkeypatch):
+    """A ConfigError while the items run (a model directory that does not load on this node)
+    is this rank's failure like any other: its error file for the launcher, not a bare exit 2."""
+    import slurm.env as env_mod
+    from runtime.config import Item, RunConfig
+    from runtime.errors import ModelDirError
+
+    cfg = RunConfig(
+        "tiny-wan", None, (Item("a", "a red circle", "", 0, 64, 64, 5, 2, 5.0),), tmp_path / "out", device="cpu"
+    )
+    launched = LaunchedRank(0, 1, 0, "a")
+    monkeypatch.setattr(env_mod, "join", lambda *a, **k: None)
+    monkeypatch.setattr(env_mod, "_own_folder", lambda *a: (None, None, {}))
+
+    def broken(*args):
+        raise ModelDirError("cannot load the model from /m: OSError: no file named model.safetensors")
+
+    monkeypatch.setattr(env_mod, "_tasks", broken)
+    monkeypatch.setattr(env_mod, "exit_soon", lambda: None)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    with pytest.raises(env_mod.LaunchedRankFailed, match="rank 0: ModelDirError: cannot load the model"):
+        env_mod.run_launched(cfg, launched, 1, None, lambda text: None)
+    message = json.loads((tmp_path / "error.json").read_text())["message"]["message"]
+    assert message.startswith("rank 0: ModelDirError")
+    assert (env_mod.errors_dir(cfg.out_dir) / "rank-0.error").is_file()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from runtime.models.checkpoint import inspect_model_dir
@@ -79,7 +80,7 @@ def test_components_are_those_the_pipeline_class_loads():
     from runtime.models.loading import _dtype_kwarg
 
     dtypes = {"default": torch.bfloat16, "vae": torch.float32}
-    pipe = WanPipeline.from_pretrained(str(BUILTIN_DIR), local_files_only=True, **{_dtype_kwarg(): dtypes})
+    pipe = WanPipeline.from_pretrained(str(BUILTIN_DIR), local_files_only=True, **{_dtype_kwarg(WanPipeline): dtypes})
     loaded = load_components(resolve_model("tiny-wan"), resolve_placement("cpu", "bfloat16"))
     assert sorted(loaded) == sorted(k for k, v in pipe.components.items() if v is not None)
     for name in ("text_encoder", "transformer", "vae"):
@@ -117,3 +118,42 @@ def test_each_component_is_read_onto_its_own_device(monkeypatch):
     assert {p.dtype for p in parts["vae"].parameters()} == {torch.float32}
     assert parts["text_encoder"].dtype == torch.bfloat16
     assert not hasattr(parts["transformer"], "hf_device_map")  # later moves (FSDP, offload) stay plain
+
+
+@pytest.mark.parametrize("family", ["hunyuanvideo", "i2v-clip"])
+def test_every_weighted_component_of_a_family_is_read_onto_the_device(tmp_path, family):
+    """Not only Wan2.1's three: HunyuanVideo's second text encoder and Wan I2V's CLIP image
+    encoder were read by the pipeline class onto the host (a host copy per rank) before."""
+    from diffusers import HunyuanVideoPipeline, WanImageToVideoPipeline
+
+    from runtime.models.checkpoint import WEIGHTED
+    from runtime.models.loading import Placement
+    from tiny_wan import TinyWanConfig, build_tiny_wan
+    from tiny_wan.build import pipeline_kwargs
+    from tiny_wan.hunyuan import build_tiny_hunyuan
+
+    path = tmp_path / family
+    if family == "hunyuanvideo":
+        HunyuanVideoPipeline(**build_tiny_hunyuan()).save_pretrained(path, safe_serialization=True)
+    else:
+        cfg = TinyWanConfig(image="clip", heads=4, head_dim=8, layers=1, ffn_dim=32, text_dim=24, text_heads=2)
+        WanImageToVideoPipeline(**build_tiny_wan(cfg), **pipeline_kwargs(cfg)).save_pretrained(
+            path, safe_serialization=True
+        )
+    parts = load_components(resolve_model(str(path)), Placement(torch.device("meta"), torch.bfloat16))
+    weighted = [n for n in WEIGHTED if isinstance(parts.get(n), torch.nn.Module)]
+    assert {"text_encoder_2" if family == "hunyuanvideo" else "image_encoder"} <= set(weighted)
+    for name in weighted:
+        assert {p.device.type for p in parts[name].parameters()} == {"meta"}, name
+
+
+@pytest.mark.parametrize(("version", "want"), [("4.50.3", "torch_dtype"), ("4.55.4", "torch_dtype"),
+                                               ("4.56.0", "dtype"), ("5.0.0rc1", "dtype")])  # fmt: skip
+def test_a_transformers_class_gets_the_dtype_by_the_name_its_release_knows(monkeypatch, version, want):
+    import transformers
+    from transformers import CLIPTextModel
+
+    from runtime.models.loading import _dtype_kwarg
+
+    monkeypatch.setattr(transformers, "__version__", version)
+    assert _dtype_kwarg(CLIPTextModel) == want

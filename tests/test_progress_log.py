@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -262,20 +263,30 @@ def test_status_after_a_local_run_shows_its_items_and_the_finished_heartbeat(log
 
 
 def test_aggregate_sums_timing_and_reads_reports_without_it(logged_run, tmp_path):
+    """Timing is summed over the reports the merged items come from: one written before
+    `timing` existed is read without it, and one whose items a later run wrote again (an
+    earlier run's array task) is left out, so its seconds are not counted twice."""
     src, _ = logged_run
     report = json.loads((src / "report.json").read_text())
-    old = {k: v for k, v in report.items() if k != "timing"}  # written before `timing` existed
-    for folder, reports in (("mixed", {"task-0": report, "task-1": old}), ("old", {"task-0": old, "task-1": old})):
+    other = {**report, "items": [{**i, "id": f"{i['id']}-b"} for i in report["items"]]}  # another task's items
+    old = {k: v for k, v in other.items() if k != "timing"}  # written before `timing` existed
+    earlier = {**report, "started_at": "2000-01-01T00:00:00+00:00"}  # a task of an earlier run of the folder
+    for folder, reports in (("mixed", {"task-0": report, "task-1": old}), ("old", {"task-0": old}),
+                            ("stale", {"task-9": earlier, "task-0": report, "task-1": other})):  # fmt: skip
         out = tmp_path / folder
         (state_dir(out) / "reports").mkdir(parents=True)
-        for name, body in reports.items():
-            (state_dir(out) / "reports" / f"{name}.json").write_text(json.dumps(body))
+        for when, (name, body) in enumerate(reports.items()):  # written in this order
+            path = state_dir(out) / "reports" / f"{name}.json"
+            path.write_text(json.dumps(body))
+            os.utime(path, (1_000_000 + when, 1_000_000 + when))
         merged = aggregate(out, write=False)
         if folder == "old":
             assert "timing" not in merged
             continue
-        assert {k: merged["timing"][k] for k in TIMING_SUMS} == report["timing"]
-        assert list(merged["timing"]["per_report"]) == [".ditango/reports/task-0.json"]
+        tasks = [".ditango/reports/task-0.json"] + ([".ditango/reports/task-1.json"] if folder == "stale" else [])
+        assert sorted(merged["timing"]["per_report"]) == tasks
+        want = {k: round(report["timing"][k] * len(tasks), 6) for k in TIMING_SUMS}
+        assert {k: merged["timing"][k] for k in TIMING_SUMS} == pytest.approx(want, abs=1e-5)
 
 
 def test_heartbeat_line_of_a_stale_or_torn_file(tmp_path):
@@ -288,3 +299,17 @@ def test_heartbeat_line_of_a_stale_or_torn_file(tmp_path):
     assert line.startswith("running: starting; 0 done, 0 failed (updated 3h00m ago"), line
     shutil.rmtree(progress)
     assert read_progress(tmp_path) == []
+
+
+def test_a_run_that_fails_leaves_a_stopped_heartbeat(runner, tmp_path, monkeypatch):
+    """A run that raised must not look alive to `ditango status`: its heartbeat says stopped."""
+    from .conftest import FAST_ARGV
+
+    monkeypatch.setenv("DITANGO_FAULT_INJECT", "0:1")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["generate", "--prompt", "a red circle", "--out", str(out), "--retries", "0",
+                                 *FAST_ARGV])  # fmt: skip
+    assert result.exit_code != 0
+    ((_, data),) = read_progress(out)
+    assert data["state"] == "stopped"
+    assert heartbeat_line(data).startswith("stopped: ")

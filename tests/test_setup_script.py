@@ -54,3 +54,24 @@ def test_flags_and_the_environment_force_a_build(tmp_path):
     assert which(tmp_path, {}, "--cuda").stdout.split()[0] == "cuda"
     bad = which(tmp_path, {}, "--gpu")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: setup.sh takes --cpu or --cuda, got --gpu"
+
+
+def test_the_cpu_wheel_comes_from_the_cpu_index_unless_told(tmp_path):
+    """PyPI's Linux torch is a CUDA build (GBs of CUDA libraries): the CPU path asks PyTorch's
+    CPU index too, whose +cpu wheel outranks it; CI (a wheel on local disk) turns that off."""
+    env = {k: v for k, v in os.environ.items() if k != "DITANGO_TORCH_INDEX"}
+    shown = subprocess.run(["bash", str(SETUP), "--which", "--cpu"], capture_output=True, text=True, timeout=60,
+                           env=env)  # fmt: skip
+    assert shown.stdout.strip().endswith("torch from https://download.pytorch.org/whl/cpu"), shown.stdout
+    assert (
+        which(tmp_path, {}, "--cpu", env={"DITANGO_TORCH_INDEX": ""})
+        .stdout.strip()
+        .endswith("torch from the indexes pip is set to")
+    )
+    assert (
+        which(tmp_path, {}, "--cuda", env={"DITANGO_TORCH_INDEX": ""})
+        .stdout.strip()
+        .endswith("torch from the indexes pip is set to")
+    )
+    cu126 = "https://download.pytorch.org/whl/cu126"
+    assert which(tmp_path, {}, "--cuda", env={"DITANGO_TORCH_INDEX": cu126}).stdout.strip().endswith(cu126)

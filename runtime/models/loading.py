@@ -12,6 +12,7 @@ import torch
 
 from planner.errors import ConfigError
 from runtime.errors import ModelDirError
+from runtime.models.checkpoint import WEIGHTED
 from runtime.models.hub import hub_offline
 from runtime.models.registry import ResolvedModel
 
@@ -71,8 +72,14 @@ def placement_on(device: torch.device, dtype: str | None = None) -> Placement:
     return Placement(device, DTYPES[dtype])
 
 
-def _dtype_kwarg() -> str:
-    # diffusers renamed `torch_dtype` to `dtype` (0.36+); older releases only know the former.
+def _dtype_kwarg(cls: type) -> str:
+    """The name `cls.from_pretrained` takes the dtype by: both libraries renamed `torch_dtype`
+    to `dtype` (transformers 4.56, diffusers 0.36), and older releases only know the former."""
+    if cls.__module__.startswith("transformers"):
+        import transformers
+
+        found = re.match(r"(\d+)\.(\d+)", transformers.__version__)
+        return "dtype" if found and (int(found[1]), int(found[2])) >= (4, 56) else "torch_dtype"
     try:
         from diffusers.utils import deprecation_utils
 
@@ -82,7 +89,7 @@ def _dtype_kwarg() -> str:
 
 
 # The components that are torch modules, each read by its own class (the rest: the pipeline's).
-MODULES = ("text_encoder", "transformer", "transformer_2", "vae", "image_encoder")
+MODULES = WEIGHTED
 FLOAT32 = ("vae", "image_encoder")  # as Wan's reference code and diffusers' examples run them
 LIBRARIES = ("diffusers", "transformers")  # where a model_index.json's module classes may come from
 
@@ -130,7 +137,7 @@ def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[st
             device = torch.device("cpu") if name in on_cpu else placement.device
             dtype = torch.float32 if name in FLOAT32 else placement.dtype
             module = cls.from_pretrained(str(path), subfolder=name, low_cpu_mem_usage=True, device_map={"": device},
-                                         **common, **{_dtype_kwarg(): dtype})  # fmt: skip
+                                         **common, **{_dtype_kwarg(cls): dtype})  # fmt: skip
             # One device: no dispatch hooks, but the map would make later moves (offload, FSDP) suspect.
             vars(module).pop("hf_device_map", None)
             modules[name] = module.eval().requires_grad_(False)
