@@ -59,6 +59,26 @@ app = typer.Typer(
     rich_markup_mode="markdown",  # option groups as panels; help texts hold [defaults] in brackets, kept as written
     help="Batch video generation with Diffusion Transformers.",
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"ditango {version('ditango')}")
+        except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+            typer.echo("ditango (not installed: run ./scripts/setup.sh)")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Batch video generation with Diffusion Transformers."""
+
+
 for fn in (generate.generate, generate.check, models.models, models.download, jobs.status, jobs.cancel,
            jobs.report, simulate.simulate, rehearse.rehearse):  # fmt: skip
     app.command(fn.__name__)(fn)

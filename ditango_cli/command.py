@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import sys
 from dataclasses import MISSING, fields
 from enum import Enum
@@ -65,14 +64,23 @@ def command(*groups: type):
 
 def run_file_values(ctx: typer.Context, path: Path, groups: tuple[type, ...]) -> dict:
     """The options `path` sets that the command line did not: TOML, or a report's `options`."""
-    from runtime.user_files import require_regular_file
+    from planner.user_files import TEXT_LIMIT, check_text, parse_json, read_text
 
-    require_regular_file(path, "--config")
-    try:
-        text = path.read_text(encoding="utf-8")
-        data = json.loads(text).get("options") if path.suffix == ".json" else _toml().loads(text)
-    except (OSError, ValueError, AttributeError) as exc:
-        raise ConfigError(f"--config {path}: cannot read it ({exc})") from None
+    try:  # a report (long: its items) or a run file
+        text = read_text(path, "--config", TEXT_LIMIT)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: file not found") from None
+    if path.suffix == ".json":
+        data = parse_json(text, f"--config {path}")
+        data = data.get("options") if isinstance(data, dict) else None
+    else:
+        try:
+            data = _toml().loads(text)
+        except RecursionError:
+            raise ConfigError(f"--config {path}: TOML nested too deeply") from None
+        except ValueError as exc:
+            raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+        check_text(data, f"--config {path}")
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: no options in it (a report.json records them under 'options')")
     known = {f.name: group for group in groups for f in fields(group)}
@@ -88,9 +96,12 @@ def run_file_values(ctx: typer.Context, path: Path, groups: tuple[type, ...]) ->
             flat[key] = value
         else:
             raise ConfigError(f"--config {path}: unknown key {key!r} (keys are option names with underscores)")
+    _from_folder(flat, path.parent)
     params = {p.name: p for p in ctx.command.params}
     out = {}
     for key, raw in flat.items():
+        if problem := _wrong_type(params[key], raw):  # typer would convert true to 1, 5 to "5"
+            raise ConfigError(f"--config {path}: {key} = {raw!r}: {problem}")  # wrong even where overridden
         source = ctx.get_parameter_source(key)
         if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
             continue  # the command line wins
@@ -102,6 +113,65 @@ def run_file_values(ctx: typer.Context, path: Path, groups: tuple[type, ...]) ->
     return out
 
 
+PATH_OPTIONS = ("prompts", "image", "model_root", "out")  # the options that name files or folders
+
+
+def _from_folder(flat: dict, folder: Path) -> None:
+    """A run file's relative paths are relative to its folder (wherever the command runs), and
+    so is a relative `model` that names a folder there (else it is a name)."""
+    for key in PATH_OPTIONS:
+        if isinstance(flat.get(key), str) and flat[key] and not Path(flat[key]).expanduser().is_absolute():
+            flat[key] = str(folder / flat[key])
+    model = flat.get("model")
+    if _a_folder(model, folder):
+        flat["model"] = str(folder / model)
+
+
+def _a_folder(model, folder: Path) -> bool:
+    """Whether `model` names a folder (relative to `folder`) rather than a registered model,
+    which wins over a folder of the same name, as --model resolves it."""
+    from runtime.models.registry import REGISTRY
+
+    return isinstance(model, str) and model not in REGISTRY and (folder / Path(model).expanduser()).is_dir()
+
+
+def _wrong_type(param, raw) -> str | None:
+    """Why a run file's value is not of the option's type (None: it is). Typer converts what
+    it is given (`steps = true` to 1, `prompt = 5` to "5", `steps = 2.5` to 2): a file's values
+    are typed, so a value of another type is a mistake to name, not to convert."""
+    if param.multiple or param.nargs != 1:
+        if not isinstance(raw, list):
+            return "expected a list"
+        return next((p for p in (_wrong_type_one(param, v) for v in raw) if p), None)
+    return _wrong_type_one(param, raw)
+
+
+def _wrong_type_one(param, raw) -> str | None:
+    kind = _python_type(param)
+    if kind is bool:
+        ok, want = isinstance(raw, bool), "true or false"
+    elif kind is int:
+        ok, want = isinstance(raw, int) and not isinstance(raw, bool), "an integer"
+    elif kind is float:
+        ok, want = isinstance(raw, (int, float)) and not isinstance(raw, bool), "a number"
+    else:  # text, paths, choices, sizes such as "80GiB"
+        ok, want = isinstance(raw, str), "a string"
+    return None if ok else f"expected {want}"
+
+
+def _python_type(param) -> type:
+    """The Python type an option converts to: typer's annotation (its vendored click keeps it
+    there), else click's parameter type."""
+    if getattr(param, "is_flag", False):
+        return bool
+    descriptor = getattr(param, "type_descriptor", None)
+    if descriptor is not None and isinstance(descriptor.annotation, type):
+        return descriptor.annotation
+    names = {c.__name__ for c in type(getattr(param, "type", None)).__mro__}
+    return next((t for name, t in (("BoolParamType", bool), ("IntParamType", int), ("FloatParamType", float))
+                 if name in names), str)  # fmt: skip
+
+
 def _toml():
     if sys.version_info >= (3, 11):
         import tomllib
@@ -111,15 +181,19 @@ def _toml():
 
 
 def recorded(values: dict) -> dict:
-    """JSON-ready effective options for the report (enough to run the same again)."""
+    """JSON-ready effective options for the report (enough to run the same again, from any
+    folder: paths absolute, a model folder's too)."""
 
     def plain(v):
         if isinstance(v, Enum):
             return v.value
         if isinstance(v, Path):
-            return str(v)
+            return str(v.expanduser().absolute())
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
         return v
 
-    return {k: plain(v) for k, v in values.items() if k not in NOT_RECORDED and k != "ctx" and v is not None}
+    kept = {k: plain(v) for k, v in values.items() if k not in NOT_RECORDED and k != "ctx" and v is not None}
+    if _a_folder(kept.get("model"), Path.cwd()):
+        kept["model"] = str(Path(kept["model"]).expanduser().absolute())
+    return kept

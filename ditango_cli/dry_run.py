@@ -11,6 +11,7 @@ import shlex
 from rich.console import Console
 from rich.table import Table
 
+from ditango_cli.tables import print_tables
 from runtime.config import RunConfig
 from slurm.options import SlurmOptions
 from slurm.rank import RANK_DEVICE_ENV
@@ -28,7 +29,9 @@ def show_dry_run(cfg: RunConfig, opts: SlurmOptions, where: str, as_json: bool) 
     out.print(f"executor: {record['executor_line']}", markup=False)
     out.print(
         f"device {record['device']} ({record['backend']}); {record['replicas']} replica(s) of "
-        f"{cfg.layout.world_size} rank(s), strategy {cfg.layout.strategy}; {record['items']} item(s) in "
+        f"{cfg.layout.world_size} rank(s), strategy {cfg.layout.strategy}"
+        + (f" (group size {cfg.layout.group})" if cfg.layout.strategy == "ditango" else "")
+        + f"; {record['items']} item(s) in "
         f"{opts.array} array task(s); timeouts: step {cfg.timeout_s:g} s, setup {cfg.setup_timeout_s:g} s",
         markup=False,
     )
@@ -55,5 +58,5 @@ def show_dry_run(cfg: RunConfig, opts: SlurmOptions, where: str, as_json: bool) 
             row.append(r["group_index"])
         table.add_row(*map(str, row))
     out.print()
-    out.print(table)
+    print_tables(out, table)
     return 0

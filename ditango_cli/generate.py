@@ -29,6 +29,7 @@ from ditango_cli.options import (
     ParallelArgs,
     SlurmArgs,
 )
+from ditango_cli.tables import print_tables
 from planner.ditango import DiTangoOptions, run_planner_config
 from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
@@ -49,7 +50,7 @@ from runtime.kernels import resolve_backend
 from runtime.models.loading import check_torch, placement_on, quiet_loading_bars
 from runtime.models.registry import REGISTRY, ResolvedModel, resolve_model
 from runtime.outputs import check_writable
-from runtime.step_cache import parse_step_cache
+from runtime.step_cache_options import parse_step_cache
 from slurm.env import launcher_layout
 from slurm.options import SlurmOptions, check_log_folder, choose_executor, host_request
 from slurm.rank import launched_rank
@@ -83,7 +84,7 @@ def hybrid_config(g: GuidanceArgs, layers: int) -> HybridConfig | None:
     given += ["--hybrid-first-text"] if g.hybrid_first_text != "cond" else []
     if not g.hybrid:
         if given:
-            raise ConfigError(f"{', '.join(given)} only apply with --hybrid")
+            raise ConfigError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --hybrid")
         return None
     if not g.cfg_parallel:
         raise ConfigError("--hybrid needs --cfg-parallel (the two CFG branches on two rank groups)")
@@ -147,7 +148,8 @@ def build_run_config(
     # --reference exact measures what the run approximates: DiTango's reuse, a step cache, a tiled decode.
     ditango_only = [f for f in d.given() if f != "--reference" or not (decode.tiled or step_cache)]
     if layout.strategy != "ditango" and ditango_only:
-        raise ConfigError(f"{', '.join(ditango_only)} only apply to --parallel ditango")
+        verb = "applies" if len(ditango_only) == 1 else "apply"
+        raise ConfigError(f"{', '.join(ditango_only)} only {verb} to --parallel ditango")
     check_timeouts(p.timeout, p.setup_timeout)
     device = ranks_device(where, m.device.value, layout.world_size * p.replicas, p.gpus_per_node)
     if problem := cpu_only_torch(device):  # the jobs run this environment: refused before anything queues
@@ -160,9 +162,6 @@ def build_run_config(
         check_cache_limit(ditango, items, layout, spec.heads, spec.head_dim, spec.layers, placement.device)
     if layout.strategy != "none":
         resolve_backend(p.attention_backend.value, placement.device, placement.dtype, where == "local")
-    if where != "local":
-        check_log_folder(o.out)
-    check_writable(o.out, create=create_out)
     cfg = RunConfig(
         model=m.model, model_path=None,
         items=items, out_dir=o.out.expanduser(), device=device, dtype=None if m.dtype is None else m.dtype.value,
@@ -175,13 +174,17 @@ def build_run_config(
     )  # fmt: skip
     cfg = memory_preflight(cfg, spec.shape, mem.gpu_memory, placement, where == "local", m.dtype is not None)
     cfg = plan_host_memory(cfg, spec.shape, placement.dtype.itemsize)  # a submission's --mem
+    if where != "local":  # last of the options' checks: a refused command leaves no folder behind
+        check_log_folder(o.out)
+    check_writable(o.out, create=create_out)
     if not weights and resolved is None:
         return cfg, None
-    if resolved is None and m.download and warn is not None:  # a dry run of a named model
+    if resolved is None and warn is not None:  # a dry run of a named model: its plan needs no weights
         try:
             resolved = resolve_model(m.model, m.model_root, m.revision)
-        except ModelDirError:
-            warn(f"note: {m.model} is not here yet: the run would download it first (--download)")
+        except ModelDirError as exc:
+            warn(f"note: {m.model} is not here yet: the run would download it first (--download)" if m.download
+                 else f"warning: the run would stop here: {exc}")  # fmt: skip
             return cfg, None
     resolved = resolved or resolve_model(m.model, m.model_root, m.revision, fetch)
     if where == "local" and placement.device.type == "cpu":  # after the model: a missing one is said first
@@ -192,6 +195,17 @@ def build_run_config(
 @command(*GROUPS, GenerateArgs)
 def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> int:
     """Generate one MP4 per prompt, plus a sidecar JSON per item and report.json."""
+    try:
+        return _generate(m, i, o, p, d, g, mem, s, r, run, options)
+    except KeyboardInterrupt:  # typer then exits 130 without a word
+        from runtime.outputs import status_counts
+
+        kept = status_counts(o.out, alive=False) if o.out.is_dir() else "nothing"
+        typer.echo(f"interrupted: {o.out} keeps what finished ({kept}); the same command resumes the rest", err=True)
+        raise
+
+
+def _generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> int:
     from slurm.executors import executor_for, own_output_folder  # the runtime: only when work is asked for
     from slurm.supervise import supervise
 
@@ -219,6 +233,8 @@ def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> i
         warn=say if run.dry_run else None,
     )  # fmt: skip
     cfg = replace(cfg, retries=run.retries)
+    if note := cfg.layout.idle():
+        say(f"note: {note}")
     if cfg.hybrid is not None and cfg.hybrid.scaled():
         for n in sorted({item.steps for item in cfg.items} - {50}):
             h = cfg.hybrid.resolved(n)
@@ -344,15 +360,18 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
         + (f" x {cfg.replicas} replicas" if cfg.replicas > 1 else "")
         + f", strategy {lay.strategy} ("
         + (f"tp {lay.tp}" if lay.strategy == "tp" else f"ulysses {lay.ulysses} x ring {lay.ring}")
+        + (f", group size {lay.group}" if lay.strategy == "ditango" else "")
         + f", attention {backend})",
         highlight=False,
     )
+    if note := lay.idle():
+        console.print(f"note: {note}", highlight=False)
     table = Table("id", "prompt", "seed", "size", "frames", "steps", "guidance", "tokens")
     for it in summary["items"]:
         short = it["prompt"] if len(it["prompt"]) <= 48 else it["prompt"][:45] + "..."
         table.add_row(it["id"], short, str(it["seed"]), f"{it['width']}x{it['height']}", str(it["frames"]),
                       str(it["steps"]), f"{it['guidance']:g}", str(it["tokens"]))  # fmt: skip
-    console.print(table)
+    print_tables(console, table)
     todo = len(cfg.items) - len(skipped)
     console.print(f"ok: {todo} item(s) would be generated, {len(skipped)} skipped (outputs exist)", highlight=False)
     return 0

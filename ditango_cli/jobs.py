@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ditango_cli.tables import print_tables
+
 OutArg = Annotated[Path, typer.Argument(help="The --out folder of a batch.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 
@@ -21,28 +23,43 @@ def status(out: OutArg) -> int:
 
     Exit status 1 when a job of the latest submission failed, 2 when OUT is not an output
     folder of ditango, its job record is damaged, or a Slurm command failed."""
+    from runtime.lock import FolderBusy, FolderLock
     from runtime.outputs import require_output_folder, status_counts
     from runtime.progress import heartbeat_line, read_progress
     from slurm.job_errors import job_states
-    from slurm.jobs import failed_state, recorded_jobs
+    from slurm.jobs import ended_state, failed_state, recorded_jobs
 
     console = Console()
     rows = job_states(out) if recorded_jobs(require_output_folder(out)) is not None else []
     if rows:
         table = Table("job", "state", "submitted", "error")
         for r in rows:
-            table.add_row(r["job_id"], r["state"], r["submitted_at"], escape(r["error"] or ""))
-        console.print(table)
+            table.add_row(r["job_id"], r["state"], submitted_when(r["submitted_at"]), escape(r["error"] or ""))
+        print_tables(console, table)
     else:
         console.print(f"no Slurm job is recorded for {out} (a local run)", highlight=False, soft_wrap=True)
-    console.print(f"items in {out}: {status_counts(out)}", highlight=False, soft_wrap=True)
+    try:  # an item marked running with no live job and no live owner of OUT was interrupted
+        FolderLock(out).check_free()
+        alive = any(not ended_state(r["state"]) for r in rows)
+    except FolderBusy:
+        alive = True
+    counts = status_counts(out, alive)
+    resume = "; the same command resumes the interrupted" if "interrupted" in counts else ""
+    console.print(f"items in {out}: {counts}{resume}", highlight=False, soft_wrap=True)
+    report = out / "report.json"
+    if report.is_file():
+        console.print(f"report: {report}", highlight=False, soft_wrap=True)
+    elif rows:
+        console.print(f"report: none yet; `ditango report {out}` merges what the jobs have written",
+                      highlight=False, soft_wrap=True)  # fmt: skip
     beats = read_progress(out)
     for name, beat in beats:
         label = f"progress ({name})" if len(beats) > 1 else "progress"
         console.print(f"{label}: {heartbeat_line(beat)}", highlight=False, markup=False, soft_wrap=True)
     # Earlier submissions of a retried batch may have failed; the latest one says how it stands.
     latest = max((r["submitted_at"] for r in rows), default=None)
-    return 1 if any(failed_state(r["state"]) for r in rows if r["submitted_at"] == latest) else 0
+    failed = [r for r in rows if r["submitted_at"] == latest and failed_state(r["state"]) and not r["cancelled"]]
+    return 1 if failed else 0
 
 
 def cancel(out: OutArg) -> int:
@@ -122,7 +139,12 @@ def report(out: OutArg, as_json: JsonOpt = False) -> int:
               if cached else []),
         )  # fmt: skip
     console = Console()
-    console.print(table)
+    layout = merged.get("layout") or {}
+    if layout:
+        group = f", group size {layout.get('group_size')}" if layout.get("strategy") == "ditango" else ""
+        console.print(f"{merged.get('model')}: {layout.get('world_size')} rank(s) on {layout.get('nodes')} node(s), "
+                      f"strategy {layout.get('strategy')}{group}", highlight=False, soft_wrap=True)  # fmt: skip
+    print_tables(console, table)
     if merged.get("calibration"):
         console.print(calibration_line(merged["calibration"]))
     c = merged["counts"]
@@ -132,3 +154,13 @@ def report(out: OutArg, as_json: JsonOpt = False) -> int:
         typer.echo(f"error: {unsaved}", err=True)
         return 1
     return 0
+
+
+def submitted_when(stamp: str) -> str:
+    """'20260101T093000123456' (a submission folder's name, UTC) -> '2026-01-01 09:30:00 UTC'."""
+    from datetime import datetime
+
+    try:
+        return f"{datetime.strptime(stamp, '%Y%m%dT%H%M%S%f'):%Y-%m-%d %H:%M:%S} UTC"
+    except (TypeError, ValueError):
+        return str(stamp)

@@ -209,7 +209,9 @@ class DiTangoArgs:
         int | None,
         _o("--cooldown", help=f"DiTango: exact steps at the end [{RUN_DEFAULTS.cooldown}; budget planner: 0]."),
     ] = None
-    group_size: Annotated[str | None, _o("--group-size", help="DiTango: ranks per group, or 'node' [2].")] = None
+    group_size: Annotated[
+        str | None, _o("--group-size", help="DiTango: ranks per group, or 'node' [node on several nodes, else 2].")
+    ] = None
     tau_max: Annotated[int | None, _o("--tau-max", help="DiTango: recompute a cache this many steps old.")] = None
     anchor_interval: Annotated[int | None, _o("--anchor-interval", help="DiTango: an anchor step this often.")] = None
     alpha: Annotated[bool | None, _o("--alpha/--no-alpha", help="DiTango: norm-ratio drift factor [off].")] = None

@@ -14,6 +14,7 @@ from rich.table import Table
 from ditango_cli.command import command
 from ditango_cli.generate import build_run_config
 from ditango_cli.options import GROUPS, _o
+from ditango_cli.tables import print_tables
 from planner.errors import ConfigError
 from planner.memory import GIB, parse_bytes
 
@@ -89,7 +90,7 @@ def show(report: dict) -> None:
         b, mb = rank["bytes_per_step"], rank["modelled_bytes_per_step"]
         links = [f"{b[k] / 1e9:.2f}/{mb[k] / 1e9:.2f}" for k in ("inter_node_bytes", "intra_node_bytes")]
         table.add_row(str(rank["rank"]), str(rank["node"]), *cells, *links, str(len(rank["problems"])))
-    console.print(table)
+    print_tables(console, table)
     for line in report["problems"]:
         console.print(f"problem: {line}", highlight=False, markup=False)
     if not report["problems"]:

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ditango_cli.options import canonical_model, planner_choice
+from ditango_cli.tables import print_tables
 from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS
 from planner.errors import ConfigError
 
@@ -21,6 +22,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output o
 ParallelOpt = Annotated[str, typer.Option("--parallel", help="Comma-separated strategies.")]
 HwFileOpt = Annotated[Path | None, typer.Option("--hardware-file", help="JSON profile overriding --hardware.")]
 PlanOpt = Annotated[Path | None, typer.Option("--plan", help="report.json of a DiTango run: replay its plan's shape.")]
+PlanItemOpt = Annotated[str | None, typer.Option("--plan-item", help="--plan: the item whose plan [the first].")]
 PlannerOpt = Annotated[
     str | None,
     typer.Option(
@@ -51,6 +53,7 @@ def simulate(
     hardware_file: HwFileOpt = None,
     parallel: ParallelOpt = "ring,ulysses,usp,tp,ditango",
     plan: PlanOpt = None,
+    plan_item: PlanItemOpt = None,
     cache_ratio: Annotated[
         float, typer.Option("--cache-ratio", help="DiTango without --plan.")
     ] = RUN_DEFAULTS.cache_ratio,
@@ -58,11 +61,16 @@ def simulate(
     own_group: OwnOpt = None,
     warmup: WarmOpt = None,
     cooldown: CoolOpt = None,
-    group_size: Annotated[str, typer.Option("--group-size", help="DiTango group: ranks or 'node'.")] = "node",
-    height: Annotated[int, typer.Option("--height")] = 720,
-    width: Annotated[int, typer.Option("--width")] = 1280,
-    frames: Annotated[int, typer.Option("--frames")] = 81,
-    steps: Annotated[int, typer.Option("--steps")] = 50,
+    group_size: Annotated[
+        str | None,
+        typer.Option(
+            "--group-size", help="DiTango group: ranks or 'node' [as generate: node on several nodes, else 2]."
+        ),
+    ] = None,
+    height: Annotated[int | None, typer.Option("--height", help="[the model's, as generate]")] = None,
+    width: Annotated[int | None, typer.Option("--width", help="[the model's, as generate]")] = None,
+    frames: Annotated[int | None, typer.Option("--frames", help="[the model's, as generate]")] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help="[the model's, as generate]")] = None,
     as_json: JsonOpt = False,
     shard_weights: ShardOpt = False,
     vae_parallel: VaeParOpt = None,
@@ -81,15 +89,21 @@ def simulate(
         raise ConfigError(f"unknown model {model!r} for simulate: use one of {', '.join(REGISTRY)}")
     spec = REGISTRY[model]  # one expert runs at a time: per-step costs are one transformer's (memory: all)
     hw = load_hardware(str(hardware_file) if hardware_file else hardware)
+    d = spec.defaults  # one set of defaults: a run of generate with the same options is what is priced
+    height, width, frames, steps = (d.height if height is None else height, d.width if width is None else width,
+                                    d.frames if frames is None else frames, d.steps if steps is None else steps)  # fmt: skip
     if steps < 1:
         raise ConfigError(f"--steps {steps}: must be >= 1")
-    source = plan_source(plan, planner, own_group, cache_ratio, warmup, cooldown)
+    if plan_item is not None and plan is None:
+        raise ConfigError("--plan-item needs --plan (the report.json the item is in)")
+    source = plan_source(plan, planner, own_group, cache_ratio, warmup, cooldown, plan_item)
     size = VideoSize(height, width, frames)
     memory = memory_options(shard_weights, spec.defaults.cfg_scale, vae_tiling, cache_dtype.value)
     rows, notes = compare_layouts(hw, spec.shape, nodes, gpus_per_node, [s.strip() for s in parallel.split(",") if s.strip()],
                                   group_size, size, steps, source, memory, vae_parallel,
                                   parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None)  # fmt: skip
     assumptions = simulate_assumptions(hw, model, spec.shape.tokens(size), steps, source, notes)
+    assumptions.update(height=height, width=width, frames=frames)
     if as_json:
         print(json.dumps({"schema": 1, "assumptions": assumptions, "rows": rows}, indent=2))
         return 0
@@ -109,13 +123,15 @@ def simulate(
                        f"{r['peak_memory_bytes'] / 2**30:.1f}", r["peak_memory_stage"], ", ".join(r["offload"]) or "-",
                        {None: "-", True: "yes", False: "no"}[r["fits"]])  # fmt: skip
     plan_notes = dict.fromkeys(n for r in rows for n in r.get("ditango", {}).get("notes", []))
-    Console().print(table, memory, *(f"skipped: {note}" for note in notes), *(f"note: {n}" for n in plan_notes),
-                    sep="\n", highlight=False)  # fmt: skip
+    console = Console(highlight=False)
+    print_tables(console, table, memory)
+    for line in [*(f"skipped: {note}" for note in notes), *(f"note: {n}" for n in plan_notes)]:
+        console.print(line)
     return 0
 
 
 def plan_source(plan: Path | None, planner: str | None, own_group: str | None, cache_ratio: float,
-                warmup: int | None, cooldown: int | None):  # fmt: skip
+                warmup: int | None, cooldown: int | None, plan_item: str | None = None):  # fmt: skip
     """DiTango's plan for simulate: the recorded shapes of --planner at --cache-ratio, or the
     --plan run's (its planner, own-group mode, warm-up and cool-down unless given; a different
     --planner is an error). Warm-up and cool-down default to the recorded runs' (generate's
@@ -128,7 +144,7 @@ def plan_source(plan: Path | None, planner: str | None, own_group: str | None, c
                                 own_group=own_group)  # fmt: skip
     if plan is None:
         return recorded_source(chosen.planner, cache_ratio, chosen.own_group, warmup, cooldown)
-    recorded = report_source(plan, own_group, warmup, cooldown)
+    recorded = report_source(plan, own_group, warmup, cooldown, plan_item)
     run_planner = recorded.shapes[0].planner if recorded.shapes else None
     if planner is not None and run_planner is not None and planner != run_planner:
         raise ConfigError(f"--planner {planner}: the --plan run used the {run_planner} planner; drop one of them")

@@ -47,7 +47,7 @@ def memory_row(shape: ModelShape, layout: ParallelLayout, size: VideoSize,
 
 
 def compare_layouts(
-    hw: Hardware, shape: ModelShape, nodes: int, gpus_per_node: int, strategies: list[str], group_size: str,
+    hw: Hardware, shape: ModelShape, nodes: int, gpus_per_node: int, strategies: list[str], group_size: str | None,
     size: VideoSize, steps: int, source: PlanSource | None = None,
     memory: MemoryOptions = MemoryOptions(), vae_parallel: bool | None = None, gpu_memory_bytes: int | None = None,
 ) -> tuple[list[dict], list[str]]:  # fmt: skip
@@ -67,8 +67,8 @@ def compare_layouts(
         found = []
         for s in strategies:
             try:
-                group = None
-                if s == "ditango":
+                group = None  # generate's default (ParallelLayout.group_size)
+                if s == "ditango" and group_size is not None:
                     group = gpus_per_node if group_size == "node" else int(group_size)
                 layout = ParallelLayout(n, gpus_per_node, 1, s, None, group).with_default_ulysses(shape.heads)
                 layout.check_model(shape.heads, shape.ffn, shape.joint_text)
@@ -77,7 +77,8 @@ def compare_layouts(
                 continue
             est, plan = _priced(hw, layout, shape, size, steps, source, memory.shard_weights)
             mem = memory_row(shape, layout, size, memory, vae_parallel, gpu_memory_bytes)
-            found.append((est, mem, _plan_summary(plan)))
+            summary = _plan_summary(plan)
+            found.append((est, mem, summary and {**summary, "group_size": layout.group}))
         exact = [e.e2e_s for e, _, _ in found if e.strategy != "ditango"]
         best = min(exact) if exact else None
         for e, mem, plan in found:

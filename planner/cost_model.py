@@ -11,7 +11,6 @@ rank per step (2 for CFG run in turn, 1 per rank with --cfg-parallel).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from planner.layout import ParallelLayout, chunk_sizes
 from planner.memory import GIB
 from planner.models import ModelShape, VideoSize
 from planner.traffic import Topology, ditango_units, predict_traffic, tp_all_reduces
+from planner.user_files import read_json_file
 
 # -- hardware -----------------------------------------------------------------------------
 
@@ -85,9 +85,9 @@ def load_hardware(name_or_file: str) -> Hardware:
     if not path.is_file():
         raise ConfigError(f"--hardware {name_or_file!r}: not one of {', '.join(HARDWARE)} and not a JSON file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json_file(path, "--hardware")
         return Hardware(**{k: data[k] for k in Hardware.__dataclass_fields__ if k in data})
-    except (json.JSONDecodeError, TypeError, KeyError) as exc:
+    except (OSError, TypeError, KeyError, AttributeError) as exc:
         raise ConfigError(f"--hardware-file {path}: not a hardware profile ({exc})") from None
 
 

@@ -41,7 +41,10 @@ class ParallelLayout:
     cfg_degree: int = 1
     strategy: Strategy = "none"
     ulysses_degree: int | None = None  # usp only; None: the largest legal degree within a node
-    group_size: int | None = None  # ditango only: adjacent cp ranks per group; None: 2 (1 if odd)
+    # ditango only: adjacent cp ranks per group; None: on several nodes a node's ranks (the
+    # largest divisor of the cp degree up to them: a smaller group moves more bytes between
+    # nodes than the ring), on one node 2 (1 if odd)
+    group_size: int | None = None
     # Derived once from the fields above (a value, not a computation: read everywhere).
     world_size: int = field(init=False, repr=False, compare=False)
     cp_degree: int = field(init=False, repr=False, compare=False)  # world_size / cfg_degree
@@ -59,7 +62,7 @@ class ParallelLayout:
         put("cp_degree", self.world_size // self.cfg_degree if self.cfg_degree else 0)
         group = 1
         if self.strategy == "ditango":
-            group = self.group_size if self.group_size is not None else (2 if self.cp_degree % 2 == 0 else 1)
+            group = self.group_size if self.group_size is not None else default_group(self)
         put("group", group)
         put("groups", self.cp_degree // group if group else 0)
         ulysses = {"ulysses": self.cp_degree, "usp": self.ulysses_degree or 1}.get(self.strategy, 1)
@@ -125,6 +128,18 @@ class ParallelLayout:
         best = max(d for d in _divisors(self.cp_degree) if heads % d == 0 and per_node % d == 0)
         return ParallelLayout(self.nodes, self.gpus_per_node, self.cfg_degree, self.strategy, best, self.group_size)
 
+    def idle(self) -> str | None:
+        """A note when the strategy asked for changes nothing here (None: it does its work)."""
+        if self.strategy == "none":
+            return None
+        if self.cp_degree == 1:
+            return (f"--parallel {self.strategy} on {self.world_size} rank(s) splits no sequence (one rank per CFG "
+                    "branch): every step is one process's")  # fmt: skip
+        if self.strategy == "ditango" and self.groups == 1:
+            return (f"--parallel ditango with one group of {self.group} ranks computes every partition fresh (nothing "
+                    "is reused): the exact ring's work; a smaller --group-size reuses")  # fmt: skip
+        return None
+
     def to_json(self) -> dict:
         return {
             "world_size": self.world_size,
@@ -188,6 +203,13 @@ def replica_shape(nodes: int, gpus_per_node: int, replicas: int) -> tuple[int, i
         f"--replicas {r} must divide the {n} nodes, or split each node's {g} ranks evenly "
         f"(e.g. --replicas {n} or {n * g})"
     )
+
+
+def default_group(layout: ParallelLayout) -> int:
+    """DiTango's group when --group-size is not given (ParallelLayout.group_size)."""
+    if layout.nodes > 1:
+        return max(d for d in _divisors(layout.cp_degree) if d <= layout.gpus_per_node)
+    return 2 if layout.cp_degree % 2 == 0 else 1
 
 
 def replica_layout(

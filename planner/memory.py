@@ -57,15 +57,24 @@ NCCL_COMM_BYTES = 512 * 2**20
 PHASES = ("text_encode", "denoise", "decode")
 
 
+MAX_BYTES = 2**50  # 1 PiB: a size beyond this is a typo, and would overflow the arithmetic downstream
+
+
 def parse_bytes(text: str, flag: str = "size") -> int:
     """'8GiB', '500MB', '1048576' -> bytes; ConfigError naming `flag` for anything else."""
     number = text.strip().upper()
     suffix = number.lstrip("0123456789.")
     value = number[: len(number) - len(suffix)]
     try:
-        return int(float(value) * UNITS[suffix.strip()])
+        size = int(float(value) * UNITS[suffix.strip()])
     except (KeyError, ValueError):
         raise ConfigError(f"{flag} {text!r}: expected a size like 8GiB, 500MB or 1048576") from None
+    except OverflowError:  # float('1' * 400) is inf
+        size = MAX_BYTES + 1
+    if size > MAX_BYTES:
+        shown = text if len(text) <= 24 else f"{text[:12]}...({len(text)} characters)"
+        raise ConfigError(f"{flag} {shown!r}: larger than any machine's memory (at most 1PiB)")
+    return size
 
 
 # -- the DiTango cache (runtime/cache.py allocates exactly this) ----------------------------

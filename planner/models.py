@@ -110,6 +110,16 @@ class ModelShape:
     per_token_time: bool = False  # per-token timestep embeddings [B, S, 6C] (Wan2.2 TI2V)
     vae: VaeShape | None = None
 
+    def __post_init__(self) -> None:
+        # A model folder's config is the user's: a zero or negative size would surface later as
+        # a division by zero or an empty tensor deep inside a rank.
+        for key in ("layers", "heads", "head_dim", "ffn", "text_len"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"{self.name}: the transformer config's {key} must be a positive integer, got {value!r}"
+                )
+
     @property
     def hidden(self) -> int:
         return self.heads * self.head_dim

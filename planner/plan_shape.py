@@ -23,6 +23,7 @@ from planner.ditango import RUN_DEFAULTS, DiTangoPlanner, PlannerConfig
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.traffic import ditango_units
+from planner.user_files import TEXT_LIMIT, read_json_file
 
 PLAN_SHAPES_FILE = Path(__file__).with_name("plan_shapes.json")  # written by benchmarks/plan_shapes.py
 SHAPES_FORMAT = "ditango-plan-shapes/1"
@@ -239,28 +240,37 @@ def recorded_source(planner: str, cache_ratio: float, own_group: str = "decide",
 
 
 def report_source(path: Path, own_group: str | None = None, warmup: int | None = None,
-                  cooldown: int | None = None) -> PlanSource:  # fmt: skip
-    """A DiTango run's report.json: the shape of its plan file (its planner and cache ratio;
-    its own-group mode, warm-up and cool-down unless given), or without a plan file its mean
+                  cooldown: int | None = None, item_id: str | None = None) -> PlanSource:  # fmt: skip
+    """A DiTango run's report.json: the shape of one item's plan file (`item_id`, else the
+    report's first DiTango item; named in the description) with its planner and cache ratio,
+    its own-group mode, warm-up and cool-down unless given; or without a plan file its mean
     computed fraction over all steps, for every unit."""
     try:
-        report = json.loads(path.read_text(encoding="utf-8"))
+        report = read_json_file(path, "--plan", TEXT_LIMIT)
         items = [i for i in report.get("items", []) if (i.get("attention") or {}).get("per_step")]
         if not items:
             raise ConfigError(f"--plan {path}: the report has no DiTango item (attention.per_step); "
                               "run with --parallel ditango")  # fmt: skip
-        attention = items[0]["attention"]
+        chosen = [i for i in items if item_id is None or i.get("id") == item_id]
+        named = [str(i.get("id", f"#{n + 1}")) for n, i in enumerate(items)]
+        if not chosen:
+            raise ConfigError(f"--plan-item {item_id}: not a DiTango item of {path}; its DiTango items: "
+                              f"{', '.join(named)}")  # fmt: skip
+        item = {"id": named[items.index(chosen[0])], **chosen[0]}
+        attention = item["attention"]
         own_group = own_group or attention.get("own_group") or "decide"
         plan_file = path.parent / attention["plan_file"] if attention.get("plan_file") else None
         if plan_file is None or not plan_file.is_file():
             fraction = sum(attention["per_step"]) / len(attention["per_step"])
-            return PlanSource(f"{path} (no plan file: its all-steps fraction {fraction:.4f} for every unit)",
+            return PlanSource(f"{path} item {item['id']} (no plan file: its all-steps fraction {fraction:.4f} for every "
+                              "unit)",
                               own_group=own_group, fallback=fraction)  # fmt: skip
         planner = attention.get("planner") or "hpdc"
         ratio = float((report.get("options") or {}).get("cache_ratio", RUN_DEFAULTS.cache_ratio))
-        shape = plan_shape(json.loads(plan_file.read_text(encoding="utf-8")), planner, ratio)
+        shape = plan_shape(read_json_file(plan_file, "--plan: plan file", TEXT_LIMIT), planner, ratio)
     except (OSError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ZeroDivisionError) as exc:
         raise ConfigError(f"--plan {path}: cannot read ({exc!r})") from None
-    return PlanSource(f"{path} (its plan file's shape: {planner}, cache ratio {ratio:g}, per decision unit)",
+    return PlanSource(f"{path} item {item['id']} (its plan file's shape: {planner}, cache ratio {ratio:g}, per "
+                      "decision unit)",
                       (shape,), ratio, own_group, shape.warmup if warmup is None else warmup,
                       shape.cooldown if cooldown is None else cooldown)  # fmt: skip

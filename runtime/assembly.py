@@ -12,7 +12,8 @@ from runtime.denoiser import Denoiser
 from runtime.guidance import CfgParallel, Hybrid
 from runtime.mesh import Mesh
 from runtime.models.loading import Placement
-from runtime.step_cache import StepCache, StepCacheSpec
+from runtime.step_cache import StepCache
+from runtime.step_cache_options import StepCacheSpec
 from runtime.strategies import parallelize
 from runtime.weights import SHARDED, move_unsplit
 

@@ -16,7 +16,7 @@ from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import ParallelLayout, token_count
 from planner.models import VideoSize
-from runtime.step_cache import StepCacheSpec
+from runtime.step_cache_options import StepCacheSpec
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]

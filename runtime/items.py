@@ -13,15 +13,14 @@ filesystem-safe, and never the raw prompt text.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import ConfigError
+from planner.user_files import TEXT_LIMIT, check_text, parse_json, read_text, require_regular_file
 from runtime.config import TEMPORAL_STRIDE, Item
 from runtime.models.registry import Defaults
-from runtime.user_files import require_regular_file
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # An item's files are <id>.mp4, <id>.json (its sidecar), <id>.latents.safetensors,
@@ -65,7 +64,9 @@ def check_image(path: str, where: str) -> str:
     require_regular_file(resolved, f"{where}: image")
     try:
         with Image.open(resolved) as image:
-            image.verify()
+            image.verify()  # the file's structure; then its pixels, as the run decodes them (a truncated file)
+        with Image.open(resolved) as image:
+            image.load()
     except FileNotFoundError:
         raise ConfigError(f"{where}: image {path} not found") from None
     except Image.DecompressionBombError as exc:  # not an OSError: PIL refuses to open it at all
@@ -200,10 +201,7 @@ def check_geometry(item: Item, defaults: Defaults) -> None:
 
 
 def _jsonl_fields(line: str, where: str) -> dict:
-    try:
-        data = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    data = parse_json(line, where)
     if not isinstance(data, dict):
         raise ConfigError(f'{where}: expected a JSON object like {{"prompt": "..."}}')
     unknown = sorted(set(data) - JSONL_KEYS)
@@ -233,15 +231,10 @@ def read_prompt_file(path: Path) -> list[tuple[dict, str]]:
     suffix = path.suffix.lower()
     if suffix not in (".txt", ".jsonl"):
         raise ConfigError(f"--prompts {path}: expected a .txt or .jsonl file")
-    require_regular_file(path, "--prompts")
     try:
-        text = path.read_text(encoding="utf-8-sig")  # tolerate a byte-order mark
+        text = read_text(path, "--prompts", TEXT_LIMIT, encoding="utf-8-sig")  # tolerate a byte-order mark
     except FileNotFoundError:
         raise ConfigError(f"--prompts {path}: file not found") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"--prompts {path}: not UTF-8 text") from None
-    except OSError as exc:
-        raise ConfigError(f"--prompts {path}: cannot read ({exc.strerror})") from None
     entries = []
     # Lines end at \n, \r\n or \r only: str.splitlines() also splits at U+2028, U+0085 and other
     # separators, which a JSON string may hold as they are (valid JSONL was refused).
@@ -266,6 +259,8 @@ def build_items(prompt: str | None, prompts_file: Path | None, cli: Overrides, d
         raise ConfigError("give either --prompt or --prompts, not both")
     if prompt is None and prompts_file is None:
         raise ConfigError("nothing to generate: give --prompt TEXT or --prompts FILE")
+    for text, option in ((prompt, "--prompt"), (cli.negative_prompt, "--negative-prompt")):
+        check_text(text, option)  # bytes that are not UTF-8 reach argv as lone surrogates
     if prompt is not None:
         entries = [({"prompt": prompt}, "--prompt")]
     else:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 from planner.errors import ConfigError
+from planner.user_files import TEXT_LIMIT, Unreadable, parse_json, read_text
 from runtime.config import Item, RunConfig
 from runtime.errors import OutputWriteError
 from runtime.report import SCHEMA, item_record
@@ -48,17 +50,13 @@ def read_json(path: Path, what: str = "file"):
     read or is not JSON (not UTF-8, truncated, not a file). Every bookkeeping file of an
     output folder is read back through here or `read_record`."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return parse_json(read_text(path, what, TEXT_LIMIT), what)
     except FileNotFoundError:
         return None
-    except UnicodeDecodeError:
-        raise Damaged(f"{path}: damaged {what} (not UTF-8 text)") from None
-    except OSError as exc:
-        raise Damaged(f"{path}: cannot read this {what} ({exc.strerror or exc})") from None
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise Damaged(f"{path}: damaged {what} (not JSON: {exc})") from None
+    except Unreadable as exc:  # too large, not text, not JSON, nested beyond reason
+        raise Damaged(f"{path}: damaged {what} ({exc.reason})") from None
+    except ConfigError as exc:  # not a regular file
+        raise Damaged(str(exc)) from None
 
 
 def check_foreign_files(out_dir: Path) -> None:
@@ -170,14 +168,16 @@ def settled_since(cfg: RunConfig, since: float) -> dict[str, dict]:
 def mark_running(cfg: RunConfig, item: Item) -> None:
     """Replace any old "done" sidecar (it must not outlive a redo) and mark the item in flight:
     after a crash, the supervisor knows which item to blame and retry."""
-    record = item_record(item, model=cfg.model, status=RUNNING, video=None, latents=None, timing=None)
+    record = item_record(item, model=cfg.model, status=RUNNING, video=None, latents=None, timing=None,
+                         method=video_method(cfg))  # fmt: skip
     write_json(output_paths(cfg.out_dir, item.id)["sidecar"], record)
 
 
 def record_failure(cfg: RunConfig, item: Item, error: str, attempts: int, final: bool = False) -> dict:
     """Write (and return) the sidecar of an item whose attempt failed; `final`: a failure that
     would happen again (it is given up at once, whatever retries are left)."""
-    record = item_record(item, model=cfg.model, status="failed", video=None, latents=None, timing=None, error=error)
+    record = item_record(item, model=cfg.model, status="failed", video=None, latents=None, timing=None, error=error,
+                         method=video_method(cfg))  # fmt: skip
     record["attempts"] = attempts
     if final:
         record["final"] = True
@@ -191,6 +191,32 @@ RESUME_KEYS = (
     "model", "prompt", "negative_prompt", "seed", "height", "width", "frames", "steps", "guidance", "guidance_2",
     "true_cfg_scale", "image",
 )  # fmt: skip
+
+
+def video_method(cfg: RunConfig) -> dict:
+    """What besides an item's own fields shapes its video, as its sidecar keeps it: {} for an
+    exact run (every exact strategy makes the same video, up to float rounding); else DiTango's
+    options and partitions (the cache ratio a --target-psnr calibration picks is its own),
+    Hybridiff's and the step cache's. A tiled decode (the default on several ranks) is not:
+    its tiles are blended, a batch may resume on another number of GPUs, and each item's
+    `decode` says how it was decoded."""
+    method: dict = {}
+    d = cfg.ditango
+    if cfg.layout.strategy == "ditango" and d is not None and (d.planner.cache_ratio > 0 or d.target_psnr is not None):
+        options = asdict(d)
+        if d.target_psnr is not None:
+            options["planner"].pop("cache_ratio")
+        method["ditango"] = {**options, "layout": cfg.layout.to_json()}
+    if cfg.hybrid is not None:
+        method["hybrid"] = asdict(cfg.hybrid)
+    if cfg.step_cache is not None:
+        method["step_cache"] = cfg.step_cache.to_json()
+    return json.loads(json.dumps(method, default=str))  # as it reads back from the sidecar
+
+
+def _method_text(method: dict, key: str) -> str:
+    value = method.get(key)
+    return "none" if value is None else f"{key} {json.dumps(value, separators=(',', ':'))}"
 
 
 def completed_record(cfg: RunConfig, item: Item) -> dict | None:
@@ -210,6 +236,13 @@ def completed_record(cfg: RunConfig, item: Item) -> dict | None:
         raise ConfigError(
             f"{item.source}: {paths['video']} exists but was made with {k} {record.get(k)!r}, not {wanted[k]!r}; "
             "use --overwrite to replace it, or another --out"
+        )
+    made, asked = record.get("method") or {}, video_method(cfg)  # a sidecar without one: an exact run's
+    if made != asked:
+        k = min(k for k in {*made, *asked} if made.get(k) != asked.get(k))
+        raise ConfigError(
+            f"{item.source}: {paths['video']} exists but was made with {_method_text(made, k)}, not "
+            f"{_method_text(asked, k)}; use --overwrite to replace it, or another --out"
         )
     if cfg.save_latents and not paths["latents"].is_file():
         return None
@@ -260,12 +293,16 @@ def progress_line(cfg: RunConfig, states: list[str]) -> str:
     )
 
 
-def status_counts(out_dir: Path) -> str:
-    """'5 done, 1 running': the item sidecars of `out_dir` by status (done always shown)."""
+def status_counts(out_dir: Path, alive: bool = True) -> str:
+    """'5 done, 1 running': the item sidecars of `out_dir` by status (done always shown). Not
+    `alive` (no job and no process works on the folder): a running item was interrupted."""
     counts: dict[str, int] = {}
     for _, record in item_records(out_dir):
-        counts[record.get("status")] = counts.get(record.get("status"), 0) + 1
-    return ", ".join(f"{counts.get(s, 0)} {s}" for s in ("done", RUNNING, "failed") if counts.get(s) or s == "done")
+        status = record.get("status")
+        status = status if status != RUNNING or alive else "interrupted"
+        counts[status] = counts.get(status, 0) + 1
+    shown = ("done", RUNNING, "interrupted", "failed")
+    return ", ".join(f"{counts.get(s, 0)} {s}" for s in shown if counts.get(s) or s == "done")
 
 
 def item_records(out_dir: Path):

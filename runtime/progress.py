@@ -176,10 +176,27 @@ def read_progress(out_dir: Path) -> list[tuple[str, dict]]:
     return found
 
 
+def _gone(data: dict) -> bool:
+    """Whether the writer of a heartbeat was a process of this host that no longer runs (one
+    on another host cannot be asked: its file's age tells)."""
+    pid = data.get("pid")
+    if data.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return False
+
+
 def heartbeat_line(data: dict, now: float | None = None) -> str:
     """'item 2/5 a: step 8/20, 1.93 s/step, ETA item 23 s, batch 2m41s (updated 4 s ago)'."""
     age = f"updated {duration((now or time.time()) - data['updated'])} ago"
     counts = f"{data.get('done', 0)} done, {data.get('failed', 0)} failed"
+    if data["state"] == "running" and _gone(data):  # killed before it could say so
+        return f"stopped: its process (pid {data.get('pid')}) is gone; {counts} ({age})"
     if data["state"] != "running":
         return f"{data['state']}: {counts} ({age})"
     try:

@@ -135,6 +135,7 @@ def item_record(
     decode: dict | None = None,
     error: str | None = None,
     step_cache: dict | None = None,
+    method: dict | None = None,
 ) -> dict:
     """The per-item record: the sidecar's body and one entry of report.json's `items`."""
     return {
@@ -158,6 +159,9 @@ def item_record(
         # mode (tiled/untiled), tiles, ranks, per_rank_s (decode time of each rank), bytes (tiles
         # sent to the writer), psnr_vs_untiled (with --reference exact and a tiled decode)
         "decode": decode,
+        # What besides the fields above shapes the video ({}: an exact run; runtime/outputs.py
+        # video_method): a folder's items are resumed only under the same.
+        "method": method or {},
         "error": error,
     }
 

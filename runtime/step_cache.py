@@ -30,146 +30,17 @@ branch). What this module adds:
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from planner.errors import ConfigError
-from runtime.user_files import require_regular_file
+from runtime.step_cache_options import StepCacheSpec, load_mag_ratios
 
-
-def _range(text: str) -> tuple[int, int]:
-    lo, sep, hi = text.partition("-")
-    if not sep:
-        raise ValueError(text)
-    return int(lo), int(hi)
-
-
-def _bool(text: str) -> bool:
-    if text.lower() not in ("1", "0", "true", "false"):
-        raise ValueError(text)
-    return text.lower() in ("1", "true")
-
-
-def _dtype(text: str) -> str:
-    if text not in ("float32", "bfloat16"):
-        raise ValueError(text)
-    return text
-
-
-def _path(text: str) -> str:
-    return str(Path(text).expanduser().resolve())
-
-
-# Per cache: its keys (as in diffusers' config classes) with their parsers, and our defaults
-# where diffusers' would do nothing (PAB skips no layer unless a skip range is given).
-KEYS: dict[str, dict] = {
-    "first-block": {"threshold": float},
-    "pab": {
-        "spatial_attention_block_skip_range": int,
-        "spatial_attention_timestep_skip_range": _range,
-        "cross_attention_block_skip_range": int,
-        "cross_attention_timestep_skip_range": _range,
-    },
-    "taylorseer": {
-        "cache_interval": int,
-        "disable_cache_before_step": int,
-        "disable_cache_after_step": int,
-        "max_order": int,
-        "taylor_factors_dtype": _dtype,
-    },
-    "magcache": {"threshold": float, "max_skip_steps": int, "retention_ratio": float, "mag_ratios": _path},
-}
-DEFAULTS: dict[str, dict] = {"pab": {"spatial_attention_block_skip_range": 2}}
 # TaylorSeer extrapolates the outputs of these modules (re.fullmatch on their names): each
 # block's attentions and FFN, in Wan and in HunyuanVideo (diffusers' default patterns miss
 # Wan's `attn1`/`attn2`).
 TAYLORSEER_MODULES = [r"blocks\.\d+\.(attn1|attn2|ffn)", r"(single_)?transformer_blocks\.\d+\.(attn|ff)"]
-EXAMPLE = {"first-block": "threshold=0.05", "pab": "spatial_attention_block_skip_range=2",
-           "taylorseer": "cache_interval=5", "magcache": "threshold=0.06"}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class StepCacheSpec:
-    """`--step-cache NAME[:key=value,...]`, validated: the cache and its options."""
-
-    name: str
-    options: tuple[tuple[str, object], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.name not in KEYS:
-            raise ConfigError(f"--step-cache must be one of {', '.join(KEYS)}, got {self.name!r}")
-        for key, value in self.options:
-            if key not in KEYS[self.name]:
-                raise ConfigError(
-                    f"--step-cache {self.name} has no option {key!r}; its options: {', '.join(KEYS[self.name])}"
-                )
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-                raise ConfigError(f"--step-cache {self.name}: {key} must be >= 0, got {value}")
-        opts = self.settings
-        if self.name == "taylorseer" and opts.get("cache_interval", 5) < 1:
-            raise ConfigError("--step-cache taylorseer: cache_interval must be >= 1 (1 computes every step)")
-        if self.name == "taylorseer" and opts.get("disable_cache_before_step", 3) < 1:
-            raise ConfigError(
-                "--step-cache taylorseer: disable_cache_before_step must be >= 1 (a step to extrapolate from)"
-            )
-        if self.name == "pab":
-            for key in ("spatial_attention_block_skip_range", "cross_attention_block_skip_range"):
-                if opts.get(key) is not None and opts[key] < 1:
-                    raise ConfigError(f"--step-cache pab: {key} must be >= 1 (1 skips nothing)")
-        if "mag_ratios" in opts:
-            if not Path(opts["mag_ratios"]).is_file():
-                raise ConfigError(f"--step-cache magcache: mag_ratios {opts['mag_ratios']} is not a file")
-            load_mag_ratios(opts["mag_ratios"])  # a bad file fails here, not on the ranks
-
-    @property
-    def settings(self) -> dict:
-        """The options in force: ours where given, else DEFAULTS (diffusers' for the rest)."""
-        return {**DEFAULTS.get(self.name, {}), **dict(self.options)}
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "options": {k: list(v) if isinstance(v, tuple) else v for k, v in self.settings.items()},
-        }
-
-
-def parse_step_cache(text: str) -> StepCacheSpec:
-    """'first-block:threshold=0.05' -> StepCacheSpec; a one-line ConfigError otherwise."""
-    name, _, rest = text.strip().partition(":")
-    name = name.strip().lower()
-    if name not in KEYS:
-        raise ConfigError(
-            f"--step-cache must be one of {', '.join(KEYS)} (e.g. first-block:threshold=0.05), got {name!r}"
-        )
-    options = []
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        key, sep, value = part.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or key not in KEYS[name]:
-            raise ConfigError(
-                f"--step-cache {name}: {part!r} is not key=value with a key of {', '.join(KEYS[name])} "
-                f"(e.g. {name}:{EXAMPLE[name]})"
-            )
-        try:
-            options.append((key, KEYS[name][key](value.strip())))
-        except ValueError:
-            raise ConfigError(f"--step-cache {name}: {key}={value.strip()!r} is not valid") from None
-    return StepCacheSpec(name, tuple(options))
-
-
-def load_mag_ratios(path: str) -> list[float]:
-    require_regular_file(Path(path), "--step-cache magcache: mag_ratios")
-    try:
-        ratios = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--step-cache magcache: mag_ratios {path} is not a JSON list of numbers ({exc})") from None
-    if not isinstance(ratios, list) or not ratios or not all(isinstance(r, (int, float)) for r in ratios):
-        raise ConfigError(f"--step-cache magcache: mag_ratios {path} is not a JSON list of numbers")
-    return [float(r) for r in ratios]
 
 
 @dataclass

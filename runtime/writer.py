@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from runtime.config import Item, RunConfig
-from runtime.outputs import output_paths
+from runtime.outputs import output_paths, video_method
 from runtime.plots import write_heatmap, write_rel_mae_plot
 from runtime.report import SCHEMA, ItemTiming, item_record
 from runtime.video import write_json, write_latents, write_mp4
@@ -41,7 +41,7 @@ def write_item(cfg: RunConfig, item: Item, frames: np.ndarray, latents_BCFHW, ti
         attention["plan_png"] = plan_png.name
     record = item_record(
         item, model=cfg.model, status="done", video=paths["video"].name, latents=latents_name, timing=timing,
-        attention=attention, hybrid=hybrid, **records,
+        attention=attention, hybrid=hybrid, method=video_method(cfg), **records,
     )  # fmt: skip
     write_json(paths["sidecar"], record)  # last: its presence marks the item complete
     return record

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import submitit
 
-from slurm.jobs import failed_state, job_ids, read_jobs, slurm_states
+from slurm.jobs import cancelled_jobs, failed_state, job_ids, read_jobs, slurm_states
 from slurm.rank import is_peer_failure
 
 # The line the job prints when an attempt starts: the logs after it are that attempt's.
@@ -102,14 +102,18 @@ def job_states(out_dir: Path) -> list[dict]:
     job Slurm has no record of), with the error of each failed one."""
     record = read_jobs(out_dir)
     states = slurm_states(job_ids(record))
+    cancelled = cancelled_jobs(out_dir)
     rows = []
     for submission in record:
         for job_id in submission["job_ids"]:
             state = states.get(job_id, "UNKNOWN")
             error = None
-            if failed_state(state):
+            if job_id in cancelled and (failed_state(state) or state == "UNKNOWN"):
+                state, error = "CANCELLED", f"cancelled with `ditango cancel` at {cancelled[job_id]}"
+            elif failed_state(state):
                 error = _logged_error(out_dir, submission, job_id)
-            rows.append({"job_id": job_id, "state": state, "error": error, "submitted_at": submission["submitted_at"]})
+            rows.append({"job_id": job_id, "state": state, "error": error, "submitted_at": submission["submitted_at"],
+                         "cancelled": job_id in cancelled})  # fmt: skip
     return rows
 
 

@@ -17,10 +17,12 @@ import re
 import shutil
 import subprocess
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from planner.errors import ConfigError
 from runtime.outputs import Damaged, read_json, state_dir
+from runtime.video import write_json
 
 
 def jobs_file(out_dir: Path) -> Path:
@@ -157,6 +159,7 @@ def cancel(out_dir: Path, wait_s: float = CANCEL_WAIT_S, poll_s: float = 0.5) ->
         run = run_slurm(["scancel", *map(check_job_id, live)])
         if run.returncode != 0:
             raise slurm_failure(run)
+        record_cancelled(out_dir, live)
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -174,6 +177,26 @@ def cancel(out_dir: Path, wait_s: float = CANCEL_WAIT_S, poll_s: float = 0.5) ->
         return i, "cancelled" if i in live else "ended" if i in states else "unknown", states.get(i)
 
     return [outcome(i) for i in ids]
+
+
+def cancelled_file(out_dir: Path) -> Path:
+    """`OUT/.ditango/cancelled.json`: {job id: when `ditango cancel` cancelled it (UTC)}."""
+    return state_dir(out_dir) / "cancelled.json"
+
+
+def record_cancelled(out_dir: Path, ids: list[str]) -> None:
+    """Remember that the user cancelled these jobs: `status` says so instead of blaming a rank."""
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    write_json(cancelled_file(out_dir), {**cancelled_jobs(out_dir), **dict.fromkeys(ids, stamp)})
+
+
+def cancelled_jobs(out_dir: Path) -> dict[str, str]:
+    """{job id: when} of the jobs `ditango cancel` cancelled ({} for a damaged file: only a label)."""
+    try:
+        data = read_json(cancelled_file(out_dir), "cancel record")
+    except Damaged:
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, str)} if isinstance(data, dict) else {}
 
 
 def slurm_states(ids: list[str]) -> dict[str, str]:

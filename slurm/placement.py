@@ -12,6 +12,7 @@ puts it on virtual node g // GPUs per node; each rank computes on the GPU of its
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from dataclasses import asdict, dataclass
@@ -146,6 +147,8 @@ def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
         "layout": cfg.layout.to_json(),
         "timeouts_s": {"step": cfg.timeout_s, "setup": cfg.setup_timeout_s},
         "items": len(cfg.items),
+        "item_list": [item.to_json() for item in cfg.items],  # sizes and steps as the run would make them
+        "ditango": None if cfg.ditango is None else json.loads(json.dumps(asdict(cfg.ditango), default=str)),
         "array": opts.array,
         "environment": rank_environment(cfg.out_dir),
         "ranks": [s.to_json() for s in rank_slots(cfg, local=where == "local")],

@@ -357,7 +357,7 @@ def test_byte_order_mark_in_prompt_files(tmp_path):
     [
         (
             ["--gpus", "2", "--parallel", "ring", "--cache-ratio", "0.3"],
-            ["--cache-ratio only apply to --parallel ditango"],
+            ["--cache-ratio only applies to --parallel ditango"],
         ),
         (["--gpus", "4", "--parallel", "ditango", "--group-size", "3"], ["--group-size 3 must divide the cp degree 4"]),
         (["--gpus", "4", "--parallel", "ditango", "--group-size", "two"], ["--group-size must be a number"]),
@@ -379,7 +379,7 @@ def test_byte_order_mark_in_prompt_files(tmp_path):
         ),
         (
             ["--gpus", "2", "--parallel", "ring", "--target-psnr", "40"],
-            ["--target-psnr only apply to --parallel ditango"],
+            ["--target-psnr only applies to --parallel ditango"],
         ),
     ],
 )
@@ -401,7 +401,7 @@ def test_parse_bytes():
         (["--cfg-parallel"], ["--cfg-parallel needs an even number of ranks, got 1"]),
         (["--gpus", "2", "--cfg-parallel", "--guidance", "1.0"], ["--cfg-parallel needs guidance > 1"]),
         (["--gpus", "2", "--hybrid"], ["--hybrid needs --cfg-parallel"]),
-        (["--gpus", "2", "--hybrid-k", "3"], ["--hybrid-k only apply with --hybrid"]),
+        (["--gpus", "2", "--hybrid-k", "3"], ["--hybrid-k only applies with --hybrid"]),
         (["--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-k", "-1"], ["--hybrid-k must be >= 0"]),
         (["--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-split", "4"], ["--hybrid-split must be in [1, 3]"]),
         (["--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-first-text", "x"], ["cond or uncond"]),

@@ -138,7 +138,18 @@ def test_simulate_plumbs_planner_and_own_group(runner):
     from planner.plan_shape import load_plan_shapes
 
     recorded = load_plan_shapes()["budget"][0]  # warm-up and cool-down default to the recorded runs'
-    base = ["simulate", "--nodes", "3", "--gpus-per-node", "8", "--parallel", "ditango", "--json"]
+    base = [
+        "simulate",
+        "--nodes",
+        "3",
+        "--gpus-per-node",
+        "8",
+        "--parallel",
+        "ditango",
+        "--group-size",
+        "node",
+        "--json",
+    ]
     data = json.loads(runner.invoke(app, [*base, "--planner", "budget", "--cache-ratio", "0.33"]).stdout)
     assert (data["assumptions"]["ditango_planner"], data["assumptions"]["ditango_cache_ratio"]) == ("budget", 0.33)
     for r in data["rows"]:
@@ -332,7 +343,7 @@ def test_simulate_replays_a_plan_file(runner, tmp_path):
     from ditango_cli.app import app
 
     report = _write_run(tmp_path, OWN_PLAN, "hpdc", 0.5)
-    args = ["simulate", "--nodes", "2", "--gpus-per-node", "8", "--plan", str(report), "--json"]
+    args = ["simulate", "--nodes", "2", "--gpus-per-node", "8", "--group-size", "node", "--plan", str(report), "--json"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)

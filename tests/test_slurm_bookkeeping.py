@@ -141,8 +141,8 @@ def test_a_step_srun_refuses_is_one_line_and_leaves_no_steps_folder(runner, tmp_
 # --- a damaged jobs.json ----------------------------------------------------------------
 
 DAMAGED = {
-    "not JSON": (b'[{"submitted_at": "x", ', "damaged job record (not JSON: "),
-    "not UTF-8": (b'\xff\xfe[{"job_ids": []}]', "damaged job record (not UTF-8 text)"),
+    "not JSON": (b'[{"submitted_at": "x", ', "damaged job record (not valid JSON ("),
+    "not UTF-8": (b'\xff\xfe[{"job_ids": []}]', "damaged job record (not UTF-8 text"),
     "not a list": (json.dumps(submission("123")).encode(), "expected a list of submissions, got dict"),
     "no folder": (json.dumps([{**submission("123"), "folder": None}]).encode(), "folder is None, not a string"),
     "ids not a list": (json.dumps([{**submission(), "job_ids": "123"}]).encode(), "job_ids is '123', not a list"),
@@ -173,7 +173,7 @@ def test_a_job_record_that_cannot_be_read_is_one_line(runner, tmp_path, monkeypa
     out = tmp_path / "out"
     jobs_file(out).mkdir(parents=True)  # a folder where the file should be
     line = one_error_line(runner.invoke(app, ["cancel", str(out)]))
-    assert line.startswith(f"error: {jobs_file(out)}: cannot read this job record"), line
+    assert line == f"error: job record {jobs_file(out)} is a folder, not a regular file", line
     assert recorded(calls) == []
 
 

@@ -18,7 +18,8 @@ from runtime.comm import Comm
 from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from runtime.step_cache import StepCache, parse_step_cache
+from runtime.step_cache import StepCache
+from runtime.step_cache_options import parse_step_cache
 from slurm.local import run_ranks
 from tiny_wan import TinyWanConfig, build_tiny_wan
 

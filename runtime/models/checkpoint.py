@@ -11,16 +11,19 @@ message saying how to convert it.
 
 from __future__ import annotations
 
-import json
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import safe_open
 
+from planner.errors import ConfigError
+from planner.user_files import read_json_file
 from runtime.errors import ModelDirError
 from runtime.models.families import FAMILIES
 from runtime.models.wan import WanVariant
 
+LIBRARIES = ("diffusers", "transformers")  # where a model_index.json's classes may come from
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Components that carry weights, and the config file diffusers/transformers expect in each.
 WEIGHTED = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "vae", "image_encoder")
@@ -39,11 +42,11 @@ class ModelDirInfo:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json_file(path, "model file")
     except FileNotFoundError:
         raise ModelDirError(f"model directory is incomplete: {path} is missing") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelDirError(f"cannot read {path}: {exc}") from None
+    except ConfigError as exc:
+        raise ModelDirError(str(exc)) from None
     if not isinstance(data, dict):
         raise ModelDirError(f"{path} is not a JSON object")
     return data
@@ -108,6 +111,20 @@ def _refuse_unhonoured(path: Path, components: dict[str, tuple[str, str]], honou
             )
 
 
+def _refuse_unknown_classes(path: Path, components: dict[str, tuple[str, str]]) -> None:
+    """Every component's class is one the installed diffusers or transformers has: the file is
+    the user's, so nothing else is imported by its word, and a class this environment lacks is
+    said here (by `check` too), not met while loading."""
+    for name, (library, cls) in components.items():
+        if library not in LIBRARIES:
+            raise ModelDirError(f"{path}/model_index.json: {name} comes from {library!r}, not one of "
+                                f"{', '.join(LIBRARIES)}")  # fmt: skip
+        module = importlib.import_module(library)
+        if not hasattr(module, cls):
+            raise ModelDirError(f"{path}/model_index.json: {name} is a {library}.{cls}, which {library} "
+                                f"{module.__version__} does not have")  # fmt: skip
+
+
 def family_of_pipeline(pipeline_class: str) -> str | None:
     """The family (its key) whose checkpoints name this diffusers pipeline, None if none does."""
     return next((name for name, f in FAMILIES.items() if pipeline_class in f.PIPELINES), None)
@@ -133,6 +150,7 @@ def inspect_model_dir(path: Path) -> ModelDirInfo:
     if missing:
         raise ModelDirError(f"{path}/model_index.json lists no {', '.join(missing)} component")
     _refuse_unhonoured(path, components, family.COMPONENTS)
+    _refuse_unknown_classes(path, components)
     for name in components:
         folder = path / name
         if not folder.is_dir():

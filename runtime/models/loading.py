@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +10,9 @@ from pathlib import Path
 import torch
 
 from planner.errors import ConfigError
+from planner.user_files import read_json_file
 from runtime.errors import ModelDirError
-from runtime.models.checkpoint import WEIGHTED
+from runtime.models.checkpoint import LIBRARIES, WEIGHTED
 from runtime.models.hub import hub_offline
 from runtime.models.registry import ResolvedModel
 
@@ -91,13 +91,12 @@ def _dtype_kwarg(cls: type) -> str:
 # The components that are torch modules, each read by its own class (the rest: the pipeline's).
 MODULES = WEIGHTED
 FLOAT32 = ("vae", "image_encoder")  # as Wan's reference code and diffusers' examples run them
-LIBRARIES = ("diffusers", "transformers")  # where a model_index.json's module classes may come from
 
 
 def module_classes(path: Path) -> dict[str, type]:
     """{component: its class} of the torch modules model_index.json lists (`[library, class]`;
     `[null, null]`: absent, as Wan2.1's transformer_2)."""
-    index = json.loads((path / "model_index.json").read_text(encoding="utf-8"))
+    index = read_json_file(path / "model_index.json", "model file")
     classes = {}
     for name in MODULES:
         entry = index.get(name)

@@ -10,12 +10,12 @@ prompt of the longest length the pipeline asks for, which is what the memory mod
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from planner.errors import ConfigError
+from planner.user_files import read_json_file
 from runtime.models import registry
 from runtime.models.families import FAMILIES
 from runtime.models.registry import ModelSpec
@@ -63,9 +63,9 @@ def cast_like_loader(module, dtype: torch.dtype) -> None:
 
 def _read_config(path: Path) -> dict:
     try:
-        return json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read {path / 'config.json'}: {exc}") from None
+        return read_json_file(path / "config.json", "model file")
+    except FileNotFoundError:
+        raise ConfigError(f"cannot read {path / 'config.json'}: no such file") from None
 
 
 def _transformers_model(class_name: str, config: dict):
@@ -91,9 +91,9 @@ def _named_configs(spec: ModelSpec, key: str) -> dict:
 def _dir_configs(path: Path) -> dict:
     """{component: (class name, config)} of a diffusers directory (model_index.json)."""
     try:
-        index = json.loads((path / "model_index.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read {path / 'model_index.json'}: {exc}") from None
+        index = read_json_file(path / "model_index.json", "model file")
+    except FileNotFoundError:
+        raise ConfigError(f"cannot read {path / 'model_index.json'}: no such file") from None
     parts = {}
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, list) or entry[1] is None:
@@ -102,7 +102,7 @@ def _dir_configs(path: Path) -> dict:
             continue
         if name == "scheduler":
             file = path / name / "scheduler_config.json"
-            parts[name] = (entry[1], json.loads(file.read_text(encoding="utf-8")))
+            parts[name] = (entry[1], read_json_file(file, "model file"))
         else:
             parts[name] = (entry[1], _read_config(path / name))
     return parts

@@ -372,7 +372,10 @@ def spec_from_dir(path: Path, info: ModelDirInfo) -> ModelSpec:
 
     pipeline = adapter.PIPELINE_DEFAULTS  # the pipeline's defaults where they differ from `Defaults`
     text_len = pipeline.get("max_text_len", Defaults.max_text_len)
-    shape = components(adapter.shape_of(str(path), config, info.transformer_params, text_len, (4, stride, stride)))
+    try:
+        shape = components(adapter.shape_of(str(path), config, info.transformer_params, text_len, (4, stride, stride)))
+    except (TypeError, ValueError) as exc:  # a value of the wrong type in the user's config
+        raise ModelDirError(f"{path}/transformer/config.json: a value is not what diffusers expects ({exc})") from None
     defaults = Defaults(
         vae_stride=stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
         image=variant.image, experts=variant.experts, **pipeline,
@@ -382,11 +385,11 @@ def spec_from_dir(path: Path, info: ModelDirInfo) -> ModelSpec:
 
 
 def _vae_config(path: Path) -> dict:
-    import json
+    from planner.user_files import read_json_file
 
     try:
-        config = json.loads((path / "vae" / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        config = read_json_file(path / "vae" / "config.json", "model file")
+    except (OSError, ConfigError):  # checked where the model is inspected; here a default
         return {}
     return config if isinstance(config, dict) else {}
 

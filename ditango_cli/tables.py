@@ -1,0 +1,31 @@
+"""Tables on a terminal of any width: ids, names and numbers are never cut.
+
+rich shrinks a table to the console, cutting cells with "…". Here every column is as wide as
+its widest cell, except the free-text ones (`WRAPPED`: prompts, errors, paths, lists), which
+wrap; when even that is wider than the console, the table is drawn at the width it needs
+(the terminal wraps its long lines), never cut. `--json` gives every value too.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+
+WRAPPED = ("prompt", "error", "problems", "defaults", "resolves to", "offloaded")
+
+
+def print_tables(console: Console, *tables: Table) -> None:
+    for table in tables:
+        for column in table.columns:
+            if str(column.header) in WRAPPED:
+                column.overflow = "fold"
+            else:
+                cells = [column.header, *column.cells]
+                column.no_wrap = True
+                column.min_width = max(console.measure(c).maximum for c in cells)
+        need = Measurement.get(console, console.options.update(max_width=10**6), table).minimum
+        target = console
+        if need > console.width:  # the same stream, as wide as the table needs
+            target = Console(file=console.file, width=need, highlight=False, soft_wrap=True)
+        target.print(table)
