@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from planner.errors import ConfigError
+from planner.user_files import read_text
 from runtime.outputs import check_foreign_files, fs_clock, state_dir
 from runtime.video import PARTIAL_GLOB
 
@@ -59,17 +60,17 @@ class FolderLock:
     def holder(self) -> tuple[dict | None, str | None]:
         """(owner, None) when a live owner holds OUT; (owner or None, why) when the lock is
         stale (why it may be taken over); (None, None) when there is no lock."""
-        try:
-            raw = self.path.read_text(encoding="utf-8")
+        try:  # bounded, a regular file only: a FIFO or a huge file put there reads as damaged
+            raw = read_text(self.path, "lock", 2**16)
             age = fs_clock(self.out_dir) - self.path.stat().st_mtime
         except FileNotFoundError:
             return None, None
-        except (OSError, UnicodeDecodeError):
+        except (OSError, ConfigError):
             raw, age = "", LEASE_S + 1
         try:
             owner = json.loads(raw)
             owner = owner if isinstance(owner, dict) else None
-        except ValueError:
+        except (ValueError, RecursionError):
             owner = None
         if owner is None:
             return None, (None if age < WRITING_S else "the lock file is damaged")

@@ -15,6 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
+from planner.errors import ConfigError
+from planner.user_files import read_json_file
 from runtime.config import Item
 from runtime.context import Observer
 from runtime.outputs import state_dir
@@ -168,8 +170,8 @@ def read_progress(out_dir: Path) -> list[tuple[str, dict]]:
         if path.name.startswith("."):
             continue
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            data = read_json_file(path, "heartbeat", 2**20)
+        except (OSError, ConfigError):  # torn, foreign, not a file: only a progress view
             continue
         if isinstance(data, dict) and isinstance(data.get("updated"), (int, float)) and "state" in data:
             found.append((path.stem, data))

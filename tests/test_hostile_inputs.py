@@ -182,3 +182,22 @@ def test_nothing_is_written_outside_out(runner, tmp_path, monkeypatch):
     result = runner.invoke(app, ["generate", "--prompt", "a", "--config", str(path), *FAST_ARGV])
     assert result.exit_code == 2
     assert sorted(os.listdir(tmp_path)) == sorted([*before, "run.toml"])
+
+
+def test_bookkeeping_files_that_are_not_files_never_hang_a_command(tmp_path):
+    """A FIFO where the folder's lock or a heartbeat should be: reading it would wait for a
+    writer forever. `status` reads the lock as damaged and skips the heartbeat."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from runtime.outputs import state_dir
+
+    out = tmp_path / "out"
+    (state_dir(out) / "progress").mkdir(parents=True)
+    os.mkfifo(state_dir(out) / "lock")
+    os.mkfifo(state_dir(out) / "progress" / "report.json")
+    ditango = Path(sys.executable).parent / "ditango"
+    shown = subprocess.run([str(ditango), "status", str(out)], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "items in" in shown.stdout and "progress:" not in shown.stdout

@@ -4,6 +4,7 @@ starts it). Without a running cluster these tests skip, except in CI, where they
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -102,6 +103,11 @@ def test_cancel_and_resubmit_skips_finished_items(runner, tmp_path):
         time.sleep(0.2)
     assert runner.invoke(app, ["cancel", str(out)]).exit_code == 0
     time.sleep(2)  # a cancelled job's last write, if any, lands before we look
+    # The user's cancel is no failure: said as such, no rank blamed, nothing left "running".
+    status = runner.invoke(app, ["status", str(out)])
+    assert status.exit_code == 0 and "cancelled with `ditango cancel`" in status.stdout, status.stdout
+    (items,) = [ln for ln in status.stdout.splitlines() if ln.startswith("items in")]
+    assert "running" not in items and "killed" not in status.stdout, status.stdout
     finished = {p.stem: p.stat().st_mtime_ns for p in finished_items()}
     assert finished and len(finished) < 10
     result = runner.invoke(app, args)
@@ -148,7 +154,8 @@ def test_a_failed_item_is_retried_in_a_new_submission(runner, tmp_path, monkeypa
         if status.exit_code == 0 or time.monotonic() > deadline:
             break
         time.sleep(2)
-    assert status.exit_code == 0 and "FAILED" in status.stdout and "injected fault" in status.stdout
+    flat = " ".join(re.sub(r"[│┃┏┓┗┛━─┡┩╇┳┻└┘┴┬├┤┼╀╁]", " ", status.stdout).split())  # wrapped cells rejoined
+    assert status.exit_code == 0 and "FAILED" in flat and "injected fault" in flat, status.stdout
 
 
 def test_time_limit_requeues_and_finishes_the_batch(runner, tmp_path):

@@ -68,7 +68,8 @@ def test_a_run_file_out_with_no_wait_then_status_cancel_and_report(runner, tmp_p
     out = work / HOSTILE
     (job,) = job_ids(out)
     # The command it suggests is quoted for a shell: pasted, it names the literal folder.
-    assert shlex.split(result.stdout.split("follow with: ")[1]) == ["ditango", "status", HOSTILE]
+    # (the run file's relative out is relative to its folder: the suggestion names it whole)
+    assert shlex.split(result.stdout.split("follow with: ")[1]) == ["ditango", "status", str(work / HOSTILE)]
     assert runner.invoke(app, ["status", str(out)]).exit_code == 0
     result = runner.invoke(app, ["cancel", str(out)])
     assert result.exit_code == 0 and job in result.output, result.output
