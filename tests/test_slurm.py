@@ -105,7 +105,7 @@ def test_cancel_and_resubmit_skips_finished_items(runner, tmp_path):
     time.sleep(2)  # a cancelled job's last write, if any, lands before we look
     # The user's cancel is no failure: said as such, no rank blamed, nothing left "running".
     status = runner.invoke(app, ["status", str(out)])
-    flat = " ".join(re.sub(r"[│┃┏┓┗┛━─┡┩╇┳┻└┘┴┬├┤┼╀╁]", " ", status.stdout).split())  # wrapped cells rejoined
+    flat = table_text(status.stdout)
     assert status.exit_code == 0 and "cancelled with `ditango cancel`" in flat, status.stdout
     (items,) = [ln for ln in status.stdout.splitlines() if ln.startswith("items in")]
     assert "running" not in items and "killed" not in status.stdout, status.stdout
@@ -155,7 +155,7 @@ def test_a_failed_item_is_retried_in_a_new_submission(runner, tmp_path, monkeypa
         if status.exit_code == 0 or time.monotonic() > deadline:
             break
         time.sleep(2)
-    flat = " ".join(re.sub(r"[│┃┏┓┗┛━─┡┩╇┳┻└┘┴┬├┤┼╀╁]", " ", status.stdout).split())  # wrapped cells rejoined
+    flat = table_text(status.stdout)
     assert status.exit_code == 0 and "FAILED" in flat and "injected fault" in flat, status.stdout
 
 
@@ -314,3 +314,8 @@ def test_a_failing_rank_ends_the_job_within_the_step_timeout(runner, tmp_path, m
         assert "injected fault on rank 1 after step 2" in item["error"]
     else:
         assert "Timed out" in item["error"]
+
+
+def table_text(text: str) -> str:
+    """A rich table's text with its borders gone and wrapped cells rejoined into one line."""
+    return " ".join(re.sub(r"[│┃┏┓┗┛━─┡┩╇┳┻└┘┴┬├┤┼╀╁]", " ", text).split())
