@@ -87,12 +87,16 @@ def run_file_values(ctx: typer.Context, path: Path, groups: tuple[type, ...]) ->
     sections = {section(g) for g in groups}
     flat: dict[str, object] = {}
     for key, value in data.items():
+        for name in (key, *(value if isinstance(value, dict) and key in sections else ())):
+            if name in NOT_RECORDED:  # how to show a run, not what it makes: the command line's
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"--config {path}: {name!r} is not a run setting; give {flag} on the command line")
         if isinstance(value, dict) and key in sections:
             for sub, v in value.items():
                 if known.get(sub) is None or section(known[sub]) != key:
                     raise ConfigError(f"--config {path}: unknown key {sub!r} in [{key}]")
                 flat[sub] = v
-        elif key in known and key not in NOT_RECORDED:
+        elif key in known:
             flat[key] = value
         else:
             raise ConfigError(f"--config {path}: unknown key {key!r} (keys are option names with underscores)")

@@ -11,7 +11,7 @@ import shlex
 from rich.console import Console
 from rich.table import Table
 
-from ditango_cli.tables import print_tables
+from ditango_cli.tables import plain_console, print_tables
 from runtime.config import RunConfig
 from slurm.options import SlurmOptions
 from slurm.rank import RANK_DEVICE_ENV
@@ -24,7 +24,7 @@ def show_dry_run(cfg: RunConfig, opts: SlurmOptions, where: str, as_json: bool) 
     if as_json:
         print(json.dumps(record, indent=2))
         return 0
-    out = Console(soft_wrap=True, highlight=False, width=max(120, Console().width))
+    out = plain_console(soft_wrap=True, width=max(120, Console().width))
     out.print("dry run: nothing is submitted, started, loaded or written", markup=False)
     out.print(f"executor: {record['executor_line']}", markup=False)
     out.print(

@@ -29,7 +29,7 @@ from ditango_cli.options import (
     ParallelArgs,
     SlurmArgs,
 )
-from ditango_cli.tables import print_tables
+from ditango_cli.tables import plain_console, print_tables
 from planner.ditango import DiTangoOptions, run_planner_config
 from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
@@ -150,6 +150,8 @@ def build_run_config(
     if layout.strategy != "ditango" and ditango_only:
         verb = "applies" if len(ditango_only) == 1 else "apply"
         raise ConfigError(f"{', '.join(ditango_only)} only {verb} to --parallel ditango")
+    if mem.vae_tile is not None and not decode.tiled:
+        raise ConfigError("--vae-tile only applies to a tiled decode: --vae-tiling, or --vae-parallel on several ranks")
     check_timeouts(p.timeout, p.setup_timeout)
     device = ranks_device(where, m.device.value, layout.world_size * p.replicas, p.gpus_per_node)
     if problem := cpu_only_torch(device):  # the jobs run this environment: refused before anything queues
@@ -224,7 +226,7 @@ def _generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> 
             "--wait-for-lock under a launcher's ranks: start the job once the run that owns the folder has ended, "
             "or give this one another --out"
         )
-    err = Console(stderr=True, soft_wrap=True)
+    err = plain_console(stderr=True, soft_wrap=True)
     # Under a launcher only rank 0 speaks: every rank's output reaches the same console or log.
     quiet = run.quiet or (launched is not None and not launched.writer)
     say = (lambda text: None) if quiet else (lambda text: err.print(text, highlight=False, markup=False))
@@ -352,7 +354,7 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
     if r.json:
         print(json.dumps(summary, indent=2, ensure_ascii=False))
         return 0
-    console = Console()
+    console = plain_console()
     lay = cfg.layout
     console.print(
         f"model {summary['model']} ({summary['model_path'] or 'built-in'}), {spec.layers} layers, {spec.heads} heads; "

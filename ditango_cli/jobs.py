@@ -6,11 +6,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from ditango_cli.tables import print_tables
+from ditango_cli.tables import plain_console, print_tables
 
 OutArg = Annotated[Path, typer.Argument(help="The --out folder of a batch.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
@@ -29,12 +27,12 @@ def status(out: OutArg) -> int:
     from slurm.job_errors import job_states
     from slurm.jobs import ended_state, failed_state, recorded_jobs
 
-    console = Console()
+    console = plain_console()
     rows = job_states(out) if recorded_jobs(require_output_folder(out)) is not None else []
     if rows:
         table = Table("job", "state", "submitted", "error")
         for r in rows:
-            table.add_row(r["job_id"], r["state"], submitted_when(r["submitted_at"]), escape(r["error"] or ""))
+            table.add_row(r["job_id"], r["state"], submitted_when(r["submitted_at"]), r["error"] or "")
         print_tables(console, table)
     else:
         console.print(f"no Slurm job is recorded for {out} (a local run)", highlight=False, soft_wrap=True)
@@ -138,7 +136,7 @@ def report(out: OutArg, as_json: JsonOpt = False) -> int:
             *([f"{cache['block_fraction']:.3f}" if cache else "-", "-" if skipped is None else str(len(skipped))]
               if cached else []),
         )  # fmt: skip
-    console = Console()
+    console = plain_console()
     layout = merged.get("layout") or {}
     if layout:
         group = f", group size {layout.get('group_size')}" if layout.get("strategy") == "ditango" else ""

@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from ditango_cli.options import canonical_model
-from ditango_cli.tables import print_tables
+from ditango_cli.tables import plain_console, print_tables
 from planner.errors import ConfigError
 from runtime.models.loading import human_count
 from runtime.models.registry import REGISTRY, model_root
@@ -34,7 +33,7 @@ def models(
         table.add_row(row["name"], row["repo_id"] or "-", row["task"], human_count(row["params"]), str(row["heads"]),
                       str(row["layers"]), f"{d['width']}x{d['height']}x{d['frames']}, {d['steps']} steps, cfg {g}",
                       row["resolves_to"])  # fmt: skip
-    print_tables(Console(), table)
+    print_tables(plain_console(), table)
     return 0
 
 

@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS
+from planner.errors import ConfigError
 from planner.hybrid import FIRST_SEGMENT_TEXTS
 from planner.layout import STRATEGIES
 from runtime.config import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, setup_timeout
@@ -27,6 +28,8 @@ from runtime.models.registry import ALIASES, MODEL_ROOT_ENV, REGISTRY
 def canonical_model(name: str) -> str:
     """A registry alias (wan2.2-a14b), or an entry's Hugging Face repo id without a revision, as
     the entry's name."""
+    if not name.strip():
+        raise ConfigError("--model is empty; give a registry name (ditango models), a repo id or a folder")
     return ALIASES.get(name) or next((s.name for s in REGISTRY.values() if s.repo_id == name), name)
 
 

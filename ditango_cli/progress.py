@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from runtime.config import Item
 from runtime.pace import Pace, pace_text
@@ -14,11 +15,11 @@ class RichObserver:
     def __init__(self, console: Console) -> None:
         self.console = console
         self.progress = Progress(
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
-            TextColumn("{task.fields[pace]}"),
+            TextColumn("{task.fields[pace]}", markup=False),
             console=console,
             transient=True,
         )
@@ -61,11 +62,11 @@ class RichObserver:
         if self._items is not None:
             self.progress.advance(self._items)
         if record["status"] == "failed":
-            self.console.print(f"[red]failed[/red] {record['id']}: {record['error']}", highlight=False)
+            self.console.print(Text.assemble(("failed", "red"), f" {record['id']}: {record['error']}"))
         else:
             total = (record.get("timing") or {}).get("total_s", 0.0)
             self.console.print(
-                f"[green]done[/green] {record['id']} -> {record['video']} ({total:.2f} s)", highlight=False
+                Text.assemble(("done", "green"), f" {record['id']} -> {record['video']} ({total:.2f} s)")
             )
 
     def message(self, text: str) -> None:

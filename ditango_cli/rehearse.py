@@ -8,13 +8,12 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Annotated
 
-from rich.console import Console
 from rich.table import Table
 
 from ditango_cli.command import command
 from ditango_cli.generate import build_run_config
 from ditango_cli.options import GROUPS, _o
-from ditango_cli.tables import print_tables
+from ditango_cli.tables import plain_console, print_tables
 from planner.errors import ConfigError
 from planner.memory import GIB, parse_bytes
 
@@ -55,7 +54,7 @@ def rehearse(m, i, o, p, d, g, mem, s, r, run: RehearseArgs, options: dict) -> i
         cfg = replace(cfg, attention_backend="torch")  # torch's flash kernel: flash-attn's has no fake kernel
     if cfg.replicas > 1:
         cfg = replace(cfg, replicas=1)  # every replica runs the same program
-    err = Console(stderr=True, soft_wrap=True)
+    err = plain_console(stderr=True, soft_wrap=True)
     world = cfg.layout.world_size
 
     def progress(report: dict) -> None:
@@ -70,7 +69,7 @@ def rehearse(m, i, o, p, d, g, mem, s, r, run: RehearseArgs, options: dict) -> i
 
 
 def show(report: dict) -> None:
-    console = Console(width=None if sys.stdout.isatty() else 120)  # piped: no column cut to 80
+    console = plain_console(width=None if sys.stdout.isatty() else 120)  # piped: no column cut to 80
     item, layout = report["item"], report["layout"]
     console.print(
         f"{report['model']} {item['width']}x{item['height']}x{item['frames']} ({item['tokens']} tokens), "

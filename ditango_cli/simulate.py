@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from ditango_cli.options import canonical_model, planner_choice
-from ditango_cli.tables import print_tables
+from ditango_cli.tables import plain_console, print_tables
 from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS
 from planner.errors import ConfigError
 
@@ -40,6 +39,8 @@ VaeParOpt = Annotated[bool | None, typer.Option("--vae-parallel/--no-vae-paralle
 TilingOpt = Annotated[bool, typer.Option("--vae-tiling", help="Tiled VAE decode (one process).")]
 CacheDtype = Enum("CacheDtype", {"bfloat16": "bfloat16", "float32": "float32"}, type=str)  # type: ignore[misc]
 CacheOpt = Annotated[CacheDtype, typer.Option("--cache-dtype", help="DiTango cache element type.")]
+# More GPUs than one video can use (32,760 tokens at 480p: 32 a rank); the pricing grows with the square.
+MAX_RANKS = 1024
 GpuMemOpt = Annotated[str | None, typer.Option("--gpu-memory", help="Per GPU, e.g. 80GiB (default: the profile's).")]
 
 
@@ -81,6 +82,7 @@ def simulate(
     """Price strategies on a hardware profile: per-step attention, step and end-to-end time, bytes, peak memory."""
     from planner.comparison import compare_layouts, memory_options, simulate_assumptions
     from planner.cost_model import load_hardware
+    from planner.layout import parse_group_size
     from planner.memory import parse_bytes
     from planner.models import VideoSize
     from runtime.models.registry import REGISTRY
@@ -92,22 +94,30 @@ def simulate(
     d = spec.defaults  # one set of defaults: a run of generate with the same options is what is priced
     height, width, frames, steps = (d.height if height is None else height, d.width if width is None else width,
                                     d.frames if frames is None else frames, d.steps if steps is None else steps)  # fmt: skip
-    if steps < 1:
-        raise ConfigError(f"--steps {steps}: must be >= 1")
+    check_size(spec.defaults, height, width, frames, steps)
+    if nodes < 1 or gpus_per_node < 1 or nodes * gpus_per_node > MAX_RANKS:
+        raise ConfigError(f"--nodes and --gpus-per-node must be >= 1 and price at most {MAX_RANKS} GPUs, got "
+                          f"{nodes} and {gpus_per_node}")  # fmt: skip
+    if group_size is not None:
+        parse_group_size(group_size, gpus_per_node)  # checked once here, not once per row
+    strategies = [s.strip() for s in parallel.split(",") if s.strip()]
+    if not strategies:
+        raise ConfigError(f"--parallel {parallel!r} names no strategy; give some of ring, ulysses, usp, tp, ditango")
     if plan_item is not None and plan is None:
         raise ConfigError("--plan-item needs --plan (the report.json the item is in)")
     source = plan_source(plan, planner, own_group, cache_ratio, warmup, cooldown, plan_item)
     size = VideoSize(height, width, frames)
     memory = memory_options(shard_weights, spec.defaults.cfg_scale, vae_tiling, cache_dtype.value)
-    rows, notes = compare_layouts(hw, spec.shape, nodes, gpus_per_node, [s.strip() for s in parallel.split(",") if s.strip()],
-                                  group_size, size, steps, source, memory, vae_parallel,
+    rows, notes = compare_layouts(hw, spec.shape, nodes, gpus_per_node, strategies, group_size, size, steps, source, memory, vae_parallel,
                                   parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None)  # fmt: skip
+    if not rows:
+        raise ConfigError("nothing to price: " + "; ".join(notes))
     assumptions = simulate_assumptions(hw, model, spec.shape.tokens(size), steps, source, notes)
     assumptions.update(height=height, width=width, frames=frames)
     if as_json:
         print(json.dumps({"schema": 1, "assumptions": assumptions, "rows": rows}, indent=2))
         return 0
-    Console().print(f"{model}, {width}x{height}x{frames} ({assumptions['tokens']} tokens), {steps} steps, {hw.name} x "
+    plain_console().print(f"{model}, {width}x{height}x{frames} ({assumptions['tokens']} tokens), {steps} steps, {hw.name} x "
                     f"{gpus_per_node} per node; DiTango from {source.description} (\"computed\": its share of "
                     "attention units fetched, all steps). Bytes are exact counts; times and memory are modelled (see "
                     "--json assumptions).", highlight=False)  # fmt: skip
@@ -123,11 +133,23 @@ def simulate(
                        f"{r['peak_memory_bytes'] / 2**30:.1f}", r["peak_memory_stage"], ", ".join(r["offload"]) or "-",
                        {None: "-", True: "yes", False: "no"}[r["fits"]])  # fmt: skip
     plan_notes = dict.fromkeys(n for r in rows for n in r.get("ditango", {}).get("notes", []))
-    console = Console(highlight=False)
+    console = plain_console()
     print_tables(console, table, memory)
     for line in [*(f"skipped: {note}" for note in notes), *(f"note: {n}" for n in plan_notes)]:
         console.print(line)
     return 0
+
+
+def check_size(defaults, height: int, width: int, frames: int, steps: int) -> None:
+    """The checks generate makes of a video's size and steps (one line each): simulate prices
+    only what a run could make."""
+    from runtime.config import Item
+    from runtime.items import check_geometry
+
+    item = Item(id="simulate", prompt="simulate", negative_prompt="", seed=0, height=height, width=width,
+                frames=frames, steps=steps, guidance=0.0, source="simulate", vae_stride=defaults.vae_stride,
+                patch=defaults.patch)  # fmt: skip
+    check_geometry(item, defaults)
 
 
 def plan_source(plan: Path | None, planner: str | None, own_group: str | None, cache_ratio: float,

@@ -12,6 +12,13 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+
+def plain_console(**options) -> Console:
+    """A console that prints text as it is: ids, prompts, paths and errors are the user's, and
+    rich would read "[/b]" in a folder name as markup (and fail on it)."""
+    return Console(markup=False, highlight=False, **options)
+
+
 WRAPPED = ("prompt", "error", "problems", "defaults", "resolves to", "offloaded")
 
 
@@ -27,5 +34,5 @@ def print_tables(console: Console, *tables: Table) -> None:
         need = Measurement.get(console, console.options.update(max_width=10**6), table).minimum
         target = console
         if need > console.width:  # the same stream, as wide as the table needs
-            target = Console(file=console.file, width=need, highlight=False, soft_wrap=True)
+            target = plain_console(file=console.file, width=need, soft_wrap=True)
         target.print(table)

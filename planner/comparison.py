@@ -9,7 +9,7 @@ from dataclasses import replace
 from planner.cost_model import Estimate, Hardware, estimate, report_dict
 from planner.ditango import RUN_DEFAULTS
 from planner.errors import ConfigError
-from planner.layout import ParallelLayout
+from planner.layout import ParallelLayout, parse_group_size
 from planner.memory import MemoryOptions, cfg_branches, estimate_memory
 from planner.models import ModelShape, VideoSize
 from planner.plan_shape import PlanReplay, PlanSource, recorded_source
@@ -69,7 +69,7 @@ def compare_layouts(
             try:
                 group = None  # generate's default (ParallelLayout.group_size)
                 if s == "ditango" and group_size is not None:
-                    group = gpus_per_node if group_size == "node" else int(group_size)
+                    group = parse_group_size(group_size, gpus_per_node)
                 layout = ParallelLayout(n, gpus_per_node, 1, s, None, group).with_default_ulysses(shape.heads)
                 layout.check_model(shape.heads, shape.ffn, shape.joint_text)
             except (ConfigError, ValueError) as exc:

@@ -78,17 +78,36 @@ ASSUMPTIONS = {
 }
 
 
+PEAKS = ("bf16_tflops", "hbm_tbps", "intra_gbps", "inter_gbps", "latency_us")
+
+
 def load_hardware(name_or_file: str) -> Hardware:
     if name_or_file.lower() in HARDWARE:
         return HARDWARE[name_or_file.lower()]
     path = Path(name_or_file)
     if not path.is_file():
         raise ConfigError(f"--hardware {name_or_file!r}: not one of {', '.join(HARDWARE)} and not a JSON file")
-    try:
-        data = read_json_file(path, "--hardware")
-        return Hardware(**{k: data[k] for k in Hardware.__dataclass_fields__ if k in data})
-    except (OSError, TypeError, KeyError, AttributeError) as exc:
-        raise ConfigError(f"--hardware-file {path}: not a hardware profile ({exc})") from None
+    data = read_json_file(path, "--hardware-file")
+    fields = Hardware.__dataclass_fields__
+    where = f"--hardware-file {path}"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: not a hardware profile (a JSON object with {', '.join(fields)})")
+    # "measured": what benchmarks/gpu/profile.py measured besides the peaks (kept for the reader)
+    unknown, missing = sorted(set(data) - {*fields, "measured"}), [k for k in PEAKS if k not in data]
+    if unknown or missing or "name" not in data:
+        what = f"unknown key(s) {', '.join(unknown)}" if unknown else f"missing {', '.join(missing or ['name'])}"
+        raise ConfigError(f"{where}: {what}; a profile has {', '.join(fields)}")
+    for key in PEAKS:  # each a divisor of the modelled times: positive and finite
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
+            raise ConfigError(f"{where}: {key} must be a positive number below 1e9, got {value!r}")
+    memory = data.get("memory_bytes", 0)
+    if isinstance(memory, bool) or not isinstance(memory, int) or not 0 <= memory <= 2**50:
+        raise ConfigError(f"{where}: memory_bytes must be a whole number of bytes (0: not known), got {memory!r}")
+    for key in ("name", "source"):
+        if not isinstance(data.get(key, ""), str):
+            raise ConfigError(f"{where}: {key} must be a string, got {data[key]!r}")
+    return Hardware(**{k: data[k] for k in fields if k in data})
 
 
 def report_dict(hw: Hardware) -> dict:

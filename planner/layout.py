@@ -212,6 +212,13 @@ def default_group(layout: ParallelLayout) -> int:
     return 2 if layout.cp_degree % 2 == 0 else 1
 
 
+def parse_group_size(text: str, gpus_per_node: int) -> int:
+    """--group-size: a number of ranks (ASCII digits), or 'node' (a node's ranks)."""
+    if text != "node" and not (text.isascii() and text.isdigit()):
+        raise ConfigError(f"--group-size must be a number of ranks or 'node', got {text!r}")
+    return gpus_per_node if text == "node" else int(text)
+
+
 def replica_layout(
     nodes: int,
     gpus_per_node: int,
@@ -237,9 +244,7 @@ def replica_layout(
     cp = world // cfg_degree
     strategy = strategy or ("ring" if cp > 1 else "none")
     if isinstance(group_size, str):
-        if group_size != "node" and not group_size.isdigit():
-            raise ConfigError(f"--group-size must be a number of ranks or 'node', got {group_size!r}")
-        group_size = gpus_per_node if group_size == "node" else int(group_size)
+        group_size = parse_group_size(group_size, gpus_per_node)
     layout = ParallelLayout(nodes, gpus_per_node, cfg_degree, strategy, ulysses_degree, group_size)  # type: ignore[arg-type]
     layout = layout.with_default_ulysses(heads)
     layout.check_model(heads, ffn, joint_text)

@@ -40,7 +40,8 @@ from planner.errors import ConfigError
 from planner.layout import ParallelLayout, chunk_sizes, rank_groups
 from planner.models import ModelShape, VideoSize
 
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}  # fmt: skip
 GIB = 2**30
 F32 = 4
 # Measured over derived block bytes on CPU, per dtype (benchmarks/memory.py): bfloat16 forwards
@@ -68,7 +69,7 @@ def parse_bytes(text: str, flag: str = "size") -> int:
     try:
         size = int(float(value) * UNITS[suffix.strip()])
     except (KeyError, ValueError):
-        raise ConfigError(f"{flag} {text!r}: expected a size like 8GiB, 500MB or 1048576") from None
+        raise ConfigError(f"{flag} {text!r}: expected a size like 80GiB, 500MB, 2TiB or 1048576") from None
     except OverflowError:  # float('1' * 400) is inf
         size = MAX_BYTES + 1
     if size > MAX_BYTES:

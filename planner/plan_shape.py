@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.ditango import RUN_DEFAULTS, DiTangoPlanner, PlannerConfig
+from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS, DiTangoPlanner, PlannerConfig
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.traffic import ditango_units
@@ -48,6 +48,10 @@ class PlanShape:
         """Computed share of the run's units on selective steps (composed units count per offset)."""
         units = ([] if self.own is None else [self.own]) + list(self.offsets)
         return sum(units) / len(units) if units else 1.0
+
+
+def _fraction(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= 1
 
 
 def plan_shape(plan_log: dict, planner: str, cache_ratio: float) -> PlanShape:
@@ -245,31 +249,48 @@ def report_source(path: Path, own_group: str | None = None, warmup: int | None =
     report's first DiTango item; named in the description) with its planner and cache ratio,
     its own-group mode, warm-up and cool-down unless given; or without a plan file its mean
     computed fraction over all steps, for every unit."""
+    where = f"--plan {path}"
     try:
         report = read_json_file(path, "--plan", TEXT_LIMIT)
-        items = [i for i in report.get("items", []) if (i.get("attention") or {}).get("per_step")]
-        if not items:
-            raise ConfigError(f"--plan {path}: the report has no DiTango item (attention.per_step); "
-                              "run with --parallel ditango")  # fmt: skip
-        chosen = [i for i in items if item_id is None or i.get("id") == item_id]
-        named = [str(i.get("id", f"#{n + 1}")) for n, i in enumerate(items)]
-        if not chosen:
-            raise ConfigError(f"--plan-item {item_id}: not a DiTango item of {path}; its DiTango items: "
-                              f"{', '.join(named)}")  # fmt: skip
-        item = {"id": named[items.index(chosen[0])], **chosen[0]}
-        attention = item["attention"]
-        own_group = own_group or attention.get("own_group") or "decide"
-        plan_file = path.parent / attention["plan_file"] if attention.get("plan_file") else None
-        if plan_file is None or not plan_file.is_file():
-            fraction = sum(attention["per_step"]) / len(attention["per_step"])
-            return PlanSource(f"{path} item {item['id']} (no plan file: its all-steps fraction {fraction:.4f} for every "
-                              "unit)",
-                              own_group=own_group, fallback=fraction)  # fmt: skip
-        planner = attention.get("planner") or "hpdc"
-        ratio = float((report.get("options") or {}).get("cache_ratio", RUN_DEFAULTS.cache_ratio))
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file (a report.json of a --parallel ditango run)") from None
+    listed = report.get("items") if isinstance(report, dict) else None
+    if not isinstance(listed, list) or not all(isinstance(i, dict) for i in listed):
+        raise ConfigError(f"{where}: not a report of ditango (a JSON object whose items are objects)")
+    items = [i for i in listed if isinstance(i.get("attention"), dict) and i["attention"].get("per_step")]
+    if not items:
+        raise ConfigError(f"{where}: the report has no DiTango item (attention.per_step); run with --parallel ditango")
+    chosen = [i for i in items if item_id is None or i.get("id") == item_id]
+    named = [str(i.get("id", f"#{n + 1}")) for n, i in enumerate(items)]
+    if not chosen:
+        raise ConfigError(f"--plan-item {item_id}: not a DiTango item of {path}; its DiTango items: "
+                          f"{', '.join(named)}")  # fmt: skip
+    item = {"id": named[items.index(chosen[0])], **chosen[0]}
+    attention = item["attention"]
+    per_step = attention["per_step"]
+    if not isinstance(per_step, list) or not all(_fraction(f) for f in per_step):
+        raise ConfigError(f"{where}: item {item['id']}: attention.per_step must list fractions in [0, 1]")
+    own_group = own_group or attention.get("own_group") or "decide"
+    if own_group not in OWN_GROUP_MODES:
+        raise ConfigError(f"{where}: item {item['id']}: own_group must be one of {', '.join(OWN_GROUP_MODES)}, "
+                          f"got {own_group!r}")  # fmt: skip
+    plan_name = attention.get("plan_file")
+    plan_file = path.parent / plan_name if isinstance(plan_name, str) and plan_name else None
+    if plan_file is None or not plan_file.is_file():
+        fraction = sum(per_step) / len(per_step)
+        return PlanSource(f"{path} item {item['id']} (no plan file: its all-steps fraction {fraction:.4f} for every "
+                          "unit)",
+                          own_group=own_group, fallback=fraction)  # fmt: skip
+    planner = attention.get("planner") or "hpdc"
+    ratio = (report.get("options") or {}).get("cache_ratio", RUN_DEFAULTS.cache_ratio)
+    if planner not in PLANNERS or not _fraction(ratio) or ratio == 1:
+        raise ConfigError(f"{where}: item {item['id']}: planner {planner!r} or options.cache_ratio {ratio!r} "
+                          f"is not a run's (one of {', '.join(PLANNERS)}; a ratio in [0, 1))")  # fmt: skip
+    try:
         shape = plan_shape(read_json_file(plan_file, "--plan: plan file", TEXT_LIMIT), planner, ratio)
-    except (OSError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ZeroDivisionError) as exc:
-        raise ConfigError(f"--plan {path}: cannot read ({exc!r})") from None
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError, ZeroDivisionError):
+        raise ConfigError(f"{where}: its plan file {plan_file} is not a DiTango plan file (steps with a kind and "
+                          "compute rows of '0'/'1')") from None  # fmt: skip
     return PlanSource(f"{path} item {item['id']} (its plan file's shape: {planner}, cache ratio {ratio:g}, per "
                       "decision unit)",
                       (shape,), ratio, own_group, shape.warmup if warmup is None else warmup,

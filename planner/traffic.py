@@ -8,7 +8,7 @@ predictions equal its counters exactly for the same shapes and plan
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from planner.ditango import unit_offsets
@@ -28,6 +28,15 @@ class Traffic:
         """`rank` received `n` bytes for `purpose` over a `link`."""
         self.bytes[purpose][f"{link}_bytes"] += n
         self.by_rank[rank][f"{link}_bytes"] += n
+
+    def add_times(self, other: Traffic, times: int) -> None:
+        """Add `other`'s bytes `times` over (a pattern priced once that repeats)."""
+        for purpose, links in other.bytes.items():
+            for k, n in links.items():
+                self.bytes[purpose][k] += times * n
+        for rank, links in other.by_rank.items():
+            for k, n in links.items():
+                self.by_rank[rank][k] += times * n
 
     def rank_totals(self, rank: int) -> dict:
         """What `rank` received: {"intra_node_bytes", "inter_node_bytes"}."""
@@ -87,10 +96,10 @@ def _ring_hops(t: Traffic, topo: Topology, ranks, block_bytes: list[int], purpos
     """Ring over `ranks` where member j holds a block of block_bytes[j]: P-1 hops, each rank
     receiving from its predecessor the block that started (k+1) positions behind it."""
     P = len(ranks)
-    for me in range(P):
-        link = topo.link(ranks[me], ranks[(me - 1) % P])
-        for k in range(P - 1):
-            t.add(purpose, link, times * block_bytes[(me - k - 1) % P], ranks[me])
+    total = sum(block_bytes)
+    for me in range(P):  # over the P-1 hops: every block but its own, all from its predecessor
+        if P > 1:
+            t.add(purpose, topo.link(ranks[me], ranks[(me - 1) % P]), times * (total - block_bytes[me]), ranks[me])
 
 
 def attention_traffic(
@@ -143,27 +152,33 @@ def _ditango_traffic(
     units = ditango_units(layout, own_group, len(plan_bits[0][0]) if plan_bits else None)
     own_unit = bool(units) and units[0] == (0,)
 
-    def own_ring(times: int) -> None:  # a ring inside each group over its own chunks
+    def own_ring(into: Traffic, times: int) -> None:  # a ring inside each group over its own chunks
         for g in range(G):
-            _ring_hops(t, topo, groups[g], kv[g * size : (g + 1) * size], "attention", times)
+            _ring_hops(into, topo, groups[g], kv[g * size : (g + 1) * size], "attention", times)
 
     if not own_unit:
-        own_ring(forwards * L)  # the whole own group is computed every forward and layer
-    for f in range(forwards):
-        for layer in range(L):
-            for u, offsets in enumerate(units):
-                if plan_bits is not None and not plan_bits[f][layer][u]:
-                    continue  # reused: nothing moves
-                for d in offsets:
-                    if d == 0:
-                        own_ring(1)
-                        continue
-                    for c in range(P):  # direct fetch from I*d ahead
-                        src = (c + size * d) % P
-                        t.add("attention", topo.link(cp_ranks[c], cp_ranks[src]), kv[src], cp_ranks[c])
-                    for g in range(G):  # then around the group ring: the remote group's other chunks
-                        remote = ((g + d) % G) * size
-                        _ring_hops(t, topo, groups[g], kv[remote : remote + size], "attention", 1)
+        own_ring(t, forwards * L)  # the whole own group is computed every forward and layer
+    # What one unit's computation moves is the same in every forward and layer: price it once,
+    # then count the (forward, layer) pairs that compute it.
+    for u, offsets in enumerate(units):
+        if plan_bits is None:
+            times = forwards * L
+        else:
+            times = sum(bool(plan_bits[f][layer][u]) for f in range(forwards) for layer in range(L))
+        if times == 0:
+            continue  # always reused: nothing moves
+        once = Traffic()
+        for d in offsets:
+            if d == 0:
+                own_ring(once, 1)
+                continue
+            for c in range(P):  # direct fetch from I*d ahead
+                src = (c + size * d) % P
+                once.add("attention", topo.link(cp_ranks[c], cp_ranks[src]), kv[src], cp_ranks[c])
+            for g in range(G):  # then around the group ring: the remote group's other chunks
+                remote = ((g + d) % G) * size
+                _ring_hops(once, topo, groups[g], kv[remote : remote + size], "attention", 1)
+        t.add_times(once, times)
 
 
 def gather_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int) -> None:
@@ -176,10 +191,11 @@ def gather_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e
     for cp_ranks in topo.groups["cp"]:
         if len(cp_ranks) == 1:
             continue
-        for a in cp_ranks:
-            for b in cp_ranks:
-                if a != b:
-                    t.add("gather", topo.link(a, b), forwards * block, a)
+        per_node = Counter(topo.node_of[r] for r in cp_ranks)
+        for a in cp_ranks:  # a chunk from each peer: those of its node, then the others
+            near = per_node[topo.node_of[a]] - 1
+            t.add("gather", "intra_node", forwards * block * near, a)
+            t.add("gather", "inter_node", forwards * block * (len(cp_ranks) - 1 - near), a)
 
 
 def joint_traffic(t: Traffic, topo: Topology, shape: ModelShape, forwards: int) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from planner.errors import ConfigError
 from planner.user_files import read_text
 from runtime.outputs import check_foreign_files, fs_clock, state_dir
+from runtime.record_shape import a_pid
 from runtime.video import PARTIAL_GLOB
 
 BEAT_S = 15.0  # how often the owner refreshes the lock's mtime
@@ -200,7 +201,10 @@ class FolderLock:
 
 def _alive(pid: int, started: int | None = None) -> bool:
     """Whether process `pid` runs, and is the one that started at `started` (a pid the
-    system gave to another process since is not the owner)."""
+    system gave to another process since is not the owner). A pid no process can have (0, -1:
+    process groups to os.kill) is no owner."""
+    if not a_pid(pid):
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

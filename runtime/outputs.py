@@ -18,7 +18,8 @@ from planner.errors import ConfigError
 from planner.user_files import TEXT_LIMIT, Unreadable, parse_json, read_text
 from runtime.config import Item, RunConfig
 from runtime.errors import OutputWriteError
-from runtime.report import SCHEMA, item_record
+from runtime.record_shape import well_formed
+from runtime.report import item_record
 from runtime.video import write_json
 
 STATE_DIR = ".ditango"  # the tool's bookkeeping in an output folder; no item id starts with "."
@@ -74,38 +75,7 @@ def read_record(path: Path) -> dict | None:
         data = read_json(path)
     except Damaged:
         return None
-    return data if _well_formed(data) else None
-
-
-_STATUSES = ("running", "done", "failed", "skipped")
-
-
-def _well_formed(data) -> bool:
-    """A record's shape, as far as the readers rely on it: an item record's id and status, a
-    report's list of item records."""
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        return False
-    if "items" in data:
-        return isinstance(data["items"], list) and all(_well_formed_item(i) for i in data["items"])
-    return "id" not in data or _well_formed_item(data)
-
-
-def _well_formed_item(item) -> bool:
-    def number(d, key) -> bool:
-        return d is None or isinstance(d.get(key, 0), (int, float)) and not isinstance(d.get(key, 0), bool)
-
-    if not (
-        isinstance(item, dict)
-        and isinstance(item.get("id"), str)
-        and item.get("status") in _STATUSES
-        and all(isinstance(item.get(k), dict) or item.get(k) is None for k in ("timing", "comm", "attention"))
-        and isinstance(item.get("attempts", 0), int)
-        and isinstance(item.get("error"), str | None)
-    ):
-        return False
-    return number(item.get("timing"), "total_s") and all(
-        number(item.get("comm"), k) for k in ("inter_node_bytes", "intra_node_bytes")
-    )
+    return data if well_formed(data) else None
 
 
 def output_paths(out_dir: Path, item_id: str) -> dict[str, Path]:
@@ -326,6 +296,8 @@ def check_writable(out: Path, create: bool) -> None:
     removing) a file, in OUT (`create`, made first) or, without creating OUT (`ditango check`),
     in the nearest folder on the way to it that exists. Both ways give the same message."""
     out = out.expanduser()
+    if out.is_symlink() and not out.exists():
+        raise ConfigError(f"output dir {out} is a symbolic link to nothing (a loop, or a target that is gone)")
     probe = out
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent

@@ -21,6 +21,7 @@ from runtime.config import Item
 from runtime.context import Observer
 from runtime.outputs import state_dir
 from runtime.pace import Pace, duration, progress_text
+from runtime.record_shape import HEARTBEAT, a_pid
 
 HEARTBEAT_EVERY_S = 2.0  # the heartbeat file is rewritten at most this often while steps come
 PROGRESS_DIR = "progress"  # in OUT/.ditango/: one file per task or replica report
@@ -173,7 +174,7 @@ def read_progress(out_dir: Path) -> list[tuple[str, dict]]:
             data = read_json_file(path, "heartbeat", 2**20)
         except (OSError, ConfigError):  # torn, foreign, not a file: only a progress view
             continue
-        if isinstance(data, dict) and isinstance(data.get("updated"), (int, float)) and "state" in data:
+        if HEARTBEAT(data):
             found.append((path.stem, data))
     return found
 
@@ -182,7 +183,7 @@ def _gone(data: dict) -> bool:
     """Whether the writer of a heartbeat was a process of this host that no longer runs (one
     on another host cannot be asked: its file's age tells)."""
     pid = data.get("pid")
-    if data.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+    if data.get("host") != socket.gethostname() or not a_pid(pid):
         return False
     try:
         os.kill(pid, 0)
@@ -203,6 +204,6 @@ def heartbeat_line(data: dict, now: float | None = None) -> str:
         return f"{data['state']}: {counts} ({age})"
     try:
         where = progress_text(data) if data.get("item_index") else "starting"
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # a field of another type: the state only
         where = "running"
     return f"running: {where}; {counts} ({age}, host {data.get('host')} pid {data.get('pid')})"

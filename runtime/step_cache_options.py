@@ -130,6 +130,8 @@ def parse_step_cache(text: str) -> StepCacheSpec:
     for part in filter(None, (p.strip() for p in rest.split(","))):
         key, sep, value = part.partition("=")
         key = key.strip().replace("-", "_")
+        if key in dict(options):
+            raise ConfigError(f"--step-cache {name}: {key} is given twice")
         if not sep or key not in KEYS[name]:
             raise ConfigError(
                 f"--step-cache {name}: {part!r} is not key=value with a key of {', '.join(KEYS[name])} "

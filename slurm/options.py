@@ -20,6 +20,17 @@ from slurm.rank import LAUNCHER_VARIABLES, launched_rank
 
 Executor = Literal["auto", "local", "slurm", "env"]
 _KEY = re.compile(r"[a-z][a-z0-9_-]*")
+_MEM = re.compile(r"[0-9]+[KMGT]?")  # sbatch --mem: a number of megabytes, or with a unit
+# sbatch options the tool sets itself: given again through --slurm-arg they would move its logs
+# out of --out or break the one-task-per-rank layout.
+_OWN = {
+    **dict.fromkeys(("output", "error", "chdir", "open-mode", "wckey"),
+                    "ditango sets it (the job's logs and files stay under --out)"),
+    **dict.fromkeys(("nodes", "ntasks", "ntasks-per-node", "gpus-per-node", "gpus", "signal"),
+                    "ditango sets it from --nodes and --gpus-per-node (one task per rank)"),
+    # (--exclusive is a switch; `--slurm-arg exclusive=user` is sbatch's other forms of it)
+    **{k: f"use --{k}" for k in ("time", "partition", "account", "qos", "mem", "constraint", "cpus-per-task", "array")},
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,13 @@ class SlurmOptions:
                 raise ConfigError(
                     f"{flag} {value!r}: control characters (a newline, a tab) and backslashes cannot reach sbatch"
                 )
+            if value is not None and not value.strip() and not flag.startswith("--slurm-arg"):
+                raise ConfigError(f"{flag} is empty; leave it out for the cluster's default")
+        if self.mem is not None and not _MEM.fullmatch(self.mem):
+            raise ConfigError(f"--mem {self.mem!r}: sbatch takes a size such as 200G, 512000M or 0 (all of a node's)")
+        for key, _ in self.extra:
+            if key in _OWN:
+                raise ConfigError(f"--slurm-arg {key}: {_OWN[key]}")
 
     @classmethod
     def parse_extra(cls, pairs: list[str]) -> tuple[tuple[str, str], ...]:

@@ -366,7 +366,7 @@ def test_byte_order_mark_in_prompt_files(tmp_path):
             ["--gpus", "4", "--parallel", "ditango", "--cache-dtype", "int8"],
             ["--cache-dtype must be float32 or bfloat16"],
         ),
-        (["--gpus", "4", "--parallel", "ditango", "--cache-memory-limit", "lots"], ["expected a size like 8GiB"]),
+        (["--gpus", "4", "--parallel", "ditango", "--cache-memory-limit", "lots"], ["expected a size like 80GiB"]),
         (["--gpus", "4", "--parallel", "ditango", "--reference", "approx"], ["--reference must be 'exact'"]),
         (["--gpus", "4", "--parallel", "ditango", "--tau-max", "0"], ["tau_max"]),
         (["--gpus", "4", "--parallel", "ditango", "--planner", "greedy"], ["planner='greedy'", "hpdc or budget"]),

@@ -6,6 +6,7 @@ simulate` prints its table and JSON."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -183,6 +184,15 @@ def test_hardware_profile_file(tmp_path):
     f.write_text("{not json")
     with pytest.raises(ConfigError):
         load_hardware(str(f))
+    good = {"name": "x", "bf16_tflops": 500.0, "hbm_tbps": 3.0, "intra_gbps": 400.0, "inter_gbps": 40.0,
+            "latency_us": 8.0}  # fmt: skip
+    for bad, needle in [({"bf16_tflops": 0}, "bf16_tflops must be a positive number"),
+                        ({"inter_gbps": "fast"}, "inter_gbps must be"), ({"intra_gbps": float("nan")}, "intra_gbps"),
+                        ({"memory_bytes": -5}, "memory_bytes"), ({"name": [1]}, "name must be a string"),
+                        ({"fast": True}, "unknown key(s) fast")]:  # fmt: skip
+        f.write_text(json.dumps({**good, **bad}))
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_hardware(str(f))
 
 
 def test_fractional_plan_bytes_interpolate_exact_counts():

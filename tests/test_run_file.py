@@ -57,7 +57,7 @@ def test_run_file_equals_the_command_line_and_the_command_line_wins(runner, tmp_
         ("[nowhere]\nseed = 1\n", "unknown key 'nowhere'"),
         ('steps = "many"\n', "steps = 'many'"),
         ('parallel = "spiral"\n', "'spiral' is not one of"),
-        ("dry_run = true\n", "unknown key 'dry_run'"),
+        ("dry_run = true\n", "'dry_run' is not a run setting"),
         ("steps = \n", "not valid TOML"),
     ],
 )

@@ -80,9 +80,11 @@ def test_a_run_file_out_with_no_wait_then_status_cancel_and_report(runner, tmp_p
 
 @pytest.mark.parametrize("flag", ["--partition", "--constraint", "--mem"])
 def test_values_slurm_refuses_are_one_line(runner, tmp_path, work, flag):
+    """sbatch's own refusal, in one line; --mem's form is checked before sbatch is asked."""
     out = tmp_path / "out"
     result = runner.invoke(app, ["generate", "--prompt", "a red ball", "--out", str(out), *SMALL, flag, HOSTILE])
-    assert one_error_line(result).startswith("error: sbatch refused the job: sbatch: error: ")
+    said = "error: --mem " if flag == "--mem" else "error: sbatch refused the job: sbatch: error: "
+    assert one_error_line(result).startswith(said)
     assert not (out / "slurm").exists() and not jobs_file(out).exists()
     assert canaries(tmp_path) == []
 

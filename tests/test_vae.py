@@ -143,7 +143,7 @@ def test_cli_decodes_tiles_on_two_ranks_and_records_the_cost(runner, tmp_path, s
     decode = json.loads((out / "report.json").read_text())["items"][0]["decode"]
     assert (decode["mode"], decode["tiles"], decode["ranks"], len(decode["per_rank_s"])) == ("tiled", 9, 2, 2)
     assert decode["bytes"] > 0 and 10 < decode["psnr_vs_untiled"] < 80, decode
-    plain = [a for a in args[:-1] if a not in ("--reference", "exact")]
+    plain = [a for a in args[:-1] if a not in ("--reference", "exact", "--vae-tile", "32")]  # an untiled decode
     refused = runner.invoke(app, [*args[:-1], str(tmp_path / "one"), "--no-vae-parallel"])
     assert refused.exit_code == 2 and "--reference only applies" in refused.stderr  # nothing approximated
     one = runner.invoke(app, [*plain, str(tmp_path / "one"), "--no-vae-parallel"])

@@ -40,9 +40,13 @@ def is_repo_id(text: str) -> bool:
 
 def split_revision(model: str, revision: str | None = None) -> tuple[str, str | None]:
     """'ORG/NAME@REV' -> ('ORG/NAME', 'REV'); anything else as it is, with `revision` (--revision)."""
+    if revision is not None and any(c.isspace() or not c.isprintable() for c in revision):
+        raise ConfigError(f"--revision {revision!r}: a revision has no spaces or control characters")
     name, at, rev = model.partition("@")
     if not (at and rev and is_repo_id(name)):
         return model, revision
+    if any(c.isspace() or not c.isprintable() for c in rev):
+        raise ConfigError(f"--model {model!r}: a revision has no spaces or control characters")
     if revision and revision != rev:
         raise ConfigError(f"--model {model} and --revision {revision} name two revisions: give one")
     return name, rev
@@ -198,4 +202,19 @@ def download(repo_id: str, revision: str | None = None) -> Path:
             f"{repo_id} has no .safetensors weights: ditango downloads and loads no pickle files (.bin, .pt, "
             ".pth, .ckpt); use a repo that has safetensors (a -Diffusers one) or convert it"
         )
+    return path
+
+
+MODEL_ROOT_ENV = "DITANGO_MODEL_ROOT"
+
+
+def model_root(cli_root: str | Path | None) -> Path | None:
+    """--model-root, else $DITANGO_MODEL_ROOT, else None; one that is not a folder is an error."""
+    root = cli_root or os.environ.get(MODEL_ROOT_ENV) or None
+    if not root:
+        return None
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        where = "--model-root" if cli_root else MODEL_ROOT_ENV
+        raise ConfigError(f"{where} {root}: not a folder (the folder of named checkpoints)")
     return path

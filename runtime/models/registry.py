@@ -8,7 +8,6 @@ downloaded only when the user asks (runtime/models/hub.py).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,9 +17,9 @@ from runtime.errors import ModelDirError
 from runtime.models import hub
 from runtime.models.checkpoint import ModelDirInfo, count_params, inspect_model_dir
 from runtime.models.families import FAMILIES
+from runtime.models.hub import MODEL_ROOT_ENV, model_root
 from runtime.models.wan import WanVariant
 
-MODEL_ROOT_ENV = "DITANGO_MODEL_ROOT"
 BUILTIN_DIR = Path(__file__).resolve().parent / "tiny" / "weights"  # tiny-wan, a diffusers directory
 
 
@@ -291,11 +290,6 @@ ALIASES = {"wan2.2-a14b": "wan2.2-t2v-a14b"}
 class ResolvedModel:
     spec: ModelSpec
     path: Path  # the diffusers-format directory
-
-
-def model_root(cli_root: str | Path | None) -> Path | None:
-    root = cli_root or os.environ.get(MODEL_ROOT_ENV) or None
-    return Path(root).expanduser() if root else None
 
 
 def resolve_model(
