@@ -117,7 +117,8 @@ def simulate(
     if as_json:
         print(json.dumps({"schema": 1, "assumptions": assumptions, "rows": rows}, indent=2))
         return 0
-    plain_console().print(f"{model}, {width}x{height}x{frames} ({assumptions['tokens']} tokens), {steps} steps, {hw.name} x "
+    console = plain_console()
+    console.print(f"{model}, {width}x{height}x{frames} ({assumptions['tokens']} tokens), {steps} steps, {hw.name} x "
                     f"{gpus_per_node} per node; DiTango from {source.description} (\"computed\": its share of "
                     "attention units fetched, all steps). Bytes are exact counts; times and memory are modelled (see "
                     "--json assumptions).", highlight=False)  # fmt: skip
@@ -133,7 +134,6 @@ def simulate(
                        f"{r['peak_memory_bytes'] / 2**30:.1f}", r["peak_memory_stage"], ", ".join(r["offload"]) or "-",
                        {None: "-", True: "yes", False: "no"}[r["fits"]])  # fmt: skip
     plan_notes = dict.fromkeys(n for r in rows for n in r.get("ditango", {}).get("notes", []))
-    console = plain_console()
     print_tables(console, table, memory)
     for line in [*(f"skipped: {note}" for note in notes), *(f"note: {n}" for n in plan_notes)]:
         console.print(line)
