@@ -47,6 +47,7 @@ from runtime.config import (
 from runtime.errors import ModelDirError
 from runtime.items import Overrides, build_items
 from runtime.kernels import resolve_backend
+from runtime.models.adapters import check_fit
 from runtime.models.loading import check_torch, placement_on, quiet_loading_bars
 from runtime.models.registry import REGISTRY, ResolvedModel, resolve_model
 from runtime.outputs import check_writable
@@ -131,6 +132,7 @@ def build_run_config(
     spec = named or resolved.spec
     overrides = Overrides(**{k: getattr(i, k) for k in Overrides.__dataclass_fields__})
     items = build_items(i.prompt, i.prompts, overrides, spec.defaults)
+    check_fit(items, spec, None if resolved is None else resolved.path)  # each LoRA against the model, on meta
     if array > len(items):
         raise ConfigError(f"--array {array} is more than the {len(items)} items")
     strategy = None if p.parallel is None else p.parallel.value

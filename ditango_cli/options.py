@@ -124,6 +124,13 @@ class ItemArgs:
     image: Annotated[
         Path | None, _o("--image", help="Image-to-video: the first frame (JSONL lines may give their own).")
     ] = None
+    lora: Annotated[
+        list[str] | None,
+        _o("--lora", help="LoRA SOURCE[:SCALE] (a .safetensors file, its folder or a repo id; scale 1), repeatable."),
+    ] = None
+    lora_2: Annotated[
+        list[str] | None, _o("--lora-2", help="Two-expert models: a LoRA of the second (low-noise) expert.")
+    ] = None
     height: Annotated[int | None, _o("--height", help="Pixels, a multiple of the model's geometry.")] = None
     width: Annotated[int | None, _o("--width", help="Pixels, a multiple of the model's geometry.")] = None
     frames: Annotated[int | None, _o("--frames", help="Video frames, 4k+1.")] = None

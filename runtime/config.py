@@ -16,6 +16,7 @@ from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import ParallelLayout, token_count
 from planner.models import VideoSize
+from runtime.models.adapters import Adapter
 from runtime.step_cache_options import StepCacheSpec
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -119,6 +120,7 @@ class Item:
     # HunyuanVideo: real CFG scale (diffusers' true_cfg_scale), `guidance` being the embedded
     # guidance; None for families whose `guidance` is the CFG scale.
     true_cfg: float | None = None
+    loras: tuple[Adapter, ...] = ()  # LoRA adapters, resolved (runtime/models/adapters.py)
     # The model's geometry (from its registry spec): VAE spatial stride and transformer patch.
     vae_stride: int = 8
     patch: tuple[int, int, int] = (1, 2, 2)
@@ -183,6 +185,7 @@ class Item:
             "guidance_2": self.guidance_2,  # two-expert models: the low-noise expert's scale (None: guidance)
             "true_cfg_scale": self.true_cfg,  # HunyuanVideo: real CFG (guidance is the embedded one)
             "image": self.image,  # image-to-video: the conditioning image
+            "loras": [a.to_json() for a in self.loras],  # source, scale, expert, file and its sha256
             "tokens": self.tokens(),
         }  # fmt: skip
 

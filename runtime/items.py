@@ -20,6 +20,8 @@ from pathlib import Path
 from planner.errors import ConfigError
 from planner.user_files import TEXT_LIMIT, check_text, parse_json, read_text, require_regular_file
 from runtime.config import TEMPORAL_STRIDE, Item
+from runtime.models import adapters
+from runtime.models.adapters import Adapter
 from runtime.models.registry import Defaults
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -31,7 +33,17 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 RESERVED_IDS = {"report"}
 RESERVED_SUFFIXES = (".plan", ".latents", ".rel_mae")
 INT_KEYS = ("seed", "height", "width", "frames", "steps")
-JSONL_KEYS = {"id", "prompt", "negative_prompt", "guidance", "guidance_2", "true_cfg_scale", "image", *INT_KEYS}
+JSONL_KEYS = {
+    "id",
+    "prompt",
+    "negative_prompt",
+    "guidance",
+    "guidance_2",
+    "true_cfg_scale",
+    "image",
+    "loras",
+    *INT_KEYS,
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,8 @@ class Overrides:
     guidance_2: float | None = None
     true_cfg_scale: float | None = None
     image: Path | None = None
+    lora: list[str] | None = None  # SOURCE[:SCALE] each (runtime/models/adapters.py)
+    lora_2: list[str] | None = None  # the same, for a two-expert model's second expert
 
 
 def derived_id(index: int, prompt: str, seed: int, image: str | None = None) -> str:
@@ -137,6 +151,7 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
             f'{source}: --true-cfg-scale / "true_cfg_scale" apply to HunyuanVideo only (Wan\'s --guidance is its CFG scale)'
         )
     item = Item(
+        loras=_loras_of(fields, cli, defaults, source),
         id=item_id,
         prompt=prompt,
         negative_prompt=pick("negative_prompt", cli.negative_prompt, defaults.negative_prompt),
@@ -156,6 +171,20 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
     )
     check_geometry(item, defaults)
     return item
+
+
+def _loras_of(fields: dict, cli: Overrides, defaults: Defaults, where: str) -> tuple[Adapter, ...]:
+    """An item's adapters: its own "loras" (a JSONL line), else --lora and --lora-2; resolved."""
+    if "loras" in fields:
+        if not isinstance(fields["loras"], list):
+            raise ConfigError(f'{where}: "loras" must be a list of "SOURCE[:SCALE]" or objects')
+        loras = [adapters.from_json(e, where) for e in fields["loras"]]
+    else:
+        loras = [*(adapters.parse_lora(t) for t in cli.lora or ()),
+                 *(adapters.parse_lora(t, 2, "--lora-2") for t in cli.lora_2 or ())]  # fmt: skip
+    if any(a.expert == 2 for a in loras) and defaults.experts == 1:
+        raise ConfigError(f"{where}: --lora-2 (expert 2) applies to two-expert models (Wan2.2 A14B) only")
+    return tuple(adapters.resolve(a, "--lora" if a.expert == 1 else "--lora-2") for a in loras)
 
 
 def check_geometry(item: Item, defaults: Defaults) -> None:

@@ -163,6 +163,19 @@ RESUME_KEYS = (
 )  # fmt: skip
 
 
+def lora_identity(loras) -> list:
+    """What of an item's adapters shapes its video: each file (by content), scale and expert,
+    in order (a sidecar from before adapters, or of an item without any: none)."""
+    if not isinstance(loras, list):
+        return []
+    return [[a.get("sha256"), a.get("scale"), a.get("expert")] for a in loras if isinstance(a, dict)]
+
+
+def _lora_text(loras) -> str:
+    shown = [f"{a.get('source')}:{a.get('scale')}" for a in (loras or []) if isinstance(a, dict)]
+    return ", ".join(shown) or "none"
+
+
 def video_method(cfg: RunConfig) -> dict:
     """What besides an item's own fields shapes its video, as its sidecar keeps it: {} for an
     exact run (every exact strategy makes the same video, up to float rounding); else DiTango's
@@ -201,10 +214,15 @@ def completed_record(cfg: RunConfig, item: Item) -> dict | None:
         return None
     wanted = {"model": cfg.model, **item.to_json()}
     differ = [k for k in RESUME_KEYS if record.get(k) != wanted[k]]
+    if lora_identity(record.get("loras")) != lora_identity(wanted["loras"]):
+        differ.append("loras")
     if differ:
         k = differ[0]
+        made, asked = record.get(k), wanted[k]
+        if k == "loras":
+            made, asked = _lora_text(made), _lora_text(asked)
         raise ConfigError(
-            f"{item.source}: {paths['video']} exists but was made with {k} {record.get(k)!r}, not {wanted[k]!r}; "
+            f"{item.source}: {paths['video']} exists but was made with {k} {made!r}, not {asked!r}; "
             "use --overwrite to replace it, or another --out"
         )
     made, asked = record.get("method") or {}, video_method(cfg)  # a sidecar without one: an exact run's

@@ -24,6 +24,7 @@ from runtime.inputs import exact_reference, item_inputs
 from runtime.item_records import check_finite, gathered_records
 from runtime.kernels import resolve_backend
 from runtime.loop_types import NonFiniteLatents
+from runtime.models.adapters import adapter_sets, same_weights
 from runtime.models.loading import load_components, placement_on
 from runtime.models.registry import resolve_model
 from runtime.outputs import mark_running, plan_resume, record_failure
@@ -187,7 +188,13 @@ def execute(
                 total = torch.cuda.get_device_properties(placement.device).total_memory
                 cfg = plan_memory(cfg, resolved.spec.shape, total, placement.dtype.itemsize, cfg.model)
             shard = cfg.shard_weights and ctx.distributed
-            components = load_components(resolved, placement, on_cpu=run_host_loaded(cfg, ctx))
+            sets = adapter_sets(todo)
+            todo.sort(key=lambda item: sets.index(item.loras))  # a set at a time: the model loaded once
+            components = load_components(resolved, placement, on_cpu=run_host_loaded(cfg, ctx), adapter_sets=sets)
+            bank = components.pop("adapters", None)
+            if bank is not None:
+                same_weights(components, ctx)
+                report.weights.update(model_loads=1, adapter_sets=len(sets), adapters_fused=bank.fused)
             if shard:
                 report.weights["shard_degree"] = shard_weights(components, ctx.mesh, placement.device)
             denoiser = denoiser_for_run(cfg, ctx, resolved.spec, components, placement, backend)
@@ -210,6 +217,8 @@ def execute(
             for item in todo:
                 observer.item_started(item)
                 reference, first_reference = first_reference, None
+                if bank is not None:
+                    bank.use(item.loras)
                 try:
                     record = generate_item(denoiser, item, cfg, ctx, observer, reference)
                     if report.calibration is not None and cfg.reference == "exact":  # below the target: recalibrate

@@ -109,7 +109,7 @@ def module_classes(path: Path) -> dict[str, type]:
 
 
 @hub_offline()  # a local directory only: a rank never downloads (runtime/models/hub.py)
-def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[str, ...] = ()) -> dict:
+def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[str, ...] = (), adapter_sets=()) -> dict:
     """Return {tokenizer, text_encoder, transformer[, transformer_2], vae, scheduler[,
     image_encoder, image_processor]} ready for inference, through the diffusers pipeline class
     the directory names (the spec's variant).
@@ -120,7 +120,8 @@ def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[st
     then handed to the pipeline class, which loads the rest (tokenizer, scheduler). The VAE and
     the CLIP image encoder are kept in float32; the text encoder and transformers take
     `placement.dtype`, with the float32 modules diffusers/transformers keep when loading
-    (`_keep_in_fp32_modules`). The built-in model is a directory shipped in the package, loaded
+    (`_keep_in_fp32_modules`). `adapter_sets`: the run's LoRA sets, loaded by the pipeline
+    (runtime/models/adapters.py; under "adapters", an `AdapterBank`). The built-in model is a directory shipped in the package, loaded
     through the same path as a user checkpoint. `on_cpu`: components read onto the CPU (in
     their dtype), sharded or split there first, then moved (runtime/weights.py).
     """
@@ -145,6 +146,10 @@ def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[st
     except Exception as exc:  # diffusers/transformers raise many types for a broken directory
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ModelDirError(f"cannot load the model from {path}: {type(exc).__name__}: {first}") from exc
+    if any(adapter_sets):
+        from runtime.models.adapters import AdapterBank
+
+        components["adapters"] = AdapterBank(pipe, list(adapter_sets))
     return components
 
 

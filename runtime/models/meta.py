@@ -152,6 +152,21 @@ def meta_components(spec: ModelSpec, path: Path | None, dtype: torch.dtype, max_
     return components
 
 
+def meta_transformers(spec: ModelSpec, path: Path | None) -> dict:
+    """{"transformer"[, "transformer_2"]: the module on the meta device}: what a LoRA is checked
+    against before anything is loaded (runtime/models/adapters.py)."""
+    import diffusers
+
+    built = {}
+    for name, (class_name, config) in _parts(spec, path).items():
+        if name.startswith("transformer"):
+            with torch.device("meta"):
+                built[name] = getattr(diffusers, class_name).from_config(
+                    {k: v for k, v in config.items() if not k.startswith("_")}
+                )
+    return built
+
+
 def materialize(module: torch.nn.Module, device: torch.device) -> None:
     """Give a meta module uninitialised tensors on `device` (under FakeTensorMode: fake ones),
     keeping tied parameters tied (`to_empty` cannot swap a parameter two modules hold)."""
