@@ -45,9 +45,8 @@ from runtime.config import (
     plan_host_memory,
 )
 from runtime.errors import ModelDirError
-from runtime.items import Overrides, build_items
+from runtime.items import Overrides, build_items, fit_to_model
 from runtime.kernels import resolve_backend
-from runtime.models.adapters import check_fit
 from runtime.models.loading import check_torch, placement_on, quiet_loading_bars
 from runtime.models.registry import REGISTRY, ResolvedModel, resolve_model
 from runtime.outputs import check_writable
@@ -132,7 +131,7 @@ def build_run_config(
     spec = named or resolved.spec
     overrides = Overrides(**{k: getattr(i, k) for k in Overrides.__dataclass_fields__})
     items = build_items(i.prompt, i.prompts, overrides, spec.defaults)
-    check_fit(items, spec, None if resolved is None else resolved.path)  # each LoRA against the model, on meta
+    items = fit_to_model(items, spec, None if resolved is None else resolved.path)  # LoRAs, solvers
     if array > len(items):
         raise ConfigError(f"--array {array} is more than the {len(items)} items")
     strategy = None if p.parallel is None else p.parallel.value
@@ -170,7 +169,7 @@ def build_run_config(
         model=m.model, model_path=None,
         items=items, out_dir=o.out.expanduser(), device=device, dtype=None if m.dtype is None else m.dtype.value,
         save_latents=o.save_latents, overwrite=o.overwrite, max_text_len=spec.defaults.max_text_len,
-        fps=spec.defaults.fps, layout=layout, attention_backend=p.attention_backend.value, timeout_s=p.timeout,
+        layout=layout, attention_backend=p.attention_backend.value, timeout_s=p.timeout,
         setup_timeout_s=p.setup_timeout_s, ditango=ditango, reference=d.reference, step_cache=step_cache,
         hybrid=hybrid_config(g, spec.layers), replicas=p.replicas, alloc_gpus_per_node=p.gpus_per_node, decode=decode,
         shard_weights=mem.shard_weights,

@@ -23,6 +23,7 @@ from runtime.config import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, setup_timeout
 from runtime.kernels import BACKENDS
 from runtime.models.loading import DTYPES
 from runtime.models.registry import ALIASES, MODEL_ROOT_ENV, REGISTRY
+from runtime.models.schedulers import Solver
 
 
 def canonical_model(name: str) -> str:
@@ -111,7 +112,9 @@ class ModelArgs:
 class ItemArgs:
     prompt: Annotated[str | None, _o("--prompt", "-p", help="One prompt.")] = None
     prompts: Annotated[Path | None, _o("--prompts", help="Batch file: .txt (a prompt a line) or .jsonl.")] = None
-    negative_prompt: Annotated[str | None, _o("--negative-prompt", help="Negative prompt [empty].")] = None
+    negative_prompt: Annotated[
+        str | None, _o("--negative-prompt", help='Negative prompt [the model\'s; "" for none].')
+    ] = None
     seed: Annotated[int, _o("--seed", help="Seed of the initial noise (per-item seeds override).")] = 0
     steps: Annotated[int | None, _o("--steps", help="Denoising steps [the model's].")] = None
     guidance: Annotated[float | None, _o("--guidance", help="CFG scale; <= 1 runs one branch.")] = None
@@ -131,6 +134,13 @@ class ItemArgs:
     lora_2: Annotated[
         list[str] | None, _o("--lora-2", help="Two-expert models: a LoRA of the second (low-noise) expert.")
     ] = None
+    scheduler: Annotated[
+        Solver | None, _o("--scheduler", help="Solver: unipc, euler or dpm++ [the model's].", case_sensitive=False)
+    ] = None
+    flow_shift: Annotated[
+        float | None, _o("--flow-shift", help="Shift of the sigma schedule [the model's; Wan: 3 at 480p, 5 at 720p].")
+    ] = None
+    fps: Annotated[int | None, _o("--fps", help="Frame rate of the MP4 [the model's].")] = None
     height: Annotated[int | None, _o("--height", help="Pixels, a multiple of the model's geometry.")] = None
     width: Annotated[int | None, _o("--width", help="Pixels, a multiple of the model's geometry.")] = None
     frames: Annotated[int | None, _o("--frames", help="Video frames, 4k+1.")] = None

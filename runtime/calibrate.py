@@ -84,7 +84,7 @@ def calibrate(
             ratio = round((lo + hi) / 2, 4)
             selective.planner_cfg = replace(base, cache_ratio=ratio)
             result = denoiser.denoise(latents, text, item.steps, item.cfg_scale, condition=condition,
-                                      guidance_2=item.guidance_2)  # fmt: skip
+                                      guidance_2=item.guidance_2, sampler=item.sampler)  # fmt: skip
             measured = None
             if ctx.is_writer:
                 measured = psnr(writer_decode(denoiser, result.latents_BCFHW, options, cfg), ref_frames)

@@ -16,7 +16,8 @@ from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import ParallelLayout, token_count
 from planner.models import VideoSize
-from runtime.models.adapters import Adapter
+from runtime.models.adapters import Adapter, check_sets
+from runtime.models.schedulers import Sampler
 from runtime.step_cache_options import StepCacheSpec
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -65,6 +66,7 @@ class DecodeOptions:
 # More denoising steps than the schedulers' training timesteps only repeat timesteps (diffusers'
 # DDIM-style schedulers refuse them): no run needs more.
 MAX_STEPS = 1000
+MAX_FPS = 240  # an MP4 frame rate: video runs at 8-60
 # Longer than a week is no timeout: and far longer ones overflow the process groups' timedelta.
 MAX_TIMEOUT_S = 7 * 24 * 3600
 STEP_TIMEOUT_S = 600.0  # --timeout: per-step collectives
@@ -121,6 +123,11 @@ class Item:
     # guidance; None for families whose `guidance` is the CFG scale.
     true_cfg: float | None = None
     loras: tuple[Adapter, ...] = ()  # LoRA adapters, resolved (runtime/models/adapters.py)
+    # The solver and its flow shift (runtime/models/schedulers.py); None until resolved
+    # against the model's own scheduler (`items.fit_to_model`), which every run does.
+    scheduler: str | None = None
+    flow_shift: float | None = None
+    fps: int = 16  # the MP4's frame rate
     # The model's geometry (from its registry spec): VAE spatial stride and transformer patch.
     vae_stride: int = 8
     patch: tuple[int, int, int] = (1, 2, 2)
@@ -154,6 +161,8 @@ class Item:
             raise ConfigError(f"{where}true_cfg_scale must be a finite number >= 0, got {self.true_cfg}")
         if self.guidance_2 is not None and not (math.isfinite(self.guidance_2) and self.guidance_2 >= 0):
             raise ConfigError(f"{where}guidance_2 must be a finite number >= 0, got {self.guidance_2}")
+        if not 1 <= self.fps <= MAX_FPS:
+            raise ConfigError(f"{where}fps must be in [1, {MAX_FPS}], got {self.fps}")
         if self.seed < 0 or self.seed >= 2**63:
             raise ConfigError(f"{where}seed must be in [0, 2**63), got {self.seed}")
         object.__setattr__(self, "_tokens", token_count(self.latent_shape, self.patch))
@@ -162,6 +171,10 @@ class Item:
     def cfg_scale(self) -> float:
         """The classifier-free guidance scale: two branches run when it is > 1."""
         return self.guidance if self.true_cfg is None else self.true_cfg
+
+    @property
+    def sampler(self) -> Sampler | None:
+        return None if self.scheduler is None else Sampler(self.scheduler, self.flow_shift)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -186,6 +199,7 @@ class Item:
             "true_cfg_scale": self.true_cfg,  # HunyuanVideo: real CFG (guidance is the embedded one)
             "image": self.image,  # image-to-video: the conditioning image
             "loras": [a.to_json() for a in self.loras],  # source, scale, expert, file and its sha256
+            "scheduler": self.scheduler, "flow_shift": self.flow_shift, "fps": self.fps,
             "tokens": self.tokens(),
         }  # fmt: skip
 
@@ -203,7 +217,6 @@ class RunConfig:
     save_latents: bool = False
     overwrite: bool = False
     max_text_len: int = 512
-    fps: int = 16
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     attention_backend: str = "auto"  # auto | flash | torch | reference (ignored by strategy "none")
     timeout_s: float = STEP_TIMEOUT_S  # per-step collectives: a stuck one fails after this long
@@ -245,6 +258,7 @@ class RunConfig:
             raise ConfigError(f"--retries must be >= 0, got {self.retries}")
         check_timeouts(self.timeout_s, self.setup_timeout_s)
         check_combination(self.layout.strategy, self.hybrid is not None, self.shard_weights, self.step_cache)
+        check_sets(self.items, self.layout.strategy, self.shard_weights)
         if self.setup_timeout_s < self.timeout_s:
             raise ConfigError(
                 f"--setup-timeout ({self.setup_timeout_s:g} s) must be >= --timeout ({self.timeout_s:g} s): "

@@ -27,6 +27,7 @@ from runtime.guidance import CfgParallel, SequentialCfg
 from runtime.loop_types import DenoiseResult, ImageCondition, TextEmbeds
 from runtime.models.families import family_of
 from runtime.models.loading import Placement
+from runtime.models.schedulers import Sampler
 from runtime.step_cache import StepCache
 from runtime.vae import DecodeOptions, decode_video
 
@@ -107,9 +108,10 @@ class Denoiser:
     def encode_image(self, image, latents_BCFHW: torch.Tensor, height: int, width: int, frames: int) -> ImageCondition:
         return self.model.encode_image(image, latents_BCFHW, height, width, frames)
 
-    def new_scheduler(self, steps: int):
-        """A fresh scheduler (multistep solvers keep per-run state) with its timesteps set."""
-        return self.model.new_scheduler(steps)
+    def new_scheduler(self, steps: int, sampler: Sampler | None = None):
+        """A fresh scheduler (multistep solvers keep per-run state) with its timesteps set:
+        the model's own, or `sampler`'s solver and shift."""
+        return self.model.new_scheduler(steps, sampler)
 
     def experts(self, scheduler) -> list[int]:
         """Per step, the expert that runs it; read from the host copy of the timesteps once per
@@ -147,10 +149,12 @@ class Denoiser:
         condition: ImageCondition | None = None,
         guidance_2: float | None = None,
         run_steps: frozenset[int] | None = None,
+        sampler: Sampler | None = None,
     ) -> DenoiseResult:
         """`guidance_2`: the low-noise expert's CFG scale (default `guidance`, as diffusers);
-        `run_steps`: only these steps of the schedule run (a rehearsal's sample), None: all."""
-        scheduler = self.new_scheduler(steps)
+        `run_steps`: only these steps of the schedule run (a rehearsal's sample), None: all;
+        `sampler`: the solver and flow shift (None: the model's own scheduler)."""
+        scheduler = self.new_scheduler(steps, sampler)
         result = DenoiseResult(latents_BCFHW)
         latents = latents_BCFHW
         listener, cache = self.listener, self.step_cache

@@ -42,5 +42,11 @@ def exact_reference(denoiser: Denoiser, latents, text, item: Item, condition=Non
     """The same item exact (`Denoiser.exact`): what --reference exact measures against."""
     with denoiser.exact():
         return denoiser.denoise(
-            latents, text, item.steps, item.cfg_scale, condition=condition, guidance_2=item.guidance_2
+            latents,
+            text,
+            item.steps,
+            item.cfg_scale,
+            condition=condition,
+            guidance_2=item.guidance_2,
+            sampler=item.sampler,
         ).latents_BCFHW

@@ -4,8 +4,9 @@
 - `.txt`: one prompt per line; blank lines and lines starting with `#` are skipped;
 - `.jsonl`: one JSON object per line with `prompt` and optionally `id`,
   `negative_prompt`, `seed`, `height`, `width`, `frames`, `steps`, `guidance`, `guidance_2`
-  (a two-expert model's low-noise scale) and `image` (image-to-video: a path, relative to
-  the prompt file); a line's values override the command line.
+  (a two-expert model's low-noise scale), `image` (image-to-video: a path, relative to
+  the prompt file), `loras`, `scheduler` and `flow_shift`; a line's values override the
+  command line.
 Item ids are the given `id`, or `<index>-<hash of prompt, seed and image>`: short,
 filesystem-safe, and never the raw prompt text.
 """
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from planner.errors import ConfigError
 from planner.user_files import TEXT_LIMIT, check_text, parse_json, read_text, require_regular_file
 from runtime.config import TEMPORAL_STRIDE, Item
-from runtime.models import adapters
+from runtime.models import adapters, schedulers
 from runtime.models.adapters import Adapter
 from runtime.models.registry import Defaults
 
@@ -32,7 +33,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # sidecar of "a.plan" is item a's plan file).
 RESERVED_IDS = {"report"}
 RESERVED_SUFFIXES = (".plan", ".latents", ".rel_mae")
-INT_KEYS = ("seed", "height", "width", "frames", "steps")
+INT_KEYS = ("seed", "height", "width", "frames", "steps", "fps")
 JSONL_KEYS = {
     "id",
     "prompt",
@@ -42,6 +43,8 @@ JSONL_KEYS = {
     "true_cfg_scale",
     "image",
     "loras",
+    "scheduler",
+    "flow_shift",
     *INT_KEYS,
 }
 
@@ -62,6 +65,9 @@ class Overrides:
     image: Path | None = None
     lora: list[str] | None = None  # SOURCE[:SCALE] each (runtime/models/adapters.py)
     lora_2: list[str] | None = None  # the same, for a two-expert model's second expert
+    scheduler: str | None = None  # runtime/models/schedulers.py SOLVERS
+    flow_shift: float | None = None
+    fps: int | None = None
 
 
 def derived_id(index: int, prompt: str, seed: int, image: str | None = None) -> str:
@@ -164,6 +170,9 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
         guidance_2=None if guidance_2 is None else float(guidance_2),
         true_cfg=None if true_cfg is None else float(true_cfg),
         image=image,
+        scheduler=pick("scheduler", cli.scheduler, None),
+        flow_shift=pick("flow_shift", cli.flow_shift, None),
+        fps=pick("fps", cli.fps, defaults.fps),
         vae_stride=defaults.vae_stride,
         patch=defaults.patch,
         index=index,
@@ -185,6 +194,23 @@ def _loras_of(fields: dict, cli: Overrides, defaults: Defaults, where: str) -> t
     if any(a.expert == 2 for a in loras) and defaults.experts == 1:
         raise ConfigError(f"{where}: --lora-2 (expert 2) applies to two-expert models (Wan2.2 A14B) only")
     return tuple(adapters.resolve(a, "--lora" if a.expert == 1 else "--lora-2") for a in loras)
+
+
+def fit_to_model(items: tuple[Item, ...], spec, path: Path | None) -> tuple[Item, ...]:
+    """`items` checked against the model's files before any rank starts: each LoRA against its
+    transformers (on the meta device), and each item's solver and flow shift resolved against
+    its scheduler, so that what makes a video is recorded whole."""
+    from runtime.models.families import FAMILIES
+    from runtime.models.meta import meta_scheduler
+
+    adapters.check_fit(items, spec, path)
+    base = meta_scheduler(spec, path)
+    by_sigmas = FAMILIES[spec.family].SCHEDULE_BY_SIGMAS
+    fitted = []
+    for item in items:
+        sampler = schedulers.check(item.scheduler, item.flow_shift, base, by_sigmas, item.source)
+        fitted.append(replace(item, scheduler=sampler.name, flow_shift=sampler.flow_shift))
+    return tuple(fitted)
 
 
 def check_geometry(item: Item, defaults: Defaults) -> None:
@@ -238,13 +264,13 @@ def _jsonl_fields(line: str, where: str) -> dict:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(JSONL_KEYS))}")
     if not isinstance(data.get("prompt"), str):
         raise ConfigError(f'{where}: "prompt" is required and must be a string')
-    for key in ("negative_prompt",):
+    for key in ("negative_prompt", "scheduler"):
         if key in data and not isinstance(data[key], str):
             raise ConfigError(f'{where}: "{key}" must be a string')
     for key in INT_KEYS:
         if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int)):
             raise ConfigError(f'{where}: "{key}" must be an integer, got {data[key]!r}')
-    for key in ("guidance", "guidance_2", "true_cfg_scale"):
+    for key in ("guidance", "guidance_2", "true_cfg_scale", "flow_shift"):
         if key in data and (isinstance(data[key], bool) or not isinstance(data[key], (int, float))):
             raise ConfigError(f'{where}: "{key}" must be a number, got {data[key]!r}')
     if "image" in data and not (isinstance(data["image"], str) and data["image"].strip()):

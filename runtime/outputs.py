@@ -159,8 +159,11 @@ def record_failure(cfg: RunConfig, item: Item, error: str, attempts: int, final:
 # exact strategies produce the same video).
 RESUME_KEYS = (
     "model", "prompt", "negative_prompt", "seed", "height", "width", "frames", "steps", "guidance", "guidance_2",
-    "true_cfg_scale", "image",
+    "true_cfg_scale", "image", "scheduler", "flow_shift", "fps",
 )  # fmt: skip
+# Keys that sidecars written before they existed lack: such a video was made with the model's
+# own scheduler and frame rate, which is what an item asks for unless told otherwise.
+LATER_KEYS = ("scheduler", "flow_shift", "fps")
 
 
 def lora_identity(loras) -> list:
@@ -213,7 +216,7 @@ def completed_record(cfg: RunConfig, item: Item) -> dict | None:
     if record is None or record.get("status") != "done" or not paths["video"].is_file():
         return None
     wanted = {"model": cfg.model, **item.to_json()}
-    differ = [k for k in RESUME_KEYS if record.get(k) != wanted[k]]
+    differ = [k for k in RESUME_KEYS if record.get(k) != wanted[k] and (k in record or k not in LATER_KEYS)]
     if lora_identity(record.get("loras")) != lora_identity(wanted["loras"]):
         differ.append("loras")
     if differ:

@@ -60,7 +60,7 @@ def generate_item(
     start = time.perf_counter()
     result = denoiser.denoise(
         latents, text, item.steps, item.cfg_scale, on_step=observer.step_done, condition=condition,
-        guidance_2=item.guidance_2,
+        guidance_2=item.guidance_2, sampler=item.sampler,
     )  # fmt: skip
     timing.denoise_s = time.perf_counter() - start
     timing.step_s = result.step_s

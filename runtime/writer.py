@@ -20,7 +20,7 @@ def write_item(cfg: RunConfig, item: Item, frames: np.ndarray, latents_BCFHW, ti
     return its record; `records`: the rest of the record's parts (comm, quality, decode, step_cache)."""
     paths = output_paths(cfg.out_dir, item.id)
     start = time.perf_counter()
-    write_mp4(paths["video"], frames, cfg.fps)
+    write_mp4(paths["video"], frames, item.fps)
     latents_name = None
     if cfg.save_latents:
         meta = {"id": item.id, "model": cfg.model, "seed": str(item.seed), "steps": str(item.steps)}

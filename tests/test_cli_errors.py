@@ -213,8 +213,8 @@ def test_malformed_jsonl_reports_line_number(runner, out, tmp_path):
 
 def test_unknown_jsonl_key(runner, out, tmp_path):
     f = tmp_path / "batch.jsonl"
-    f.write_text('{"prompt": "ok"}\n{"prompt": "x", "fps": 8}\n')
-    run_error(runner, ["generate", "--prompts", str(f), "--out", out], "line 2", "unknown key(s) fps")
+    f.write_text('{"prompt": "ok"}\n{"prompt": "x", "speed": 8}\n')
+    run_error(runner, ["generate", "--prompts", str(f), "--out", out], "line 2", "unknown key(s) speed")
 
 
 @pytest.mark.parametrize(

@@ -183,7 +183,7 @@ def test_the_rank_side_never_downloads(cache, tmp_path, monkeypatch):
     ))  # fmt: skip
     assert resolve_model(REPO).path == snapshot  # the cache lookup reads the disk only
     item = Item("x", "a red ball", "", 0, 32, 32, 5, 2, 2.5)
-    cfg = RunConfig(REPO, snapshot, (item,), tmp_path / "out", device="cpu", max_text_len=32, fps=8)
+    cfg = RunConfig(REPO, snapshot, (item,), tmp_path / "out", device="cpu", max_text_len=32)
     report = execute(cfg)
     assert calls == [] and report["counts"]["done"] == 1, report
     assert offline_during_load == [True]

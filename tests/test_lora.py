@@ -126,3 +126,136 @@ def test_a_lora_that_does_not_fit_is_one_line(runner, tmp_path, saved_model_dir,
             lines = result.stderr.strip().splitlines()
             assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], (command, result.stderr[-2000:])
             assert not out.exists()
+
+
+STRATEGIES = {
+    "ring": ["--gpus", "2", "--parallel", "ring"],
+    "ulysses": ["--gpus", "2", "--parallel", "ulysses"],
+    "usp": ["--gpus", "4", "--parallel", "usp", "--ulysses-degree", "2"],
+    "ditango": ["--gpus", "2", "--parallel", "ditango", "--group-size", "1", "--cache-ratio", "0"],
+    "tp": ["--gpus", "2", "--parallel", "tp"],
+    "cfg-parallel": ["--gpus", "2", "--cfg-parallel"],
+    "shard-weights": ["--gpus", "2", "--parallel", "ring", "--shard-weights"],
+}
+DIST_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def styled(saved_model_dir, loras):
+    """diffusers' latents of 'a red kite' with style1 at 0.7."""
+    return reference(saved_model_dir, "a red kite", [(str(loras / "style1"), 0.7)])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_lora_is_exact_under_every_strategy(runner, tmp_path, saved_model_dir, loras, styled, strategy):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["generate", "--model", str(saved_model_dir), "--prompt", "a red kite", "--lora",
+                                 f"{loras / 'style1'}:0.7", "--out", str(out), "--executor", "local",
+                                 *STRATEGIES[strategy], *ARGS])  # fmt: skip
+    assert result.exit_code == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    (item,) = report["items"]
+    err = (latents_of(out, item["id"]) - styled).abs().max().item()
+    assert err <= DIST_ATOL, (strategy, err)
+    assert report["weights"]["adapters_fused"] is True and item["loras"][0]["scale"] == 0.7
+
+
+@pytest.mark.distributed
+def test_two_sets_on_two_ranks_switch_per_item(runner, tmp_path, saved_model_dir, loras, styled):
+    batch = tmp_path / "batch.jsonl"
+    lines = [{"id": "styled", "prompt": "a red kite", "loras": [f"{loras / 'style1'}:0.7"]},
+             {"id": "plain", "prompt": "a red kite", "loras": []}]  # fmt: skip
+    batch.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["generate", "--model", str(saved_model_dir), "--prompts", str(batch), "--out",
+                                 str(out), "--executor", "local", *STRATEGIES["ulysses"], *ARGS])  # fmt: skip
+    assert result.exit_code == 0, result.stderr[-3000:]
+    weights = json.loads((out / "report.json").read_text())["weights"]
+    assert (weights["model_loads"], weights["adapter_sets"], weights["adapters_fused"]) == (1, 2, False)
+    assert (latents_of(out, "styled") - styled).abs().max().item() <= DIST_ATOL
+    plain = reference(saved_model_dir, "a red kite", [])
+    assert (latents_of(out, "plain") - plain).abs().max().item() <= DIST_ATOL
+
+
+def test_several_sets_are_refused_where_weights_are_split(runner, tmp_path, saved_model_dir, loras):
+    batch = tmp_path / "batch.jsonl"
+    lines = [{"prompt": "a", "loras": [str(loras / "style1")]}, {"prompt": "b"}]
+    batch.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    for split in (["--parallel", "tp"], ["--parallel", "ring", "--shard-weights"]):
+        result = runner.invoke(app, ["check", "--model", str(saved_model_dir), "--prompts", str(batch), "--gpus", "2",
+                                     "--device", "cpu", *split])  # fmt: skip
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, result.stderr
+        assert "2 adapter sets" in lines[0] and "one set per run" in lines[0], lines[0]
+
+
+def test_a_lora_in_the_wan_authors_format_is_converted_as_diffusers_converts_it(runner, tmp_path, saved_model_dir):
+    """A trainer's file in the original Wan module names (diffusion_model.blocks.N.self_attn.q,
+    lora_down/lora_up, alpha): diffusers' converter reads it, and the video is diffusers'."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    dim, ffn, rank, tensors = 24, 40, 4, {}
+    shapes = {"self_attn.q": (dim, dim), "self_attn.o": (dim, dim), "cross_attn.v": (dim, dim),
+              "ffn.0": (ffn, dim), "ffn.2": (dim, ffn)}  # fmt: skip
+    for block in range(3):
+        for name, (out_f, in_f) in shapes.items():
+            key = f"diffusion_model.blocks.{block}.{name}"
+            tensors[f"{key}.lora_down.weight"] = torch.randn(rank, in_f) * 0.3
+            tensors[f"{key}.lora_up.weight"] = torch.randn(out_f, rank) * 0.3
+            tensors[f"{key}.alpha"] = torch.tensor(float(rank * 2))
+    folder = tmp_path / "wan-format"
+    folder.mkdir()
+    save_file(tensors, str(folder / "motion.safetensors"))
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["generate", "--model", str(saved_model_dir), "--prompt", "a red kite", "--lora",
+                                 f"{folder / 'motion.safetensors'}:0.7", "--out", str(out), *ARGS])  # fmt: skip
+    assert result.exit_code == 0, result.stderr[-3000:]
+    (item,) = json.loads((out / "report.json").read_text())["items"]
+    ref = reference(saved_model_dir, "a red kite", [(str(folder), 0.7)])
+    assert (latents_of(out, item["id"]) - ref).abs().max().item() <= ATOL
+    assert (ref - reference(saved_model_dir, "a red kite", [])).abs().max().item() > 1e-2
+
+
+def test_a_hunyuan_lora_gives_the_pipelines_latents(tmp_path):
+    """The same path for HunyuanVideo: its pipeline's loader through peft, fused; diffusers'
+    latents with `load_lora_weights` + `set_adapters` at 0.7."""
+    from diffusers import HunyuanVideoPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from runtime.models.adapters import AdapterBank, check_against, lora_state_dict, parse_lora, resolve
+    from tests import test_hunyuan as hy
+
+    trained = hy.build_tiny_hunyuan()["transformer"]
+    torch.manual_seed(4)
+    trained.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                                   target_modules=["to_q", "to_k", "to_v", "proj_mlp"]), adapter_name="x")  # fmt: skip
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    HunyuanVideoPipeline.save_lora_weights(
+        tmp_path, transformer_lora_layers=get_peft_model_state_dict(trained, adapter_name="x")
+    )
+    adapter = resolve(parse_lora(f"{tmp_path}:0.7"))
+
+    components = hy.build_tiny_hunyuan()
+    check_against(adapter, lora_state_dict(HunyuanVideoPipeline, adapter), components["transformer"])
+    bank = AdapterBank(HunyuanVideoPipeline(**components), [(adapter,)])
+    assert bank.fused and not getattr(components["transformer"], "peft_config", None)
+    ours = hy.ours(hy.denoiser(components), hy.SIZES[4], 4.0)
+
+    ref_components = hy.build_tiny_hunyuan()
+    pipe = HunyuanVideoPipeline(**ref_components)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(tmp_path, adapter_name="a")
+    pipe.set_adapters(["a"], [0.7])
+    size = hy.SIZES[4]
+    ref = pipe(prompt=hy.PROMPT, negative_prompt=hy.NEGATIVE, true_cfg_scale=4.0, guidance_scale=6.0,
+               num_inference_steps=hy.STEPS, height=size["height"], width=size["width"], num_frames=size["frames"],
+               generator=torch.Generator("cpu").manual_seed(3), output_type="latent", max_sequence_length=hy.TEXT_LEN,
+               prompt_template=hy.prompt_template(ref_components["tokenizer"])).frames  # fmt: skip
+    assert (ours - ref).abs().max().item() <= ATOL
+    assert (ref - hy.diffusers_latents(size, 4.0)).abs().max().item() > 1e-3, "the LoRA changes the video"

@@ -138,7 +138,7 @@ def test_the_calibration_decodes_as_the_run_with_the_transformer_offloaded_and_t
         ditango=DiTangoOptions(planner, target_psnr=40.0), decode=DecodeOptions(parallel=True, tile_px=128),
         offload=("transformer",),
     )  # fmt: skip
-    item = SimpleNamespace(id="a", steps=4, cfg_scale=5.0, guidance_2=None)
+    item = SimpleNamespace(id="a", steps=4, cfg_scale=5.0, guidance_2=None, sampler=None)
     calibrate.calibrate(denoiser, item, cfg, ctx, ("text", "noise", None), "exact latents")
     decodes = [e[1] for e in events if e[0] == "decode"]
     if not writer:

@@ -184,6 +184,16 @@ def adapter_sets(items) -> list[tuple[Adapter, ...]]:
     return list(dict.fromkeys(item.loras for item in items))
 
 
+def check_sets(items, strategy: str, shard_weights: bool) -> None:
+    """Several sets stay unfused (peft's layers wrap the base ones), which a split of the
+    weights does not take: TP splits the base layers themselves, FSDP2 shards them."""
+    n = len(adapter_sets(items))
+    split = "--parallel tp" if strategy == "tp" else "--shard-weights" if shard_weights else None
+    if n > 1 and split:
+        raise ConfigError(f"the items use {n} adapter sets, which stay unfused and {split} cannot split; with "
+                          f"{split} run one set per run (a batch file per set, or the same loras on every item)")  # fmt: skip
+
+
 class AdapterBank:
     """The adapters of a run, loaded once into the pipeline's transformers by diffusers
     (`load_lora_weights`, peft). One set for the whole run: fused and peft's layers removed.

@@ -121,8 +121,8 @@ def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[st
     the CLIP image encoder are kept in float32; the text encoder and transformers take
     `placement.dtype`, with the float32 modules diffusers/transformers keep when loading
     (`_keep_in_fp32_modules`). `adapter_sets`: the run's LoRA sets, loaded by the pipeline
-    (runtime/models/adapters.py; under "adapters", an `AdapterBank`). The built-in model is a directory shipped in the package, loaded
-    through the same path as a user checkpoint. `on_cpu`: components read onto the CPU (in
+    (runtime/models/adapters.py; under "adapters", an `AdapterBank`). The built-in model is a
+    directory shipped in the package, loaded through the same path as a user checkpoint. `on_cpu`: components read onto the CPU (in
     their dtype), sharded or split there first, then moved (runtime/weights.py).
     """
     import diffusers

@@ -257,7 +257,7 @@ REGISTRY: dict[str, ModelSpec] = {
     for spec in (
         _spec("tiny-wan", "built-in tiny Wan trained on moving shapes (runtime/models/tiny/weights)", "tiny-wan",
               None, T2V, vae_stride=4, max_text_len=32, params=2_712_816, builtin=True, steps=25, guidance=2.5,
-              height=64, width=64, frames=17, fps=8),
+              height=64, width=64, frames=17, fps=8, negative_prompt=""),  # trained without one
         # Wan2.1: diffusers' WanPipeline / WanImageToVideoPipeline defaults (50 steps, guidance 5.0, 81 frames).
         _spec("wan2.1-1.3b", "Wan2.1 text-to-video 1.3B", "wan2.1-1.3b", "Wan2.1-T2V-1.3B-Diffusers", T2V),
         _spec("wan2.1-14b", "Wan2.1 text-to-video 14B", "wan2.1-14b", "Wan2.1-T2V-14B-Diffusers", T2V),

@@ -213,7 +213,7 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
 
                     result = denoiser.denoise(latents, text, item.steps, item.cfg_scale, on_step=step_done,
                                               condition=condition, guidance_2=item.guidance_2,
-                                              run_steps=frozenset(steps_run))  # fmt: skip
+                                              run_steps=frozenset(steps_run), sampler=item.sampler)  # fmt: skip
                 with phase("decode"):
                     options = before_decode(denoiser, cfg, ctx)
                     if options is not None:

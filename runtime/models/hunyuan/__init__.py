@@ -38,6 +38,7 @@ from runtime.models.hunyuan.checkpoint import (
 )
 from runtime.models.hunyuan.shapes import (
     PIPELINE_DEFAULTS,
+    SCHEDULE_BY_SIGMAS,
     VAE_ACTIVATION_FACTOR,
     block_params,
     blocks_params,
@@ -50,7 +51,7 @@ from runtime.models.hunyuan.shapes import (
 from runtime.models.hunyuan.vae import decode_tile, join_chunks, vae_chunks
 
 __all__ = [
-    "COMPONENTS", "PIPELINES", "PIPELINE_DEFAULTS", "REQUIRED", "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR",
+    "COMPONENTS", "PIPELINES", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "REQUIRED", "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR",
     "VAE_CLASS", "JointAttention", "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile", "expert_schedule",
     "dir_variant", "from_block", "fsdp_gathered_params", "install", "install_tp", "join_chunks", "load_model",
     "named_parts", "pack_boundary", "patch_size", "probes", "segment_blocks", "shape_of", "uninstall",

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from runtime.loop_types import TextEmbeds, seeded_latents
+from runtime.models import schedulers
 from runtime.models.hunyuan.shapes import expert_schedule
 
 EMBEDDED_GUIDANCE = 6.0  # the pipeline's default guidance_scale
@@ -91,8 +92,8 @@ class HunyuanModel:
     def encode_image(self, image, latents_BCFHW, height: int, width: int, frames: int):
         raise ValueError("this model takes no image (text-to-video only)")
 
-    def new_scheduler(self, steps: int):
-        scheduler = type(self.scheduler).from_config(self.scheduler.config)
+    def new_scheduler(self, steps: int, sampler=None):
+        scheduler = schedulers.fresh(self.scheduler, sampler)
         sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]  # the pipeline's default schedule
         scheduler.set_timesteps(sigmas=sigmas, device=self.device)
         scheduler.set_begin_index(0)

@@ -8,9 +8,16 @@ import torch
 from planner.models import VaeShape
 
 VAE_ACTIVATION_FACTOR = 6.0  # as Wan's (runtime/models/wan/shapes.py), measured for this decoder
+# The HunyuanVideo authors' default negative prompt (their constants.py's NEGATIVE_PROMPT). It
+# matters only with real CFG (--true-cfg-scale > 1), as in their sampler.
+NEGATIVE_PROMPT = (
+    "Aerial view, aerial view, overexposed, low quality, deformation, a poor composition, bad hands, bad teeth, "
+    "bad eyes, bad limbs, distortion"
+)
 # HunyuanVideoPipeline's defaults (720x1280, 129 frames, 50 steps, embedded guidance 6.0).
 PIPELINE_DEFAULTS = {"guidance": 6.0, "height": 720, "width": 1280, "frames": 129, "fps": 24, "max_text_len": 256,
-                     "true_cfg": 1.0}  # fmt: skip
+                     "true_cfg": 1.0, "negative_prompt": NEGATIVE_PROMPT}  # fmt: skip
+SCHEDULE_BY_SIGMAS = True  # the pipeline's loop sets the sigmas (np.linspace(1, 0, steps + 1)[:-1])
 
 
 def shape_of(name: str, config: dict, params: int, text_len: int, vae_stride: tuple[int, int, int]):

@@ -42,6 +42,7 @@ from runtime.models.wan.checkpoint import (
 )
 from runtime.models.wan.shapes import (
     PIPELINE_DEFAULTS,
+    SCHEDULE_BY_SIGMAS,
     VAE_ACTIVATION_FACTOR,
     WanVariant,
     block_params,
@@ -56,7 +57,7 @@ from runtime.models.wan.shapes import (
 from runtime.models.wan.vae import decode_tile, join_chunks, vae_chunks
 
 __all__ = [
-    "COMPONENTS", "IMAGE_ENCODER_CLASSES", "IMAGE_PROCESSOR_CLASSES", "PIPELINES", "PIPELINE_DEFAULTS", "REQUIRED",
+    "COMPONENTS", "IMAGE_ENCODER_CLASSES", "IMAGE_PROCESSOR_CLASSES", "PIPELINES", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "REQUIRED",
     "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR", "VAE_CLASS", "WanSelfAttention", "WanVariant", "apply_rotary",
     "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile", "dir_variant", "expert_schedule", "from_block",
     "fsdp_gathered_params", "install", "install_tp", "join_chunks", "load_model", "named_parts", "pack_boundary",

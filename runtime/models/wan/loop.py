@@ -15,6 +15,7 @@ import torch
 from diffusers import WanPipeline
 
 from runtime.loop_types import ImageCondition, TextEmbeds, seeded_latents
+from runtime.models import schedulers
 from runtime.models.wan.shapes import WanVariant, expert_schedule
 
 
@@ -89,9 +90,9 @@ class WanModel:
             return ImageCondition(out[1], first_frame_mask=out[2], image_BLE=image_BLE)
         return ImageCondition(out[1], image_BLE=image_BLE)
 
-    def new_scheduler(self, steps: int):
+    def new_scheduler(self, steps: int, sampler=None):
         """A fresh scheduler (multistep solvers keep per-run state) with its timesteps set."""
-        scheduler = type(self.scheduler).from_config(self.scheduler.config)
+        scheduler = schedulers.fresh(self.scheduler, sampler)
         scheduler.set_timesteps(steps, device=self.device)
         scheduler.set_begin_index(0)
         return scheduler

@@ -13,7 +13,16 @@ from planner.models import ModelShape, VaeShape
 # block's input, normed and activated copies, padded convolution inputs and outputs; measured
 # on CPU (benchmarks/memory.py states the error).
 VAE_ACTIVATION_FACTOR = 8.0
-PIPELINE_DEFAULTS: dict = {}  # WanPipeline's are the registry's `Defaults`
+# The Wan authors' default negative prompt (their shared config's `sample_neg_prompt`), which
+# their generate.py uses when none is given; diffusers' WanPipeline leaves it empty.
+NEGATIVE_PROMPT = (
+    "色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，"
+    "丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，"
+    "杂乱的背景，三条腿，背景人很多，倒着走"
+)
+# WanPipeline's defaults are the registry's `Defaults`; the negative prompt is the authors'.
+PIPELINE_DEFAULTS: dict = {"negative_prompt": NEGATIVE_PROMPT}
+SCHEDULE_BY_SIGMAS = False  # the loop sets the number of steps: every solver of schedulers.py applies
 
 
 @dataclass(frozen=True)
