@@ -259,3 +259,21 @@ def test_a_hunyuan_lora_gives_the_pipelines_latents(tmp_path):
                prompt_template=hy.prompt_template(ref_components["tokenizer"])).frames  # fmt: skip
     assert (ours - ref).abs().max().item() <= ATOL
     assert (ref - hy.diffusers_latents(size, 4.0)).abs().max().item() > 1e-3, "the LoRA changes the video"
+
+
+def test_ranks_holding_other_weights_are_named_before_the_first_step(parity_components):
+    """same_weights: each rank's checksum of its adapted transformer, agreed over the ranks; a
+    rank whose weights differ (another file read) stops the run, named."""
+    import copy
+    from types import SimpleNamespace
+
+    from runtime.models.adapters import same_weights
+
+    components = {"transformer": copy.deepcopy(parity_components["transformer"])}
+    hashes = []
+    same_weights(components, SimpleNamespace(gather=lambda h: hashes.append(h) or [h, h]))  # agreed: no error
+    with torch.no_grad():
+        components["transformer"].blocks[0].attn1.to_q.weight[0, 0] += 1e-3
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] differ from rank 0"):
+        same_weights(components, SimpleNamespace(gather=lambda h: hashes.append(h) or [hashes[0], h, hashes[0]]))
+    assert hashes[1] != hashes[0], "one weight moved by 1e-3 changes the checksum"
