@@ -5,7 +5,7 @@
 - `.jsonl`: one JSON object per line with `prompt` and optionally `id`,
   `negative_prompt`, `seed`, `height`, `width`, `frames`, `steps`, `guidance`, `guidance_2`
   (a two-expert model's low-noise scale), `image` (image-to-video: a path, relative to
-  the prompt file), `loras`, `scheduler` and `flow_shift`; a line's values override the
+  the prompt file), `loras`, `scheduler`, `flow_shift` and `fps`; a line's values override the
   command line.
 Item ids are the given `id`, or `<index>-<hash of prompt, seed and image>`: short,
 filesystem-safe, and never the raw prompt text.
