@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ditango_cli.auto_layout import choose_layout
 from ditango_cli.command import command
 from ditango_cli.options import (
     GROUPS,
@@ -134,6 +135,7 @@ def build_run_config(
     items = fit_to_model(items, spec, None if resolved is None else resolved.path)  # LoRAs, solvers
     if array > len(items):
         raise ConfigError(f"--array {array} is more than the {len(items)} items")
+    p, g, d, mem, choice = choose_layout(p, g, d, mem, spec, items, array)  # --layout auto, else as given
     strategy = None if p.parallel is None else p.parallel.value
     layout = replica_layout(
         p.nodes, p.gpus_per_node, p.replicas, spec.heads, strategy=strategy, cfg_parallel=g.cfg_parallel,
@@ -172,7 +174,7 @@ def build_run_config(
         layout=layout, attention_backend=p.attention_backend.value, timeout_s=p.timeout,
         setup_timeout_s=p.setup_timeout_s, ditango=ditango, reference=d.reference, step_cache=step_cache,
         hybrid=hybrid_config(g, spec.layers), replicas=p.replicas, alloc_gpus_per_node=p.gpus_per_node, decode=decode,
-        shard_weights=mem.shard_weights,
+        shard_weights=mem.shard_weights, layout_choice=choice,
         options=options or {},
     )  # fmt: skip
     cfg = memory_preflight(cfg, spec.shape, mem.gpu_memory, placement, where == "local", m.dtype is not None)
@@ -348,7 +350,7 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
                         "task": spec.task, "experts": spec.variant.experts},
         "device": str(placement.device), "dtype": placement.dtype_name, "out_dir": str(cfg.out_dir),
         "layout": cfg.layout.to_json(), "replicas": cfg.replicas, "executor": where, "attention_backend": backend,
-        "gpu_memory": cfg.gpu_memory, "offload": list(cfg.offload),
+        "gpu_memory": cfg.gpu_memory, "offload": list(cfg.offload), "layout_choice": cfg.layout_choice,
         "skipped": sorted(skipped),
         "items": [it.to_json() for it in cfg.items],
     }  # fmt: skip

@@ -43,6 +43,8 @@ DTypeChoice = _choices("DTypeChoice", DTYPES)
 ParallelChoice = _choices("ParallelChoice", STRATEGIES)
 ExecutorChoice = _choices("ExecutorChoice", ("local", "slurm", "env", "auto"))
 BackendChoice = _choices("BackendChoice", BACKENDS)
+LayoutChoice = _choices("LayoutChoice", ("auto",))
+ObjectiveChoice = _choices("ObjectiveChoice", ("throughput", "latency"))
 CACHE_DTYPES = ("float32", "bfloat16")  # DiTangoOptions.cache_dtype
 REFERENCES = ("exact",)
 
@@ -188,6 +190,18 @@ class ParallelArgs:
         ),
     ] = ExecutorChoice.auto
     replicas: Annotated[int, _o("--replicas", min=1, help="Independent model replicas taking items round-robin.")] = 1
+    layout: Annotated[
+        LayoutChoice | None, _o("--layout", help="auto: the cost model picks replicas, strategy, CFG and sharding.")
+    ] = None
+    objective: Annotated[
+        ObjectiveChoice, _o("--objective", help="--layout auto: throughput (batch) or latency (one video).")
+    ] = ObjectiveChoice.throughput
+    allow_reuse: Annotated[bool, _o("--allow-reuse", help="--layout auto: DiTango's lossy reuse may be chosen.")] = (
+        False
+    )
+    hardware: Annotated[
+        str | None, _o("--hardware", help="--layout auto: GPU profile or JSON file [the local GPU's, else h20].")
+    ] = None
     timeout: Annotated[float, _o("--timeout", help="Per-step collective timeout in seconds.")] = STEP_TIMEOUT_S
     setup_timeout: Annotated[
         float | None,

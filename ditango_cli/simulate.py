@@ -42,6 +42,15 @@ CacheOpt = Annotated[CacheDtype, typer.Option("--cache-dtype", help="DiTango cac
 # More GPUs than one video can use (32,760 tokens at 480p: 32 a rank); the pricing grows with the square.
 MAX_RANKS = 1024
 GpuMemOpt = Annotated[str | None, typer.Option("--gpu-memory", help="Per GPU, e.g. 80GiB (default: the profile's).")]
+Objective = Enum("Objective", {"throughput": "throughput", "latency": "latency"}, type=str)  # type: ignore[misc]
+BatchOpt = Annotated[int | None, typer.Option("--batch", help="Rank every layout for a batch of N videos.")]
+ObjectiveOpt = Annotated[Objective | None, typer.Option("--objective", help="Ranking: throughput or latency "
+                                                        "[throughput].")]  # fmt: skip
+ReuseOpt = Annotated[bool, typer.Option("--allow-reuse", help="Ranking: DiTango's lossy reuse may be chosen.")]
+InterOpt = Annotated[float | None, typer.Option("--inter-node-gbps", help="Inter-node GB/s per GPU [the profile's].")]
+OverlapOpt = Annotated[float | None, typer.Option("--overlap", help="Transfer hidden behind compute, 0-1 [1].")]
+GuidanceOpt = Annotated[float | None, typer.Option("--guidance", help="CFG scale; <= 1: one branch [the model's].")]
+TOP = 10  # ranking rows shown (--json: all)
 
 
 def simulate(
@@ -78,10 +87,16 @@ def simulate(
     vae_tiling: TilingOpt = False,
     cache_dtype: CacheOpt = CacheDtype.bfloat16,
     gpu_memory: GpuMemOpt = None,
+    batch: BatchOpt = None,
+    objective: ObjectiveOpt = None,
+    allow_reuse: ReuseOpt = False,
+    inter_node_gbps: InterOpt = None,
+    overlap: OverlapOpt = None,
+    guidance: GuidanceOpt = None,
 ) -> int:
     """Price strategies on a hardware profile: per-step attention, step and end-to-end time, bytes, peak memory."""
     from planner.comparison import compare_layouts, memory_options, simulate_assumptions
-    from planner.cost_model import load_hardware
+    from planner.cost_model import load_hardware, with_overrides
     from planner.layout import parse_group_size
     from planner.memory import parse_bytes
     from planner.models import VideoSize
@@ -90,7 +105,7 @@ def simulate(
     if model not in REGISTRY:
         raise ConfigError(f"unknown model {model!r} for simulate: use one of {', '.join(REGISTRY)}")
     spec = REGISTRY[model]  # one expert runs at a time: per-step costs are one transformer's (memory: all)
-    hw = load_hardware(str(hardware_file) if hardware_file else hardware)
+    hw = with_overrides(load_hardware(str(hardware_file) if hardware_file else hardware), inter_node_gbps, overlap)
     d = spec.defaults  # one set of defaults: a run of generate with the same options is what is priced
     height, width, frames, steps = (d.height if height is None else height, d.width if width is None else width,
                                     d.frames if frames is None else frames, d.steps if steps is None else steps)  # fmt: skip
@@ -107,6 +122,14 @@ def simulate(
         raise ConfigError("--plan-item needs --plan (the report.json the item is in)")
     source = plan_source(plan, planner, own_group, cache_ratio, warmup, cooldown, plan_item)
     size = VideoSize(height, width, frames)
+    cfg_scale = spec.defaults.cfg_scale if guidance is None else guidance
+    if batch is not None or objective is not None:
+        from planner.search import Problem
+
+        problem = Problem(spec.shape, size, steps, nodes, gpus_per_node, 1 if batch is None else batch, cfg_scale,
+                          (objective or Objective.throughput).value, allow_reuse,
+                          parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else 0, source)  # fmt: skip
+        return print_ranking(hw, problem, model, as_json)
     memory = memory_options(shard_weights, spec.defaults.cfg_scale, vae_tiling, cache_dtype.value)
     rows, notes = compare_layouts(hw, spec.shape, nodes, gpus_per_node, strategies, group_size, size, steps, source, memory, vae_parallel,
                                   parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None)  # fmt: skip
@@ -137,6 +160,36 @@ def simulate(
     print_tables(console, table, memory)
     for line in [*(f"skipped: {note}" for note in notes), *(f"note: {n}" for n in plan_notes)]:
         console.print(line)
+    return 0
+
+
+def print_ranking(hw, p, model: str, as_json: bool) -> int:
+    """The layout search's ranking (planner/search.py): a table of the best, and why the first wins."""
+    from planner.cost_model import report_dict
+    from planner.search import search, seconds, why
+
+    choices, notes = search(hw, p)
+    if not choices:
+        raise ConfigError(f"no layout of {model} fits {p.nodes} x {p.gpus_per_node} GPUs: " + "; ".join(notes))
+    reason = why(choices, p)
+    if as_json:
+        print(json.dumps({"schema": 1, "objective": p.objective, "batch": p.batch, "why": reason, "notes": notes,
+                          "assumptions": {**report_dict(hw), "model": model, "steps": p.steps, "height": p.size.height,
+                                          "width": p.size.width, "frames": p.size.frames},
+                          "ranking": [c.to_json() for c in choices]}, indent=2))  # fmt: skip
+        return 0
+    console = plain_console()
+    console.print(f"{model}, {p.size.width}x{p.size.height}x{p.size.frames}, {p.steps} steps, {p.batch} video(s) on "
+                  f"{p.nodes} x {p.gpus_per_node} {hw.name}; best {p.objective} first (modelled; see --json "
+                  "assumptions).", highlight=False)  # fmt: skip
+    table = Table("#", "layout", "s/video", "videos/h", "peak GiB/GPU", "inter-node GB", "generate flags")
+    for i, c in enumerate(choices[:TOP], 1):
+        table.add_row(str(i), c.label, seconds(c.e2e_s).removesuffix(" s"), f"{c.videos_per_hour:.1f}", f"{c.peak_memory_bytes / 2**30:.1f}",
+                      f"{c.inter_node_bytes / 1e9:.1f}", " ".join(c.flags()) or "-")  # fmt: skip
+    print_tables(console, table)
+    console.print(f"why: {reason}")
+    for note in notes:
+        console.print(f"note: {note}")
     return 0
 
 

@@ -36,6 +36,13 @@ class Hardware:
     latency_us: float  # per message, inter-node (intra-node taken as a third of it)
     source: str = ""
     memory_bytes: int = 0  # per GPU (0: not known); the datasheets' GB are binary-sized HBM stacks
+    # Of a hop's transfer and compute, the share of the shorter that hides behind the longer
+    # (1: max(compute, transfer), the kernels overlap fully; 0: one after the other).
+    overlap: float = 1.0
+    # Achieved / peak (ASSUMPTIONS); a profile benchmarks/gpu/profile.py measured is calibrated:
+    # its bf16_tflops is the achieved matmul rate, attention its measured share of it.
+    matmul_efficiency: float = 0.7
+    attention_efficiency: float = 0.5
 
 
 # Public datasheet numbers (dense bf16, no sparsity). NVLink "900 GB/s" is bidirectional:
@@ -50,11 +57,14 @@ HARDWARE: dict[str, Hardware] = {
 }  # fmt: skip
 
 ASSUMPTIONS = {
-    "matmul_efficiency": 0.7,  # achieved / peak for projections and FFN
-    "attention_efficiency": 0.5,  # achieved / peak for attention kernels (flash-attn class)
+    "matmul_efficiency": 0.7,  # achieved / peak for projections and FFN (1 for a measured profile)
+    "attention_efficiency": 0.5,  # achieved / peak for attention (flash-attn class; a measured profile's share)
     "link_efficiency": 0.8,  # achieved / nominal bandwidth
-    "overlap": "ring/DiTango hops: max(compute, transfer) + latency (next block prefetched)",
-    "not_modelled": "text encoder and VAE decode time, scheduler step, kernel launch overheads, stragglers",
+    "overlap": "ring/DiTango hops: max(compute, transfer) + (1 - overlap) x min(compute, transfer) + latency (next "
+    "block prefetched); the profile's overlap, 1 unless given (--overlap)",
+    "block_overhead_us": 150,  # kernel launches and host work per block and forward (not hidden by a graph)
+    "not_modelled": "text encoder time, scheduler step, stragglers; the VAE decode and launch overheads are priced by "
+    "the layout search only (planner/search.py)",
     "memory": "planner/memory.py: peak bytes per GPU by phase (text_encode, denoise, decode); fits: the peak within "
     "the GPU's memory less 5% and 1 GiB; the runtime offloads the encoders / transformer only when short",
     "ulysses": "all-to-all time = bytes over the slowest link class in the group, not overlapped",
@@ -104,10 +114,33 @@ def load_hardware(name_or_file: str) -> Hardware:
     memory = data.get("memory_bytes", 0)
     if isinstance(memory, bool) or not isinstance(memory, int) or not 0 <= memory <= 2**50:
         raise ConfigError(f"{where}: memory_bytes must be a whole number of bytes (0: not known), got {memory!r}")
+    check_overlap(data.get("overlap", 1.0), f"{where}: overlap")
     for key in ("name", "source"):
         if not isinstance(data.get(key, ""), str):
             raise ConfigError(f"{where}: {key} must be a string, got {data[key]!r}")
-    return Hardware(**{k: data[k] for k in fields if k in data})
+    measured = data.get("measured") if isinstance(data.get("measured"), dict) else {}
+    share = measured.get("best_attention_over_matmul")
+    calibrated = {"matmul_efficiency": 1.0, "attention_efficiency": share} if isinstance(share, int | float) else {}
+    given = {k: data[k] for k in ("matmul_efficiency", "attention_efficiency") if k in data}
+    for key, value in {**given, **calibrated}.items():
+        if not check_overlap(value, f"{where}: {key}"):  # a share in (0, 1]
+            raise ConfigError(f"{where}: {key} must be above 0")
+    return Hardware(**{**{k: data[k] for k in fields if k in data}, **calibrated})
+
+
+def check_overlap(value, where: str = "--overlap") -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ConfigError(f"{where} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def with_overrides(hw: Hardware, inter_gbps: float | None = None, overlap: float | None = None) -> Hardware:
+    """`hw` with `--inter-node-gbps` (per GPU and direction) and `--overlap` where given."""
+    if inter_gbps is not None:
+        if not 0 < inter_gbps < 1e9:
+            raise ConfigError(f"--inter-node-gbps must be a positive number of GB/s, got {inter_gbps}")
+        hw = replace(hw, inter_gbps=float(inter_gbps), name=f"{hw.name}, inter-node {inter_gbps:g} GB/s")
+    return hw if overlap is None else replace(hw, overlap=check_overlap(overlap))
 
 
 def report_dict(hw: Hardware) -> dict:
@@ -139,8 +172,12 @@ def _lat(hw: Hardware, link: str) -> float:
     return hw.latency_us * 1e-6 / (3 if link == "intra_node" else 1)
 
 
+def _hop(hw: Hardware, compute: float, transfer: float) -> float:
+    return max(compute, transfer) + (1 - hw.overlap) * min(compute, transfer)
+
+
 def _attn_s(hw: Hardware, q: int, k: int, heads: int, d: int) -> float:
-    return 4.0 * q * k * heads * d / (hw.bf16_tflops * 1e12 * ASSUMPTIONS["attention_efficiency"])
+    return 4.0 * q * k * heads * d / (hw.bf16_tflops * 1e12 * hw.attention_efficiency)
 
 
 def _ring_time(hw, topo: Topology, ranks, q: int, blocks: list[int], heads: int, d: int, e: int,
@@ -154,7 +191,9 @@ def _ring_time(hw, topo: Topology, ranks, q: int, blocks: list[int], heads: int,
         total = _attn_s(hw, q, blocks[me], heads, d)
         for k in range(P - 1):
             s = blocks[(me - k - 1) % P]
-            total += hops * (max(_attn_s(hw, q, s, heads, d), 2 * s * heads * d * e / _bw(hw, link)) + _lat(hw, link))
+            total += hops * (
+                _hop(hw, _attn_s(hw, q, s, heads, d), 2 * s * heads * d * e / _bw(hw, link)) + _lat(hw, link)
+            )
         worst = max(worst, total)
     return worst
 
@@ -236,7 +275,7 @@ def _ditango_time(hw: Hardware, topo: Topology, shape: ModelShape, sizes: list[i
 
     total = group_ring(0, per_offset.get(0, 1.0))
     for d in range(1, G):
-        total += per_offset[d] * max(max(fetch(c, d) for c in range(P)), group_ring(d))
+        total += per_offset[d] * _hop(hw, group_ring(d), max(fetch(c, d) for c in range(P)))
     return total
 
 
@@ -268,11 +307,11 @@ def rest_of_block_time(hw: Hardware, shape: ModelShape, local_tokens: int) -> fl
     if shape.joint_text:
         tokens = n + shape.text_len
         flops = 2 * tokens * 4 * hid * hid + 2 * tokens * 2 * hid * shape.ffn
-        return flops / (hw.bf16_tflops * 1e12 * ASSUMPTIONS["matmul_efficiency"])
+        return flops / (hw.bf16_tflops * 1e12 * hw.matmul_efficiency)
     flops = 2 * n * 4 * hid * hid  # self-attention q, k, v, o
     flops += 2 * n * 2 * hid * hid + 2 * shape.text_len * 2 * shape.text_dim * hid  # cross-attn q, o; k, v of text
     flops += 2 * n * 2 * hid * shape.ffn  # FFN up and down
-    matmul = flops / (hw.bf16_tflops * 1e12 * ASSUMPTIONS["matmul_efficiency"])
+    matmul = flops / (hw.bf16_tflops * 1e12 * hw.matmul_efficiency)
     return matmul + _attn_s(hw, n, shape.text_len, shape.heads, shape.head_dim)
 
 

@@ -220,8 +220,7 @@ class RunConfig:
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     attention_backend: str = "auto"  # auto | flash | torch | reference (ignored by strategy "none")
     timeout_s: float = STEP_TIMEOUT_S  # per-step collectives: a stuck one fails after this long
-    # Bring-up and the waits on the writer (loading, rank 0 decoding and writing a video)
-    setup_timeout_s: float = SETUP_TIMEOUT_S
+    setup_timeout_s: float = SETUP_TIMEOUT_S  # bring-up, and the waits on the writer (loading, decoding, writing)
     ditango: DiTangoOptions | None = None  # --parallel ditango settings
     step_cache: StepCacheSpec | None = None  # --step-cache: a diffusers step cache (runtime/step_cache.py)
     reference: str | None = None  # "exact": also run the exact ring path and record quality
@@ -242,6 +241,7 @@ class RunConfig:
     alloc_gpus_per_node: int | None = None
     # The effective command-line options (report.json records them: a run file for a rerun)
     options: dict = field(default_factory=dict)
+    layout_choice: dict | None = None  # --layout auto: the search's choice and why (ditango_cli/auto_layout.py)
 
     # Derived once from the fields above.
     gpus_per_node: int = field(init=False, repr=False, compare=False)  # ranks per node of the whole allocation

@@ -196,6 +196,7 @@ def run_report(
         "versions": versions(),
         # The effective options: `ditango generate --config report.json` runs the same again.
         "options": cfg.options,
+        "layout_choice": cfg.layout_choice,  # --layout auto: what the layout search chose, and why
         "items": records,
     }
 

@@ -145,6 +145,7 @@ def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
         "backend": "nccl" if cfg.device == "cuda" else "gloo",
         "replicas": cfg.replicas,
         "layout": cfg.layout.to_json(),
+        "layout_choice": cfg.layout_choice,  # --layout auto: the search's choice and why
         "timeouts_s": {"step": cfg.timeout_s, "setup": cfg.setup_timeout_s},
         "items": len(cfg.items),
         "item_list": [item.to_json() for item in cfg.items],  # sizes and steps as the run would make them
