@@ -134,6 +134,8 @@ def layouts(p: Problem, nodes: int, gpus: int) -> list[ParallelLayout]:
     world, out = nodes * gpus, []
     for cfg in (1, 2) if p.cfg_scale > 1 and world % 2 == 0 else (1,):
         cp = world // cfg
+        if cp > p.shape.tokens(p.size):  # a rank without a token: the sequence cannot split so far
+            continue
         if cp == 1:
             out.append(ParallelLayout(nodes, gpus, cfg, "none"))
             continue

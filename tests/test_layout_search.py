@@ -202,3 +202,12 @@ def test_a_measured_profile_is_calibrated_and_overlap_prices_hidden_transfers(tm
     path.write_text(json.dumps(profile))
     with pytest.raises(ConfigError, match="attention_efficiency must be above 0"):
         load_hardware(str(path))
+
+
+def test_a_video_shorter_than_the_ranks_is_not_split_over_all_of_them():
+    spec = REGISTRY["tiny-wan"]
+    size = VideoSize(32, 32, 1)  # 16 tokens
+    assert spec.shape.tokens(size) == 16
+    choices, _ = search(load_hardware("h20"), Problem(spec.shape, size, 4, 4, 8, batch=3, allow_reuse=True))
+    assert choices and all(c.layout.cp_degree <= 16 for c in choices)
+    assert any(c.layout.cp_degree == 16 for c in choices)
