@@ -259,7 +259,11 @@ def plot(path: Path, rows: list[dict]) -> None:
     if runs := [p for p in runs if p is not None]:
         series.append(Series("runs", runs, joined=False, marker="cross"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    axes = {"x_label": "inter-node bytes vs ring", "y_label": "mean PSNR (dB)"}
+    axes = {
+        "x_label": "inter-node bytes vs ring",
+        "y_label": "mean PSNR (dB)",
+        "title": "DiTango: quality vs inter-node bytes (labels: cache ratio)",
+    }
     write_xy_plot(path, series, hline=TARGET_DB, x_range=(0.0, 1.05), **axes)
 
 

@@ -227,7 +227,8 @@ def plots(folder: Path, rows: list[dict]) -> list[Path]:
             if pts:
                 series.append(Series(family, pts, joined=False, marker="square" if family != "exact" else "cross"))
         path = folder / name
-        write_xy_plot(path, series, hline=40.0, x_range=(0.0, 1.05), x_label=x_label, y_label="mean PSNR (dB)")
+        write_xy_plot(path, series, hline=40.0, x_range=(0.0, 1.05), x_label=x_label, y_label="mean PSNR (dB)",
+                      title=f"quality vs {x_label} (tiny-wan, 8 prompts; top: identical)")  # fmt: skip
         written.append(path)
     return written
 

@@ -102,11 +102,25 @@ def main() -> None:
         )
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps({"schema": 1, "rows": rows}, indent=2) + "\n")
-    write_bars(out / "bytes.png", [[r["inter_node_mb"], r["intra_node_mb"]] for r in rows])
-    write_bars(out / "computed.png", [[r["computed_fraction_all_steps"]] for r in rows])
-    write_bars(out / "psnr.png", [[100.0 if r["psnr_vs_1_process"] is None else r["psnr_vs_1_process"]] for r in rows])
-    write_bars(out / "time.png", [[r["step_s"]] for r in rows])
+    figures(out, rows)
     print("\n".join(lines))
+
+
+def figures(out: Path, rows: list[dict]) -> list[Path]:
+    """The suite's bar charts, one group per config (benchmarks/figures.py redraws them)."""
+    labels = [r["config"] for r in rows]
+    identical = [100.0 if r["psnr_vs_1_process"] is None else r["psnr_vs_1_process"] for r in rows]
+    charts = [
+        ("bytes.png", {"inter-node": [r["inter_node_mb"] for r in rows], "intra-node": [r["intra_node_mb"] for r in rows]},
+         "MB moved per item", "bytes moved between and inside (virtual) nodes"),
+        ("computed.png", {"computed": [r["computed_fraction_all_steps"] for r in rows]},
+         "attention computed (fraction)", "attention computed over all steps"),
+        ("psnr.png", {"PSNR": identical}, "PSNR vs 1 process (dB; 100: identical)", "quality against one process"),
+        ("time.png", {"step": [r["step_s"] for r in rows]}, "step time (s, median)", "step time on a 2-core CPU"),
+    ]  # fmt: skip
+    for name, series, y_label, title in charts:
+        write_bars(out / name, labels, series, y_label, title)
+    return [out / name for name, *_ in charts]
 
 
 if __name__ == "__main__":

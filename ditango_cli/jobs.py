@@ -103,6 +103,7 @@ def calibration_line(c: dict) -> str:
 def report(out: OutArg, as_json: JsonOpt = False) -> int:
     """Aggregate a batch's task reports and sidecars into OUT/report.json and print a table."""
     from runtime.errors import OutputWriteError
+    from runtime.gallery import write_gallery
     from runtime.outputs import require_output_folder
     from runtime.video import write_json
     from slurm.aggregate import aggregate
@@ -110,6 +111,7 @@ def report(out: OutArg, as_json: JsonOpt = False) -> int:
     merged = aggregate(require_output_folder(out), write=False)
     try:
         write_json(out / "report.json", merged)
+        write_gallery(out, merged)
     except OutputWriteError as exc:  # a read-only folder: the report is shown all the same
         unsaved = exc
     else:

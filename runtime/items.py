@@ -32,7 +32,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # So the ids that would collide are `report` and those ending in an item file's kind (the
 # sidecar of "a.plan" is item a's plan file).
 RESERVED_IDS = {"report"}
-RESERVED_SUFFIXES = (".plan", ".latents", ".rel_mae")
+RESERVED_SUFFIXES = (".plan", ".latents", ".rel_mae", ".exact", ".poster", ".steps")
 INT_KEYS = ("seed", "height", "width", "frames", "steps", "fps")
 JSONL_KEYS = {
     "id",

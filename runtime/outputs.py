@@ -83,6 +83,9 @@ def output_paths(out_dir: Path, item_id: str) -> dict[str, Path]:
         "video": out_dir / f"{item_id}.mp4",
         "sidecar": out_dir / f"{item_id}.json",
         "latents": out_dir / f"{item_id}.latents.safetensors",
+        "poster": out_dir / f"{item_id}.poster.png",  # the video's middle frame, for report.html
+        "steps": out_dir / f"{item_id}.steps.png",  # time and reuse per step
+        "exact": out_dir / f"{item_id}.exact.mp4",  # with --reference exact: the exact run's video
     }
 
 

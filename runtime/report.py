@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from runtime.config import Item, RunConfig
+from runtime.gallery import write_gallery
 from runtime.video import write_json
 
 SCHEMA = 1
@@ -235,4 +236,6 @@ class ReportWriter:
         if self.timing is not None:
             report["timing"] = self.timing.to_json(self.records)
         write_json(self.path, report)
+        if self.path == self.cfg.out_dir / "report.json":  # a task's or replica's own report has no page
+            write_gallery(self.cfg.out_dir, report)
         return report

@@ -93,7 +93,8 @@ def generate_item(
                                                    "untiled")["psnr"]  # fmt: skip
 
     observer.phase("write")
-    return write_item(cfg, item, frames, result.latents_BCFHW, timing, quality=quality, decode=decode, **records)
+    return write_item(cfg, item, frames, result.latents_BCFHW, timing, quality=quality, decode=decode,
+                      reference_frames=None if reference is None else ref_frames, **records)  # fmt: skip
 
 
 def denoiser_for_run(cfg: RunConfig, ctx: RankContext, spec, components: dict, placement, backend: str) -> Denoiser:

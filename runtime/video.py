@@ -101,9 +101,12 @@ def write_json(path: Path, data: dict) -> None:
     _atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def write_bytes(path: Path, data: bytes) -> None:
+    _atomic(path, lambda tmp: tmp.write_bytes(data))
+
+
 def write_png(path: Path, rgb_HWC: np.ndarray) -> None:
-    encoded = iio.imwrite("<bytes>", rgb_HWC, extension=".png")  # a failed write to a file warns twice
-    _atomic(path, lambda tmp: tmp.write_bytes(encoded))
+    write_bytes(path, iio.imwrite("<bytes>", rgb_HWC, extension=".png"))  # a failed write to a file warns twice
 
 
 def read_mp4(path: Path) -> np.ndarray:

@@ -9,18 +9,24 @@ import numpy as np
 
 from runtime.config import Item, RunConfig
 from runtime.outputs import output_paths, video_method
-from runtime.plots import write_heatmap, write_rel_mae_plot
+from runtime.plots import write_heatmap, write_rel_mae_plot, write_step_plot
 from runtime.report import SCHEMA, ItemTiming, item_record
-from runtime.video import write_json, write_latents, write_mp4
+from runtime.video import write_json, write_latents, write_mp4, write_png
 
 
 def write_item(cfg: RunConfig, item: Item, frames: np.ndarray, latents_BCFHW, timing: ItemTiming, *,
-               attention: dict | None, hybrid: dict | None, **records) -> dict:  # fmt: skip
-    """Write `item`'s files (uint8 `frames` [F, H, W, 3]; float32 latents [1, C, F, H, W]) and
-    return its record; `records`: the rest of the record's parts (comm, quality, decode, step_cache)."""
+               attention: dict | None, hybrid: dict | None, reference_frames: np.ndarray | None = None,
+               **records) -> dict:  # fmt: skip
+    """Write `item`'s files (uint8 `frames` [F, H, W, 3]; float32 latents [1, C, F, H, W]; the
+    exact run's frames, with --reference exact) and return its record; `records`: the rest of
+    the record's parts (comm, quality, decode, step_cache)."""
     paths = output_paths(cfg.out_dir, item.id)
     start = time.perf_counter()
     write_mp4(paths["video"], frames, item.fps)
+    write_png(paths["poster"], frames[len(frames) // 2])
+    if reference_frames is not None and records.get("quality") is not None:
+        write_mp4(paths["exact"], reference_frames, item.fps)
+        records["quality"]["video"] = paths["exact"].name
     latents_name = None
     if cfg.save_latents:
         meta = {"id": item.id, "model": cfg.model, "seed": str(item.seed), "steps": str(item.steps)}
@@ -39,9 +45,12 @@ def write_item(cfg: RunConfig, item: Item, frames: np.ndarray, latents_BCFHW, ti
         plan_png = cfg.out_dir / f"{item.id}.plan.png"
         write_heatmap(plan_png, np.asarray(attention["plan"]["compute_map"], dtype=np.float64).reshape(item.steps, -1))
         attention["plan_png"] = plan_png.name
+    write_step_plot(paths["steps"], timing.step_s, (attention or {}).get("per_step"),
+                    (attention or {}).get("plan", {}).get("kinds"))  # fmt: skip
     record = item_record(
         item, model=cfg.model, status="done", video=paths["video"].name, latents=latents_name, timing=timing,
         attention=attention, hybrid=hybrid, method=video_method(cfg), **records,
     )  # fmt: skip
+    record["poster"], record["steps_png"] = paths["poster"].name, paths["steps"].name
     write_json(paths["sidecar"], record)  # last: its presence marks the item complete
     return record

@@ -1,12 +1,14 @@
 """`ditango report OUT_DIR`: one report.json for a batch that ran as several array tasks,
 replicas, requeues or reruns. Items come from their sidecars (the record of a finished item)
 and, for items without one, from the latest task report that mentions them (failures). Task
-and replica reports live in OUT/.ditango/reports/; report.json is the only file written."""
+and replica reports live in OUT/.ditango/reports/; report.json and its page, report.html, are the only
+files written."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.gallery import write_gallery
 from runtime.outputs import check_foreign_files, item_records, read_record
 from runtime.report import SCHEMA, TIMING_SUMS
 from runtime.video import write_json
@@ -64,6 +66,7 @@ def aggregate(out_dir: Path, write: bool = True) -> dict:
         merged["timing"] = timing
     if write:
         write_json(target, merged)
+        write_gallery(out_dir, merged)
     return merged
 
 
