@@ -150,10 +150,12 @@ class Denoiser:
         guidance_2: float | None = None,
         run_steps: frozenset[int] | None = None,
         sampler: Sampler | None = None,
+        trace: list | None = None,
     ) -> DenoiseResult:
         """`guidance_2`: the low-noise expert's CFG scale (default `guidance`, as diffusers);
         `run_steps`: only these steps of the schedule run (a rehearsal's sample), None: all;
-        `sampler`: the solver and flow shift (None: the model's own scheduler)."""
+        `sampler`: the solver and flow shift (None: the model's own scheduler); `trace`: gets a
+        float32 host copy of the latents after every step (--reference exact's per-step error)."""
         scheduler = self.new_scheduler(steps, sampler)
         result = DenoiseResult(latents_BCFHW)
         latents = latents_BCFHW
@@ -179,6 +181,8 @@ class Denoiser:
                     cache.begin_step(i, t)
                 noise = self.guidance.noise(self, i, t, latents, text, scale)
                 latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+                if trace is not None:
+                    trace.append(latents.detach().float().cpu())
                 finite.append(torch.isfinite(latents).all())
                 if listener is not None:
                     listener.end_step(i)

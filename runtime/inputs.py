@@ -38,8 +38,9 @@ def item_inputs(denoiser: Denoiser, item: Item, cfg: RunConfig, timing: ItemTimi
     return text, latents, condition
 
 
-def exact_reference(denoiser: Denoiser, latents, text, item: Item, condition=None) -> torch.Tensor:
-    """The same item exact (`Denoiser.exact`): what --reference exact measures against."""
+def exact_reference(denoiser: Denoiser, latents, text, item: Item, condition=None, trace=None) -> torch.Tensor:
+    """The same item exact (`Denoiser.exact`): what --reference exact measures against
+    (`trace`: its latents after every step, see `Denoiser.denoise`)."""
     with denoiser.exact():
         return denoiser.denoise(
             latents,
@@ -49,4 +50,5 @@ def exact_reference(denoiser: Denoiser, latents, text, item: Item, condition=Non
             condition=condition,
             guidance_2=item.guidance_2,
             sampler=item.sampler,
+            trace=trace,
         ).latents_BCFHW

@@ -80,11 +80,12 @@ def write_rel_mae_plot(path: Path, rel_mae: list[float | None], stages: list[str
 
 
 def write_step_plot(path: Path, step_s: list[float], computed: list[float] | None = None,
-                    kinds: list[str] | None = None) -> None:  # fmt: skip
-    """An item's steps: the time of each (s), and with DiTango the share of attention it
-    computed fresh, anchors and exact steps marked: what the speed and the quality traded."""
-    fig = _figure()
-    ax = fig.add_subplot()
+                    kinds: list[str] | None = None, rel_err: list[float] | None = None) -> None:  # fmt: skip
+    """An item's steps: the time of each (s); with DiTango the share of attention it computed
+    fresh, anchors and exact steps marked; with --reference exact, below, how far its latents
+    are from the exact run's after each step (relative L2, log scale): what speed cost in quality."""
+    fig = _figure(8.4, 5.6 if rel_err else 3.6)
+    ax = fig.add_subplot(2, 1, 1) if rel_err else fig.add_subplot()
     steps = np.arange(1, len(step_s) + 1)
     ax.plot(steps, step_s, marker="o", markersize=3, color="#1f4e79", label="step time (s)")
     ax.set_xlabel("denoising step")
@@ -106,7 +107,19 @@ def write_step_plot(path: Path, step_s: list[float], computed: list[float] | Non
         h, lab = right.get_legend_handles_labels()
         handles, labels = handles + h, labels + lab
     ax.set_title("per step")
-    ax.legend(handles, labels, loc="lower right", fontsize="small")
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.13 if computed else 1.02, 1), fontsize="small")
+    if rel_err:
+        low = fig.add_subplot(2, 1, 2, sharex=ax)
+        errors = np.array(rel_err, dtype=np.float64)
+        shown = np.where(errors > 0, errors, np.nan)  # identical steps have no place on a log scale
+        low.plot(np.arange(1, len(rel_err) + 1), shown, marker="o", markersize=3, color="#990000",
+                 label="latents vs exact run (relative L2)")  # fmt: skip
+        if np.isfinite(shown).any():
+            low.set_yscale("log")
+        low.set_xlabel("denoising step")
+        low.set_ylabel("relative error (unitless)")
+        low.set_title("quality per step: distance from the exact run")
+        low.legend(loc="best", fontsize="small")
     _save(fig, path)
 
 

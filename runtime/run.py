@@ -58,19 +58,22 @@ def generate_item(
 
     text, latents, condition = item_inputs(denoiser, item, cfg, timing)
     start = time.perf_counter()
+    measured = cfg.reference == "exact" and (cfg.ditango is not None or cfg.step_cache is not None)
+    trace = [] if measured and ctx.is_writer and reference is None else None  # the error per step, vs exact
     result = denoiser.denoise(
         latents, text, item.steps, item.cfg_scale, on_step=observer.step_done, condition=condition,
-        guidance_2=item.guidance_2, sampler=item.sampler,
+        guidance_2=item.guidance_2, sampler=item.sampler, trace=trace,
     )  # fmt: skip
     timing.denoise_s = time.perf_counter() - start
     timing.step_s = result.step_s
     check_finite(result, item, ctx)
     records = gathered_records(denoiser, ctx)
-    if cfg.reference != "exact" or (cfg.ditango is None and cfg.step_cache is None):
+    exact_trace = None if trace is None else []
+    if not measured:
         reference = None
     elif reference is None:
         start = time.perf_counter()
-        reference = exact_reference(denoiser, latents, text, item, condition)
+        reference = exact_reference(denoiser, latents, text, item, condition, exact_trace)
         timing.reference_s = time.perf_counter() - start
     options = before_decode(denoiser, cfg, ctx)
     if options is None:
@@ -87,6 +90,9 @@ def generate_item(
     if reference is not None:
         ref_frames, _ = denoiser.decode_with(reference, options.on_one_rank())  # decoded as the run's
         quality = quality_record(frames, ref_frames, result.latents_BCFHW, reference, "exact")
+        if trace and exact_trace:  # ||run - exact|| / ||exact|| of the latents after each step
+            quality["rel_err_per_step"] = [round(float((a - b).norm() / b.norm().clamp_min(1e-12)), 8)
+                                           for a, b in zip(trace, exact_trace, strict=True)]  # fmt: skip
     if cfg.reference == "exact" and options.tiled:  # what tiling costs: the same latents, untiled
         untiled = denoiser.decode(result.latents_BCFHW)
         decode["psnr_vs_untiled"] = quality_record(frames, untiled, result.latents_BCFHW, result.latents_BCFHW,

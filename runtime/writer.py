@@ -46,7 +46,7 @@ def write_item(cfg: RunConfig, item: Item, frames: np.ndarray, latents_BCFHW, ti
         write_heatmap(plan_png, np.asarray(attention["plan"]["compute_map"], dtype=np.float64).reshape(item.steps, -1))
         attention["plan_png"] = plan_png.name
     write_step_plot(paths["steps"], timing.step_s, (attention or {}).get("per_step"),
-                    (attention or {}).get("plan", {}).get("kinds"))  # fmt: skip
+                    (attention or {}).get("plan", {}).get("kinds"), (records.get("quality") or {}).get("rel_err_per_step"))  # fmt: skip
     record = item_record(
         item, model=cfg.model, status="done", video=paths["video"].name, latents=latents_name, timing=timing,
         attention=attention, hybrid=hybrid, method=video_method(cfg), **records,

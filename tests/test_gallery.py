@@ -71,6 +71,9 @@ def test_the_page_is_self_contained_and_shows_every_item(batch):
     assert "2 done, 1 failed, 0 skipped" in page and "videos per hour" in page and "GPU-hours" in page
     for item in (i for i in report["items"] if i["status"] == "done"):
         assert item["quality"]["video"] == f"{item['id']}.exact.mp4" and (batch / item["steps_png"]).is_file()
+        errors = item["quality"]["rel_err_per_step"]  # the latents' distance from the exact run, step by step
+        assert len(errors) == item["steps"] and all(e >= 0 for e in errors)
+        assert errors[-1] == pytest.approx(item["quality"]["latent_rel_err"], rel=1e-4, abs=1e-7)
 
 
 def test_ditango_report_writes_the_page_for_a_folder_of_an_earlier_run(runner, batch, tmp_path):

@@ -147,6 +147,7 @@ def styled(saved_model_dir, loras):
 
 
 @pytest.mark.distributed
+@pytest.mark.sweep
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_a_lora_is_exact_under_every_strategy(runner, tmp_path, saved_model_dir, loras, styled, strategy):
     out = tmp_path / "out"
