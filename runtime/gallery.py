@@ -1,7 +1,7 @@
 """report.html: one static page beside report.json that shows a batch. A summary (model,
 layout, items done, failed and skipped, videos per hour and GPU-hours from the run's wall
 time, load included, and quality against exact where measured), then every item: its video
-(muted, looping, with its poster frame), the exact run's beside it with PSNR and SSIM under
+(muted, looping while in view, with its poster frame), the exact run's beside it with PSNR and SSIM under
 --reference exact, its prompt and settings, a failed item's error, and its plots. A few lines
 of plain script filter by status and sort by id, time or quality.
 
@@ -56,6 +56,11 @@ SCRIPT = """
   document.getElementById('status').addEventListener('change', apply);
   document.getElementById('sort').addEventListener('change', apply);
   apply();
+  // Only the videos in view play: a batch of hundreds stays light.
+  const seen = new IntersectionObserver(function (entries) {
+    for (const e of entries) { if (e.isIntersecting) { e.target.play().catch(function () {}); } else { e.target.pause(); } }
+  });
+  document.querySelectorAll('video').forEach(function (v) { seen.observe(v); });
 })();
 """
 
@@ -77,7 +82,7 @@ def _number(value) -> float | None:
 
 def _video(src: str, poster: str | None, caption: str) -> str:
     poster_attr = f' poster="{poster}"' if poster else ""
-    return (f'<figure><video src="{src}"{poster_attr} muted loop autoplay playsinline controls preload="auto">'
+    return (f'<figure><video src="{src}"{poster_attr} muted loop playsinline controls preload="metadata">'
             f"</video><figcaption>{caption}</figcaption></figure>")  # fmt: skip
 
 
