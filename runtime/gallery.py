@@ -135,7 +135,8 @@ def summary(report: dict) -> list[tuple[str, str]]:
     options = report.get("options") or {}
     counts = report.get("counts") or {}
     wall = _number(report.get("wall_s"))
-    replicas = _number(options.get("replicas")) or 1
+    choice = report.get("layout_choice") if isinstance(report.get("layout_choice"), dict) else {}
+    replicas = _number(choice.get("replicas")) or _number(options.get("replicas")) or 1  # --layout auto's, or given
     gpus = (_number(layout.get("world_size")) or 1) * replicas
     done = counts.get("done", 0) if isinstance(counts.get("done", 0), int) else 0
     rows = [("model", str(report.get("model"))),

@@ -156,3 +156,14 @@ def test_in_a_browser_every_video_loads_and_no_prompt_runs(batch, browser, tmp_p
     page.goto(plot.as_uri())
     page.screenshot(path=str(tmp_path / "plot.png"))
     print(f"screenshots: {screenshot} {tmp_path / 'plot.png'}")
+
+
+def test_the_summary_counts_the_gpus_of_every_replica():
+    from runtime.gallery import summary
+
+    report = {"layout": {"world_size": 2, "strategy": "ring", "nodes": 1}, "options": {"replicas": 1},
+              "wall_s": 1800.0, "counts": {"done": 6, "failed": 1}}  # fmt: skip
+    rows = dict(summary(report))
+    assert rows["videos per hour"] == "12.0" and rows["GPU-hours"].startswith("1.000 (2 rank(s)")
+    report["layout_choice"] = {"replicas": 4}  # --layout auto chose them: the options say 1
+    assert dict(summary(report))["GPU-hours"].startswith("4.000 (8 rank(s)")
