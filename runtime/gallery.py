@@ -76,6 +76,10 @@ def _file(out_dir: Path, name) -> str | None:
     return quote(name) if (out_dir / name).is_file() else None
 
 
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
 def _number(value) -> float | None:
     return value if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) else None
 
@@ -88,7 +92,7 @@ def _video(src: str, poster: str | None, caption: str) -> str:
 
 def _item(out_dir: Path, item: dict) -> str:
     status = item.get("status") if item.get("status") in ("done", "failed", "skipped") else "unknown"
-    timing, quality = item.get("timing") or {}, item.get("quality") or {}
+    timing, quality = _dict(item.get("timing")), _dict(item.get("quality"))
     total, psnr, ssim = _number(timing.get("total_s")), _number(quality.get("psnr")), _number(quality.get("ssim"))
     data = (f'data-id="{_e(item.get("id", ""))}" data-status="{status}" data-time="{"" if total is None else total}" '
             f'data-quality="{"" if psnr is None else psnr}"')  # fmt: skip
@@ -118,9 +122,9 @@ def _item(out_dir: Path, item: dict) -> str:
         attempts = item.get("attempts")
         parts.append(f'<p class="error">{_e(item.get("error") or "failed")}'
                      + (f" (attempts: {_e(attempts)})" if attempts else "") + "</p>")  # fmt: skip
-    plots = [((item.get("attention") or {}).get("plan_png"), "DiTango's plan: attention computed per step and layer"),
+    plots = [(_dict(item.get("attention")).get("plan_png"), "DiTango's plan: attention computed per step and layer"),
              (item.get("steps_png"), "per step: time, and the attention computed"),
-             ((item.get("hybrid") or {}).get("rel_mae_png"), "Hybridiff's monitor per step")]  # fmt: skip
+             (_dict(item.get("hybrid")).get("rel_mae_png"), "Hybridiff's monitor per step")]  # fmt: skip
     for name, alt in plots:
         src = _file(out_dir, name)
         if src:
@@ -131,11 +135,9 @@ def _item(out_dir: Path, item: dict) -> str:
 
 def summary(report: dict) -> list[tuple[str, str]]:
     items = [i for i in report.get("items") or [] if isinstance(i, dict)]
-    layout = report.get("layout") or {}
-    options = report.get("options") or {}
-    counts = report.get("counts") or {}
+    layout, options, counts = _dict(report.get("layout")), _dict(report.get("options")), _dict(report.get("counts"))
     wall = _number(report.get("wall_s"))
-    choice = report.get("layout_choice") if isinstance(report.get("layout_choice"), dict) else {}
+    choice = _dict(report.get("layout_choice"))
     replicas = _number(choice.get("replicas")) or _number(options.get("replicas")) or 1  # --layout auto's, or given
     gpus = (_number(layout.get("world_size")) or 1) * replicas
     done = counts.get("done", 0) if isinstance(counts.get("done", 0), int) else 0
@@ -147,7 +149,7 @@ def summary(report: dict) -> list[tuple[str, str]]:
         rows.append(("wall time", f"{wall:.1f} s, loading included"))
         rows.append(("videos per hour", f"{done / wall * 3600:.1f}"))
         rows.append(("GPU-hours", f"{gpus * wall / 3600:.3f} ({gpus:g} rank(s) x the wall time)"))
-    measured = [(_number(q.get("psnr")), _number(q.get("ssim"))) for q in (i.get("quality") or {} for i in items) if q]
+    measured = [(_number(q.get("psnr")), _number(q.get("ssim"))) for q in (_dict(i.get("quality")) for i in items) if q]
     if measured:
         psnrs = [p for p, _ in measured if p is not None]
         ssims = [s for _, s in measured if s is not None]

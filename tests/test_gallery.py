@@ -86,9 +86,10 @@ def test_ditango_report_writes_the_page_for_a_folder_of_an_earlier_run(runner, b
 
 
 def test_damaged_records_render_without_error(tmp_path):
-    report = {"model": "<b>m</b>", "items": [{"id": "x", "status": "done", "video": "../../etc/passwd",
-                                              "quality": {"psnr": "nan", "video": "/abs.mp4"}, "timing": None},
-                                             "not an item", {"status": "weird"}]}  # fmt: skip
+    report = {"model": "<b>m</b>", "layout": [1], "counts": "x", "options": None, "layout_choice": 5,
+              "items": [{"id": "x", "status": "done", "video": "../../etc/passwd", "attention": "a", "hybrid": 3,
+                         "quality": {"psnr": "nan", "video": "/abs.mp4"}, "timing": [1], "loras": "s"},
+                        "not an item", {"status": "weird", "quality": [2]}]}  # fmt: skip
     page = render(report, tmp_path)
     assert "<b>m</b>" not in page and "&lt;b&gt;m&lt;/b&gt;" in page
     assert "src=" not in page, "a name outside the folder, or of no file, is never linked"
