@@ -19,11 +19,12 @@ from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS
 from planner.errors import ConfigError
 from planner.hybrid import FIRST_SEGMENT_TEXTS
 from planner.layout import STRATEGIES
+from planner.search import OBJECTIVES
 from runtime.config import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, setup_timeout
 from runtime.kernels import BACKENDS
 from runtime.models.loading import DTYPES
 from runtime.models.registry import ALIASES, MODEL_ROOT_ENV, REGISTRY
-from runtime.models.schedulers import Solver
+from runtime.models.schedulers import SOLVERS
 
 
 def canonical_model(name: str) -> str:
@@ -43,8 +44,9 @@ DTypeChoice = _choices("DTypeChoice", DTYPES)
 ParallelChoice = _choices("ParallelChoice", STRATEGIES)
 ExecutorChoice = _choices("ExecutorChoice", ("local", "slurm", "env", "auto"))
 BackendChoice = _choices("BackendChoice", BACKENDS)
+SolverChoice = _choices("SolverChoice", tuple(SOLVERS))
 LayoutChoice = _choices("LayoutChoice", ("auto",))
-ObjectiveChoice = _choices("ObjectiveChoice", ("throughput", "latency"))
+ObjectiveChoice = _choices("ObjectiveChoice", OBJECTIVES)
 CACHE_DTYPES = ("float32", "bfloat16")  # DiTangoOptions.cache_dtype
 REFERENCES = ("exact",)
 
@@ -137,7 +139,8 @@ class ItemArgs:
         list[str] | None, _o("--lora-2", help="Two-expert models: a LoRA of the second (low-noise) expert.")
     ] = None
     scheduler: Annotated[
-        Solver | None, _o("--scheduler", help="Solver: unipc, euler or dpm++ [the model's].", case_sensitive=False)
+        SolverChoice | None,
+        _o("--scheduler", help="Solver: unipc, euler or dpm++ [the model's].", case_sensitive=False),
     ] = None
     flow_shift: Annotated[
         float | None, _o("--flow-shift", help="Shift of the sigma schedule [the model's; Wan: 3 at 480p, 5 at 720p].")

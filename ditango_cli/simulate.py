@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ditango_cli.options import canonical_model, planner_choice
+from ditango_cli.options import ObjectiveChoice, canonical_model, planner_choice
 from ditango_cli.tables import plain_console, print_tables
 from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS
 from planner.errors import ConfigError
@@ -42,9 +42,8 @@ CacheOpt = Annotated[CacheDtype, typer.Option("--cache-dtype", help="DiTango cac
 # More GPUs than one video can use (32,760 tokens at 480p: 32 a rank); the pricing grows with the square.
 MAX_RANKS = 1024
 GpuMemOpt = Annotated[str | None, typer.Option("--gpu-memory", help="Per GPU, e.g. 80GiB (default: the profile's).")]
-Objective = Enum("Objective", {"throughput": "throughput", "latency": "latency"}, type=str)  # type: ignore[misc]
 BatchOpt = Annotated[int | None, typer.Option("--batch", help="Rank every layout for a batch of N videos.")]
-ObjectiveOpt = Annotated[Objective | None, typer.Option("--objective", help="Ranking: throughput or latency "
+ObjectiveOpt = Annotated[ObjectiveChoice | None, typer.Option("--objective", help="Ranking: throughput or latency "
                                                         "[throughput].")]  # fmt: skip
 ReuseOpt = Annotated[bool, typer.Option("--allow-reuse", help="Ranking: DiTango's lossy reuse may be chosen.")]
 InterOpt = Annotated[float | None, typer.Option("--inter-node-gbps", help="Inter-node GB/s per GPU [the profile's].")]
@@ -127,7 +126,7 @@ def simulate(
         from planner.search import Problem
 
         problem = Problem(spec.shape, size, steps, nodes, gpus_per_node, 1 if batch is None else batch, cfg_scale,
-                          (objective or Objective.throughput).value, allow_reuse,
+                          (objective or ObjectiveChoice.throughput).value, allow_reuse,
                           parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else 0, source)  # fmt: skip
         return print_ranking(hw, problem, model, as_json)
     memory = memory_options(shard_weights, spec.defaults.cfg_scale, vae_tiling, cache_dtype.value)

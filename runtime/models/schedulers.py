@@ -16,16 +16,8 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from enum import Enum
 
 from planner.errors import ConfigError
-
-
-class Solver(str, Enum):
-    unipc = "unipc"
-    euler = "euler"
-    dpm = "dpm++"
-
 
 # name -> (diffusers class, the settings that make it a flow-matching solver)
 SOLVERS: dict[str, tuple[str, dict]] = {
@@ -66,7 +58,7 @@ def check(name: str | None, shift: float | None, base, by_sigmas: bool, where: s
     `by_sigmas`: the family's loop sets the schedule's sigmas (HunyuanVideo), which only some
     solvers take. A one-line ConfigError for an unknown solver or an unusable shift."""
     own = sampler_of(base)
-    name = own.name if name is None else getattr(name, "value", name)  # a Solver, or a JSONL line's text
+    name = own.name if name is None else getattr(name, "value", name)  # --scheduler's choice, or a JSONL line's text
     if name not in SOLVERS and name != own.name:
         raise ConfigError(f"{where}: scheduler {name!r} is not one of {', '.join(SOLVERS)}")
     if shift is not None and (isinstance(shift, bool) or not (isinstance(shift, int | float) and 0 < shift <= 100)):
