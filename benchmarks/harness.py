@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.denoiser import Denoiser  # noqa: E402
 from runtime.models.loading import load_components, resolve_placement  # noqa: E402
-from runtime.models.registry import resolve_model  # noqa: E402
+from runtime.models.resolve import resolve_model  # noqa: E402
 from tiny_wan.data import eval_prompts  # noqa: E402
 
 

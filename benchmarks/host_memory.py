@@ -125,7 +125,7 @@ def measure(case: str, dtype: str, loader: str, device: str) -> dict:
     import transformers  # noqa: F401
 
     from runtime.models.loading import load_components, placement_on, quiet_loading_bars
-    from runtime.models.registry import resolve_model
+    from runtime.models.resolve import resolve_model
 
     quiet_loading_bars()
     resolved = resolve_model(str(model_path(case)))

@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 
 from runtime.denoiser import Denoiser
 from runtime.models.loading import load_components, resolve_placement
-from runtime.models.registry import REGISTRY, resolve_model
+from runtime.models.registry import REGISTRY
+from runtime.models.resolve import resolve_model
 from runtime.quality import latent_rel_err, psnr
 
 

@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 from runtime.config import Item, RunConfig
 from runtime.denoiser import Denoiser
 from runtime.models.loading import load_components, resolve_placement
-from runtime.models.registry import resolve_model
+from runtime.models.resolve import resolve_model
 from runtime.run import execute
 
 

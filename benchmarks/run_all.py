@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from runtime.denoiser import Denoiser
 from runtime.models.loading import load_components, resolve_placement
-from runtime.models.registry import resolve_model
+from runtime.models.resolve import resolve_model
 from runtime.plots import write_bars
 from runtime.quality import psnr
 

@@ -12,6 +12,7 @@ import typer
 from typer.core import TyperGroup
 
 from ditango_cli import generate, jobs, models, rehearse, simulate
+from ditango_cli.tables import say_error
 from planner.errors import ConfigError
 from runtime.errors import OutputWriteError
 
@@ -33,10 +34,10 @@ class OneLineErrors(TyperGroup):
         try:
             result = super().main(*args, **kwargs)
         except ConfigError as exc:
-            typer.echo(f"error: {exc}", err=True)
+            say_error(str(exc))
             sys.exit(EXIT_USAGE)
         except OutputWriteError as exc:  # a full disk, a read-only folder: not the user's typing
-            typer.echo(f"error: {exc}", err=True)
+            say_error(str(exc))
             sys.exit(EXIT_FAILED)
         except typer.Abort:
             typer.echo("aborted", err=True)
@@ -46,7 +47,7 @@ class OneLineErrors(TyperGroup):
                 raise
             message = exc.format_message()
             if message:  # empty for "no arguments: help shown"
-                typer.echo(f"error: {message}", err=True)
+                say_error(message)
             sys.exit(exc.exit_code)
         sys.exit(result if isinstance(result, int) else 0)
 

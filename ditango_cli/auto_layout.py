@@ -17,6 +17,7 @@ from dataclasses import replace
 import typer
 
 from planner.errors import ConfigError
+from planner.user_files import printable
 
 
 def local_profile() -> str:
@@ -71,6 +72,6 @@ def choose_layout(p, g, d, mem, spec, items, array: int = 1):
     d = replace(d, group_size=str(lay.group) if lay.strategy == "ditango" else None)
     mem = replace(mem, shard_weights=best.shard_weights)
     flags = " ".join(best.flags()) or "(one GPU, no flags)"
-    typer.echo(f"layout auto ({problem.objective}, {hw.name}): {flags}; {reason}", err=True)
+    typer.echo(printable(f"layout auto ({problem.objective}, {hw.name}): {flags}; {reason}"), err=True)  # a file's name
     return p, g, d, mem, {"objective": problem.objective, "hardware": hw.name, "batch": problem.batch,
                           "allow_reuse": reuse, **best.to_json(), "why": reason}  # fmt: skip

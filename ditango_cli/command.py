@@ -1,8 +1,8 @@
 """A command from option groups (ditango_cli/options.py): `command(*groups)` gives a command
 the union of its groups' options, in one --help panel per group, and hands it one object per
-group. A run file (`--config run.toml`, or a report.json's recorded `options`) fills in the
-options not given on the command line: keys at the top level or in a group's section
-(`[ditango]`, `[slurm]`)."""
+group, with the options the user set and where (ditango_cli/requires.py `Given`). A run file
+(`--config run.toml`, or a report.json's recorded `options`) fills in the options not given
+on the command line: keys at the top level or in a group's section (`[ditango]`, `[slurm]`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from typing import get_args, get_type_hints
 import typer
 
 from ditango_cli.options import SECTIONS
+from ditango_cli.requires import Given
 from planner.errors import ConfigError
+from planner.user_files import user_path
 
 
 def section(group: type) -> str:
@@ -33,8 +35,9 @@ NOT_RECORDED = ("config", "json", "dry_run", "quiet", "wait_for_lock")
 
 
 def command(*groups: type):
-    """Decorate `fn(*group_objects)`: its command-line signature is every field of `groups`,
-    filled from the command line, then the run file, then the defaults."""
+    """Decorate `fn(*group_objects, options=, given=)`: its command-line signature is every field
+    of `groups`, filled from the command line, then the run file, then the defaults; `options`:
+    what the report records, `given`: which options the user set, and where."""
 
     def wrap(fn):
         params = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
@@ -47,13 +50,16 @@ def command(*groups: type):
                 params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
                                                 default=default))  # fmt: skip
 
+        defaults = {p.name: p.default for p in params}
+
         @functools.wraps(fn)
         def run(ctx: typer.Context, **values):
             config = values.get("config")
-            if config is not None:
-                values.update(run_file_values(ctx, config, groups))
+            from_file = {} if config is None else run_file_values(ctx, config, groups)
+            values.update(from_file)
             objects = [group(**{f.name: values[f.name] for f in fields(group)}) for group in groups]
-            return fn(*objects, options=recorded(values))
+            given = Given.of(ctx, defaults, from_file, str(config))
+            return fn(*objects, options=recorded(values), given=given)
 
         run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         run.__annotations__ = {p.name: p.annotation for p in params}
@@ -121,11 +127,24 @@ PATH_OPTIONS = ("prompts", "image", "model_root", "out")  # the options that nam
 
 
 def _from_folder(flat: dict, folder: Path) -> None:
-    """A run file's relative paths are relative to its folder (wherever the command runs), and
-    so is a relative `model` that names a folder there (else it is a name)."""
+    """A run file's relative paths are relative to its folder (wherever the command runs): the
+    paths of PATH_OPTIONS, each LoRA's, a hardware profile file's and a step cache's
+    mag_ratios; and so is a relative `model` that names a folder there (else it is a name)."""
+    from planner.cost_model import HARDWARE
+    from runtime.models.adapters import beside
+    from runtime.step_cache_options import paths_beside
+
     for key in PATH_OPTIONS:
-        if isinstance(flat.get(key), str) and flat[key] and not Path(flat[key]).expanduser().is_absolute():
+        if isinstance(flat.get(key), str) and flat[key] and not user_path(flat[key], key).is_absolute():
             flat[key] = str(folder / flat[key])
+    for key in ("lora", "lora_2"):
+        if isinstance(flat.get(key), list):
+            flat[key] = [beside(text, folder) if isinstance(text, str) else text for text in flat[key]]
+    hardware = flat.get("hardware")
+    if isinstance(hardware, str) and hardware.lower() not in HARDWARE and hardware:
+        flat["hardware"] = str(folder / user_path(hardware, "hardware"))
+    if isinstance(flat.get("step_cache"), str):
+        flat["step_cache"] = paths_beside(flat["step_cache"], folder)
     model = flat.get("model")
     if _a_folder(model, folder):
         flat["model"] = str(folder / model)
@@ -136,7 +155,7 @@ def _a_folder(model, folder: Path) -> bool:
     which wins over a folder of the same name, as --model resolves it."""
     from runtime.models.registry import REGISTRY
 
-    return isinstance(model, str) and model not in REGISTRY and (folder / Path(model).expanduser()).is_dir()
+    return isinstance(model, str) and model not in REGISTRY and (folder / user_path(model, "--model")).is_dir()
 
 
 def _wrong_type(param, raw) -> str | None:
@@ -192,12 +211,12 @@ def recorded(values: dict) -> dict:
         if isinstance(v, Enum):
             return v.value
         if isinstance(v, Path):
-            return str(v.expanduser().absolute())
+            return str(user_path(v, "").absolute())
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
         return v
 
     kept = {k: plain(v) for k, v in values.items() if k not in NOT_RECORDED and k != "ctx" and v is not None}
     if _a_folder(kept.get("model"), Path.cwd()):
-        kept["model"] = str(Path(kept["model"]).expanduser().absolute())
+        kept["model"] = str(user_path(kept["model"], "--model").absolute())
     return kept

@@ -1,13 +1,12 @@
-"""`ditango generate` and `check`: the options mapped onto a RunConfig, handed to
-the supervisor (slurm/supervise.py) with the executor the run asks for, and rendered."""
+"""`ditango generate` and `check`: the options mapped onto a RunConfig (ditango_cli/run_config.py),
+handed to the supervisor (slurm/supervise.py) with the executor the run asks for, and rendered."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import shlex
-from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,193 +14,33 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ditango_cli.auto_layout import choose_layout
 from ditango_cli.command import command
 from ditango_cli.options import (
     GROUPS,
-    DiTangoArgs,
     ExecutorChoice,
     GenerateArgs,
-    GuidanceArgs,
-    ItemArgs,
-    MemoryArgs,
-    ModelArgs,
-    OutputArgs,
     ParallelArgs,
-    SlurmArgs,
 )
-from ditango_cli.tables import plain_console, print_tables
-from planner.ditango import DiTangoOptions, run_planner_config
+from ditango_cli.requires import Given
+from ditango_cli.run_config import build_run_config, slurm_options
+from ditango_cli.tables import plain_console, print_tables, say_error
 from planner.errors import ConfigError
-from planner.hybrid import HybridConfig
-from planner.layout import replica_layout
-from planner.memory import parse_bytes
-from runtime.config import (
-    DecodeOptions,
-    RunConfig,
-    check_combination,
-    check_local_cpu_ranks,
-    check_timeouts,
-    memory_preflight,
-    plan_host_memory,
-)
+from runtime.config import RunConfig
 from runtime.errors import ModelDirError
-from runtime.items import Overrides, build_items, fit_to_model
 from runtime.kernels import resolve_backend
-from runtime.models.loading import check_torch, placement_on, quiet_loading_bars
-from runtime.models.registry import REGISTRY, ResolvedModel, resolve_model
-from runtime.outputs import check_writable
-from runtime.step_cache_options import parse_step_cache
+from runtime.models.loading import placement_on, quiet_loading_bars
 from slurm.env import launcher_layout
-from slurm.options import SlurmOptions, check_log_folder, choose_executor, host_request
+from slurm.options import SlurmOptions, choose_executor, host_request
 from slurm.rank import launched_rank
 
 EXIT_FAILED_ITEMS = 1
 
 
-def ditango_options(d: DiTangoArgs) -> DiTangoOptions:
-    """--cache-ratio & co. onto the planner's config, by field name (planner/ditango.py's RUN_DEFAULTS
-    where not given)."""
-    names = (
-        "cache_ratio",
-        "warmup",
-        "cooldown",
-        "tau_max",
-        "anchor_interval",
-        "planner",
-        "own_group",
-        "anchor_when_all",
-    )
-    planner = run_planner_config(**{k: getattr(d, k) for k in names}, use_alpha=bool(d.alpha))
-    limit = None if d.cache_memory_limit is None else parse_bytes(d.cache_memory_limit, "--cache-memory-limit")
-    if d.target_psnr is not None and d.cache_ratio is not None:
-        raise ConfigError("--target-psnr chooses the cache ratio: give it or --cache-ratio, not both")
-    return DiTangoOptions(planner, d.cache_dtype, limit, d.target_psnr)
-
-
-def hybrid_config(g: GuidanceArgs, layers: int) -> HybridConfig | None:
-    tuned = {k: getattr(g, f"hybrid_{k}") for k in ("k", "window", "slope", "tau_cap", "split")}
-    given = [f"--hybrid-{k.replace('_', '-')}" for k, v in tuned.items() if v is not None]
-    given += ["--hybrid-first-text"] if g.hybrid_first_text != "cond" else []
-    if not g.hybrid:
-        if given:
-            raise ConfigError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --hybrid")
-        return None
-    if not g.cfg_parallel:
-        raise ConfigError("--hybrid needs --cfg-parallel (the two CFG branches on two rank groups)")
-    hybrid = HybridConfig(**tuned, first_segment_text=g.hybrid_first_text)  # type: ignore[arg-type]
-    hybrid.split_for(layers)
-    return hybrid
-
-
-def slurm_options(s: SlurmArgs) -> SlurmOptions:
-    """By field name; --time is `time_min`, the --slurm-arg pairs are `extra`."""
-    same = {f.name: getattr(s, f.name) for f in fields(SlurmOptions) if hasattr(s, f.name)}
-    return SlurmOptions(**same, time_min=s.time, extra=SlurmOptions.parse_extra(s.slurm_arg or []))
-
-
-def build_run_config(
-    m: ModelArgs, i: ItemArgs, o: OutputArgs, p: ParallelArgs, d: DiTangoArgs, g: GuidanceArgs, mem: MemoryArgs, *,
-    where: str, create_out: bool, options: dict | None = None, array: int = 1, weights: bool = True,
-    warn: Callable[[str], None] | None = None,
-) -> tuple[RunConfig, ResolvedModel | None]:  # fmt: skip
-    """Validate everything that can be checked before anything runs; `where`: the executor
-    (local, srun, sbatch), which decides what the device checks are made against; `array`:
-    the array tasks the items are split over; `weights` False: a registry name needs no
-    checkpoint (a rehearsal builds it from its configs; the resolved model is then None); `warn`
-    given (a dry run, a rehearsal): what would refuse the run before it queues, a torch without
-    CUDA for GPU ranks, is said through it instead, and nothing is downloaded. `generate` and `check` both validate here, so they refuse
-    the same inputs with the same message."""
-    from runtime.strategies.selective import check_cache_limit
-    from slurm.placement import cpu_only_torch, ranks_device
-
-    check_torch()
-    named = REGISTRY.get(m.model)  # a named model's spec: the memory pre-flight needs no weights
-    fetch = m.download and warn is None  # a dry run never downloads
-    resolved = None
-    if named is None:
-        try:
-            resolved = resolve_model(m.model, m.model_root, m.revision, fetch)
-        except ModelDirError:
-            if not (m.download and warn is not None):
-                raise
-            raise ConfigError(  # the plan needs its config, which a dry run does not download
-                f"{m.model} is not here yet: the run would download it first (--download); to see its plan, fetch it "
-                f"now with: ditango download {m.model}"
-            ) from None
-    spec = named or resolved.spec
-    overrides = Overrides(**{k: getattr(i, k) for k in Overrides.__dataclass_fields__})
-    items = build_items(i.prompt, i.prompts, overrides, spec.defaults)
-    items = fit_to_model(items, spec, None if resolved is None else resolved.path)  # LoRAs, solvers
-    if array > len(items):
-        raise ConfigError(f"--array {array} is more than the {len(items)} items")
-    p, g, d, mem, choice = choose_layout(p, g, d, mem, spec, items, array)  # --layout auto, else as given
-    strategy = None if p.parallel is None else p.parallel.value
-    layout = replica_layout(
-        p.nodes, p.gpus_per_node, p.replicas, spec.heads, strategy=strategy, cfg_parallel=g.cfg_parallel,
-        ulysses_degree=p.ulysses_degree, group_size=d.group_size, ffn=spec.shape.ffn, joint_text=spec.shape.joint_text,
-    )  # fmt: skip
-    if g.hybrid and spec.shape.joint_text and g.hybrid_first_text != "cond":
-        raise ConfigError(f"--hybrid-first-text uncond does not apply to {spec.name}, whose text stream runs through "
-                          "the blocks: segment B must continue the conditional one")  # fmt: skip
-    step_cache = None if p.step_cache is None else parse_step_cache(p.step_cache)
-    check_combination(layout.strategy, g.hybrid, mem.shard_weights, step_cache)
-    parallel_decode = layout.world_size > 1 and mem.vae_parallel is not False
-    decode = DecodeOptions(tiling=mem.vae_tiling, parallel=parallel_decode, tile_px=mem.vae_tile)
-    # --reference exact measures what the run approximates: DiTango's reuse, a step cache, a tiled decode.
-    ditango_only = [f for f in d.given() if f != "--reference" or not (decode.tiled or step_cache)]
-    if layout.strategy != "ditango" and ditango_only:
-        verb = "applies" if len(ditango_only) == 1 else "apply"
-        raise ConfigError(f"{', '.join(ditango_only)} only {verb} to --parallel ditango")
-    if mem.vae_tile is not None and not decode.tiled:
-        raise ConfigError("--vae-tile only applies to a tiled decode: --vae-tiling, or --vae-parallel on several ranks")
-    check_timeouts(p.timeout, p.setup_timeout)
-    device = ranks_device(where, m.device.value, layout.world_size * p.replicas, p.gpus_per_node)
-    if problem := cpu_only_torch(device):  # the jobs run this environment: refused before anything queues
-        if warn is None:
-            raise ConfigError(problem)
-        warn(f"warning: {problem}")
-    placement = placement_on(torch.device(device), None if m.dtype is None else m.dtype.value)
-    ditango = ditango_options(d) if layout.strategy == "ditango" else None
-    if ditango is not None:  # fail now, not inside the ranks
-        check_cache_limit(ditango, items, layout, spec.heads, spec.head_dim, spec.layers, placement.device)
-    if layout.strategy != "none":
-        resolve_backend(p.attention_backend.value, placement.device, placement.dtype, where == "local")
-    cfg = RunConfig(
-        model=m.model, model_path=None,
-        items=items, out_dir=o.out.expanduser(), device=device, dtype=None if m.dtype is None else m.dtype.value,
-        save_latents=o.save_latents, overwrite=o.overwrite, max_text_len=spec.defaults.max_text_len,
-        layout=layout, attention_backend=p.attention_backend.value, timeout_s=p.timeout,
-        setup_timeout_s=p.setup_timeout_s, ditango=ditango, reference=d.reference, step_cache=step_cache,
-        hybrid=hybrid_config(g, spec.layers), replicas=p.replicas, alloc_gpus_per_node=p.gpus_per_node, decode=decode,
-        shard_weights=mem.shard_weights, layout_choice=choice,
-        options=options or {},
-    )  # fmt: skip
-    cfg = memory_preflight(cfg, spec.shape, mem.gpu_memory, placement, where == "local", m.dtype is not None)
-    cfg = plan_host_memory(cfg, spec.shape, placement.dtype.itemsize)  # a submission's --mem
-    if where != "local":  # last of the options' checks: a refused command leaves no folder behind
-        check_log_folder(o.out)
-    check_writable(o.out, create=create_out)
-    if not weights and resolved is None:
-        return cfg, None
-    if resolved is None and warn is not None:  # a dry run of a named model: its plan needs no weights
-        try:
-            resolved = resolve_model(m.model, m.model_root, m.revision)
-        except ModelDirError as exc:
-            warn(f"note: {m.model} is not here yet: the run would download it first (--download)" if m.download
-                 else f"warning: the run would stop here: {exc}")  # fmt: skip
-            return cfg, None
-    resolved = resolved or resolve_model(m.model, m.model_root, m.revision, fetch)
-    if where == "local" and placement.device.type == "cpu":  # after the model: a missing one is said first
-        check_local_cpu_ranks(cfg, spec.shape, placement.dtype.itemsize)
-    return replace(cfg, model_path=None if spec.builtin else resolved.path), resolved  # built-in: this code's copy
-
-
 @command(*GROUPS, GenerateArgs)
-def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> int:
+def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict, given: Given) -> int:
     """Generate one MP4 per prompt, plus a sidecar JSON per item and report.json."""
     try:
-        return _generate(m, i, o, p, d, g, mem, s, r, run, options)
+        return _generate(m, i, o, p, d, g, mem, s, r, run, options, given)
     except KeyboardInterrupt:  # typer then exits 130 without a word
         from runtime.outputs import status_counts
 
@@ -210,7 +49,7 @@ def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> i
         raise
 
 
-def _generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> int:
+def _generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict, given: Given) -> int:
     from slurm.executors import executor_for, own_output_folder  # the runtime: only when work is asked for
     from slurm.supervise import supervise
 
@@ -235,7 +74,7 @@ def _generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> 
     say = (lambda text: None) if quiet else (lambda text: err.print(text, highlight=False, markup=False))
     cfg, _ = build_run_config(
         m, i, o, p, d, g, mem, where=where, create_out=not run.dry_run, options=options, array=opts.array,
-        warn=say if run.dry_run else None,
+        warn=say if run.dry_run else None, given=replace(given, say=say),
     )  # fmt: skip
     cfg = replace(cfg, retries=run.retries)
     if note := cfg.layout.idle():
@@ -270,7 +109,7 @@ def _generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict) -> 
         return 0
     if outcome.errors:
         for line in outcome.errors:
-            typer.echo(f"error: {line}", err=True)
+            say_error(line)
         if where != "local":
             executor.report()  # what finished is in report.json all the same
         return EXIT_FAILED_ITEMS
@@ -314,7 +153,7 @@ def run_as_launched(cfg: RunConfig, launched, opts: SlurmOptions, run: GenerateA
         with progress as observer:
             report = run_launched(cfg, launched, opts.array, observer, say)
     except LaunchedRankFailed as exc:
-        typer.echo(f"error: {exc}", err=True)
+        say_error(str(exc))
         return EXIT_FAILED_ITEMS
     if not launched.writer:
         return 0
@@ -322,7 +161,7 @@ def run_as_launched(cfg: RunConfig, launched, opts: SlurmOptions, run: GenerateA
 
 
 @command(*GROUPS)
-def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
+def check(m, i, o, p, d, g, mem, s, r, options: dict, given: Given) -> int:
     """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
     from runtime.outputs import plan_resume
     from slurm.executors import check_output_folder_free
@@ -332,7 +171,7 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict) -> int:
     p, _ = launcher_args(p, where)
     try:  # validation downloads nothing: --download is what generate would do
         cfg, resolved = build_run_config(replace(m, download=False), i, o, p, d, g, mem, where=where, create_out=False,
-                                         array=opts.array)  # fmt: skip
+                                         array=opts.array, given=given)  # fmt: skip
     except ModelDirError:
         if not m.download:
             raise
@@ -394,7 +233,8 @@ def report_summary(report: dict, report_path: Path, quiet: bool, as_json: bool, 
     if counts["failed"]:
         failed = [rec for rec in report["items"] if rec["status"] == "failed"]
         first = (failed[0].get("error") or "").splitlines()[0] if failed and failed[0].get("error") else "?"
-        typer.echo(f"error: {len(failed)} item(s) failed: {', '.join(rec['id'] for rec in failed)} "
-                   f"(first: {first}; see {report_path})", err=True)  # fmt: skip
+        ids = ", ".join(rec["id"] for rec in failed)
+        line = f"{len(failed)} item(s) failed: {ids} (first: {first}; see {report_path})"
+        say_error(line)
         return EXIT_FAILED_ITEMS
     return 0

@@ -8,9 +8,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ditango_cli.tables import plain_console, print_tables
+from ditango_cli.options import PATH
+from ditango_cli.tables import plain_console, print_tables, say_error
+from planner.user_files import printable
 
-OutArg = Annotated[Path, typer.Argument(help="The --out folder of a batch.")]
+OutArg = Annotated[Path, typer.Argument(**PATH, help="The --out folder of a batch.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 
 
@@ -75,14 +77,14 @@ def cancel(out: OutArg) -> int:
 
     outcomes = cancel_jobs(require_output_folder(out))
     if not outcomes:
-        typer.echo(f"no job is recorded for {out}: nothing to cancel")
+        typer.echo(printable(f"no job is recorded for {out}: nothing to cancel", one_line=True))
     for job_id, outcome, state in outcomes:
         said = {
             "cancelled": f"cancelled (was {state})",
             "ending": f"cancelled, but still {state} after {CANCEL_WAIT_S:g} s",
             "ended": f"already ended ({state})",
         }
-        typer.echo(f"job {job_id}: {said.get(outcome, 'unknown to Slurm')}")
+        typer.echo(printable(f"job {job_id}: {said.get(outcome, 'unknown to Slurm')}", one_line=True))
     return 0 if any(outcome in ("cancelled", "ending") for _, outcome, _ in outcomes) else 1
 
 
@@ -151,7 +153,7 @@ def report(out: OutArg, as_json: JsonOpt = False) -> int:
     saved = f" -> {out / 'report.json'}" if unsaved is None else ""
     console.print(f"{c['done']} done, {c['skipped']} skipped, {c['failed']} failed{saved}")
     if unsaved is not None:
-        typer.echo(f"error: {unsaved}", err=True)
+        say_error(str(unsaved))
         return 1
     return 0
 

@@ -13,8 +13,9 @@ from rich.table import Table
 from ditango_cli.options import canonical_model
 from ditango_cli.tables import plain_console, print_tables
 from planner.errors import ConfigError
+from runtime.models.hub import model_root
 from runtime.models.loading import human_count
-from runtime.models.registry import REGISTRY, model_root
+from runtime.models.registry import REGISTRY
 
 
 def models(
@@ -46,7 +47,8 @@ def download(
     """Fetch a model into the Hugging Face cache on this host (safetensors, configs and tokenizers,
     never pickle weights) and print its snapshot folder; compute nodes then load it offline."""
     from runtime.models import hub
-    from runtime.models.registry import BUILTIN_DIR, checked_dir
+    from runtime.models.registry import BUILTIN_DIR
+    from runtime.models.resolve import checked_dir
 
     name, revision = hub.split_revision(canonical_model(model), revision)
     spec = REGISTRY.get(canonical_model(name))

@@ -20,10 +20,12 @@ from planner.errors import ConfigError
 from planner.hybrid import FIRST_SEGMENT_TEXTS
 from planner.layout import STRATEGIES
 from planner.search import OBJECTIVES
+from planner.user_files import Unreadable, user_path
 from runtime.config import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, setup_timeout
 from runtime.kernels import BACKENDS
+from runtime.models.hub import MODEL_ROOT_ENV
 from runtime.models.loading import DTYPES
-from runtime.models.registry import ALIASES, MODEL_ROOT_ENV, REGISTRY
+from runtime.models.registry import ALIASES, REGISTRY
 from runtime.models.schedulers import SOLVERS
 
 
@@ -92,7 +94,7 @@ class ModelArgs:
         ),
     ] = "tiny-wan"
     model_root: Annotated[
-        Path | None, _o("--model-root", help=f"Folder of named checkpoints [env: {MODEL_ROOT_ENV}].")
+        Path | None, _o("--model-root", **PATH, help=f"Folder of named checkpoints [env: {MODEL_ROOT_ENV}].")
     ] = None
     revision: Annotated[
         str | None,
@@ -115,7 +117,7 @@ class ModelArgs:
 @dataclass
 class ItemArgs:
     prompt: Annotated[str | None, _o("--prompt", "-p", help="One prompt.")] = None
-    prompts: Annotated[Path | None, _o("--prompts", help="Batch file: .txt (a prompt a line) or .jsonl.")] = None
+    prompts: Annotated[Path | None, _o("--prompts", **PATH, help="Batch file: .txt or .jsonl, a prompt a line.")] = None
     negative_prompt: Annotated[
         str | None, _o("--negative-prompt", help='Negative prompt [the model\'s; "" for none].')
     ] = None
@@ -129,7 +131,7 @@ class ItemArgs:
         float | None, _o("--true-cfg-scale", help="HunyuanVideo: real CFG when > 1 (--guidance: embedded).")
     ] = None
     image: Annotated[
-        Path | None, _o("--image", help="Image-to-video: the first frame (JSONL lines may give their own).")
+        Path | None, _o("--image", **PATH, help="Image-to-video: the first frame (JSONL lines may give their own).")
     ] = None
     lora: Annotated[
         list[str] | None,
@@ -151,14 +153,25 @@ class ItemArgs:
     frames: Annotated[int | None, _o("--frames", help="Video frames, 4k+1.")] = None
 
 
+def given_path(value: str | Path) -> Path:
+    """A path option's value with `~` and `~user` expanded as a shell would (a run file's paths,
+    and quoted ones, come unexpanded); a user with no home here is refused in one line."""
+    try:
+        return user_path(value, "")
+    except Unreadable as exc:
+        raise typer.BadParameter(f"{value}: {exc.reason}") from None
+
+
+# typer.Option arguments of an option that names a file or folder.
+PATH = {"parser": given_path, "metavar": "PATH"}
+
+
 def _output_folder(value: str | Path) -> Path:
     """--out as a Path; an empty value (a typo, an unset shell variable) would quietly be the
     current folder, so it is refused."""
-    if isinstance(value, Path):  # the default, or a value already converted
-        return value
-    if not value:
+    if not isinstance(value, Path) and not value:
         raise typer.BadParameter("is empty; give a folder (--out . for the current one)")
-    return Path(value)
+    return given_path(value)
 
 
 @dataclass
@@ -326,7 +339,7 @@ class SlurmArgs:
 
 @dataclass
 class RunArgs:
-    config: Annotated[Path | None, _o("--config", help="Run file (.toml, or a report.json's options).")] = None
+    config: Annotated[Path | None, _o("--config", **PATH, help="Run file (.toml, or a report.json's options).")] = None
     json: Annotated[bool, _o("--json", help="Machine-readable output on stdout.")] = False
 
 

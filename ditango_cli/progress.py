@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from planner.user_files import printable
 from runtime.config import Item
 from runtime.pace import Pace, pace_text
 
@@ -61,13 +62,12 @@ class RichObserver:
         self.pace.item_finished()
         if self._items is not None:
             self.progress.advance(self._items)
-        if record["status"] == "failed":
-            self.console.print(Text.assemble(("failed", "red"), f" {record['id']}: {record['error']}"))
+        if record["status"] == "failed":  # Text is not rendered from a str: shown as text here
+            self.console.print(Text.assemble(("failed", "red"), printable(f" {record['id']}: {record['error']}")))
         else:
             total = (record.get("timing") or {}).get("total_s", 0.0)
-            self.console.print(
-                Text.assemble(("done", "green"), f" {record['id']} -> {record['video']} ({total:.2f} s)")
-            )
+            said = printable(f" {record['id']} -> {record['video']} ({total:.2f} s)")
+            self.console.print(Text.assemble(("done", "green"), said))
 
     def message(self, text: str) -> None:
         self.console.print(text, highlight=False, markup=False)

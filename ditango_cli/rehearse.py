@@ -11,8 +11,9 @@ from typing import Annotated
 from rich.table import Table
 
 from ditango_cli.command import command
-from ditango_cli.generate import build_run_config
 from ditango_cli.options import GROUPS, _o
+from ditango_cli.requires import Given
+from ditango_cli.run_config import build_run_config
 from ditango_cli.tables import plain_console, print_tables
 from planner.errors import ConfigError
 from planner.memory import GIB, parse_bytes
@@ -27,12 +28,13 @@ class RehearseArgs:
 
 
 @command(*GROUPS, RehearseArgs)
-def rehearse(m, i, o, p, d, g, mem, s, r, run: RehearseArgs, options: dict) -> int:
+def rehearse(m, i, o, p, d, g, mem, s, r, run: RehearseArgs, options: dict, given: Given) -> int:
     """Run the first item's rank program at the real model's shapes on fake GPUs (no weights, no
     GPU): per rank the peak memory by phase against the memory model, the bytes each step
     receives by link against the cost model's count, and any problem found. Exit 1 on a problem."""
-    from runtime.config import plan_memory
-    from runtime.models.registry import REGISTRY, resolve_model
+    from runtime.memory_plan import plan_memory
+    from runtime.models.registry import REGISTRY
+    from runtime.models.resolve import resolve_model
     from runtime.rehearse import rehearse as run_rehearsal
 
     if m.device.value == "cpu":
@@ -43,7 +45,7 @@ def rehearse(m, i, o, p, d, g, mem, s, r, run: RehearseArgs, options: dict) -> i
     memory = replace(mem, gpu_memory=mem.gpu_memory or DEFAULT_GPU)
     # No GPU job runs here: the torch build does not matter (`warn` silent), nothing downloads.
     cfg, resolved = build_run_config(m, i, o, p, d, g, memory, where="sbatch", create_out=False, weights=False,
-                                     warn=lambda text: None)  # fmt: skip
+                                     warn=lambda text: None, given=given)  # fmt: skip
     spec = REGISTRY[cfg.model] if resolved is None else resolved.spec
     path = None if resolved is None or spec.builtin else resolved.path
     if resolved is None and m.model not in REGISTRY:

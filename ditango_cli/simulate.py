@@ -10,7 +10,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ditango_cli.options import ObjectiveChoice, canonical_model, planner_choice
+from ditango_cli.options import PATH, ObjectiveChoice, canonical_model, planner_choice
+from ditango_cli.requires import SIMULATE_RULES, Given, SimulateSetting, check_given
 from ditango_cli.tables import plain_console, print_tables
 from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS
 from planner.errors import ConfigError
@@ -19,8 +20,8 @@ NodesOpt = Annotated[int, typer.Option("--nodes", help="Nodes of the cluster to 
 GpusOpt = Annotated[int, typer.Option("--gpus-per-node", "--gpus", help="GPUs per node.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 ParallelOpt = Annotated[str, typer.Option("--parallel", help="Comma-separated strategies.")]
-HwFileOpt = Annotated[Path | None, typer.Option("--hardware-file", help="JSON profile overriding --hardware.")]
-PlanOpt = Annotated[Path | None, typer.Option("--plan", help="report.json of a DiTango run: replay its plan's shape.")]
+HwFileOpt = Annotated[Path | None, typer.Option("--hardware-file", **PATH, help="JSON profile overriding --hardware.")]
+PlanOpt = Annotated[Path | None, typer.Option("--plan", **PATH, help="report.json of a DiTango run: its plan's shape.")]
 PlanItemOpt = Annotated[str | None, typer.Option("--plan-item", help="--plan: the item whose plan [the first].")]
 PlannerOpt = Annotated[
     str | None,
@@ -53,6 +54,7 @@ TOP = 10  # ranking rows shown (--json: all)
 
 
 def simulate(
+    ctx: typer.Context,
     model: Annotated[
         str, typer.Option("--model", "-m", help="A registry name (ditango models).", callback=canonical_model)
     ] = "wan2.1-14b",
@@ -103,26 +105,28 @@ def simulate(
 
     if model not in REGISTRY:
         raise ConfigError(f"unknown model {model!r} for simulate: use one of {', '.join(REGISTRY)}")
+    strategies = [s.strip() for s in parallel.split(",") if s.strip()]
+    if not strategies:
+        raise ConfigError(f"--parallel {parallel!r} names no strategy; give some of ring, ulysses, usp, tp, ditango")
+    ranking = batch is not None or objective is not None
+    priced = SimulateSetting(ranking, allow_reuse if ranking else "ditango" in strategies, plan is not None,
+                             hardware_file is not None)  # fmt: skip
+    check_given(SIMULATE_RULES, Given.of(ctx), priced)  # no run file: every rule broken is refused
     spec = REGISTRY[model]  # one expert runs at a time: per-step costs are one transformer's (memory: all)
     hw = with_overrides(load_hardware(str(hardware_file) if hardware_file else hardware), inter_node_gbps, overlap)
     d = spec.defaults  # one set of defaults: a run of generate with the same options is what is priced
     height, width, frames, steps = (d.height if height is None else height, d.width if width is None else width,
                                     d.frames if frames is None else frames, d.steps if steps is None else steps)  # fmt: skip
-    check_size(spec.defaults, height, width, frames, steps)
+    cfg_scale = spec.defaults.cfg_scale if guidance is None else guidance
+    check_size(spec.defaults, height, width, frames, steps, cfg_scale)
     if nodes < 1 or gpus_per_node < 1 or nodes * gpus_per_node > MAX_RANKS:
         raise ConfigError(f"--nodes and --gpus-per-node must be >= 1 and price at most {MAX_RANKS} GPUs, got "
                           f"{nodes} and {gpus_per_node}")  # fmt: skip
     if group_size is not None:
         parse_group_size(group_size, gpus_per_node)  # checked once here, not once per row
-    strategies = [s.strip() for s in parallel.split(",") if s.strip()]
-    if not strategies:
-        raise ConfigError(f"--parallel {parallel!r} names no strategy; give some of ring, ulysses, usp, tp, ditango")
-    if plan_item is not None and plan is None:
-        raise ConfigError("--plan-item needs --plan (the report.json the item is in)")
     source = plan_source(plan, planner, own_group, cache_ratio, warmup, cooldown, plan_item)
     size = VideoSize(height, width, frames)
-    cfg_scale = spec.defaults.cfg_scale if guidance is None else guidance
-    if batch is not None or objective is not None:
+    if ranking:
         from planner.search import Problem
 
         problem = Problem(spec.shape, size, steps, nodes, gpus_per_node, 1 if batch is None else batch, cfg_scale,
@@ -192,14 +196,14 @@ def print_ranking(hw, p, model: str, as_json: bool) -> int:
     return 0
 
 
-def check_size(defaults, height: int, width: int, frames: int, steps: int) -> None:
-    """The checks generate makes of a video's size and steps (one line each): simulate prices
-    only what a run could make."""
+def check_size(defaults, height: int, width: int, frames: int, steps: int, guidance: float = 0.0) -> None:
+    """The checks generate makes of a video's size, steps and guidance (one line each): simulate
+    prices only what a run could make."""
     from runtime.config import Item
     from runtime.items import check_geometry
 
     item = Item(id="simulate", prompt="simulate", negative_prompt="", seed=0, height=height, width=width,
-                frames=frames, steps=steps, guidance=0.0, source="simulate", vae_stride=defaults.vae_stride,
+                frames=frames, steps=steps, guidance=guidance, source="simulate", vae_stride=defaults.vae_stride,
                 patch=defaults.patch)  # fmt: skip
     check_geometry(item, defaults)
 

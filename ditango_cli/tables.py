@@ -8,15 +8,33 @@ wrap; when even that is wider than the console, the table is drawn at the width 
 
 from __future__ import annotations
 
+import typer
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from planner.user_files import printable
+
+
+class PlainConsole(Console):
+    """A console that prints text as it is: ids, prompts, paths and errors are the user's, and
+    rich would read "[/b]" in a folder name as markup (and fail on it). Its text is shown, never
+    acted on: a control character (an escape sequence in a heartbeat's host, a record's error)
+    is printed as its escape (planner/user_files.py `printable`), in lines and table cells alike
+    (rich makes both through `render_str`)."""
+
+    def render_str(self, text: str, **kwargs):  # type: ignore[override]
+        return super().render_str(printable(text), **kwargs)
+
 
 def plain_console(**options) -> Console:
-    """A console that prints text as it is: ids, prompts, paths and errors are the user's, and
-    rich would read "[/b]" in a folder name as markup (and fail on it)."""
-    return Console(markup=False, highlight=False, **options)
+    return PlainConsole(markup=False, highlight=False, **options)
+
+
+def say_error(message: str) -> None:
+    """`error: ...` on stderr, one line whatever the message holds (a file's text, a path),
+    with no control character a terminal would act on."""
+    typer.echo(f"error: {printable(message, one_line=True)}", err=True)
 
 
 WRAPPED = ("prompt", "error", "problems", "defaults", "resolves to", "offloaded")

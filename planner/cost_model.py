@@ -12,14 +12,13 @@ rank per step (2 for CFG run in turn, 1 per rank with --cfg-parallel).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout, chunk_sizes
 from planner.memory import GIB
 from planner.models import ModelShape, VideoSize
 from planner.traffic import Topology, ditango_units, predict_traffic, tp_all_reduces
-from planner.user_files import read_json_file
+from planner.user_files import read_json_file, user_path
 
 # -- hardware -----------------------------------------------------------------------------
 
@@ -94,7 +93,7 @@ PEAKS = ("bf16_tflops", "hbm_tbps", "intra_gbps", "inter_gbps", "latency_us")
 def load_hardware(name_or_file: str) -> Hardware:
     if name_or_file.lower() in HARDWARE:
         return HARDWARE[name_or_file.lower()]
-    path = Path(name_or_file)
+    path = user_path(name_or_file, "--hardware")
     if not path.is_file():
         raise ConfigError(f"--hardware {name_or_file!r}: not one of {', '.join(HARDWARE)} and not a JSON file")
     data = read_json_file(path, "--hardware-file")

@@ -76,6 +76,13 @@ class VaeShape:
             raise ConfigError("VAE shape: chunk_frames, chunk_stride and temporal must be >= 1")
 
 
+# The largest size of each kind a model may have: far above every DiT released, far below what
+# would make a meta-device build or the memory model run for ever.
+SIZE_LIMITS = {"layers": 10_000, "heads": 4096, "head_dim": 8192, "ffn": 2**20, "text_len": 2**20, "text_dim": 2**20,
+               "latent_channels": 4096}  # fmt: skip
+PATCH_LIMIT = 64  # of the patch and the VAE's strides, per axis
+
+
 @dataclass(frozen=True)
 class ModelShape:
     name: str
@@ -112,12 +119,17 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         # A model folder's config is the user's: a zero or negative size would surface later as
-        # a division by zero or an empty tensor deep inside a rank.
-        for key in ("layers", "heads", "head_dim", "ffn", "text_len"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        # a division by zero or an empty tensor deep inside a rank, and a size no model has
+        # (10^30 layers) as a build that never ends.
+        sizes = {key: getattr(self, key) for key in SIZE_LIMITS}
+        sizes |= {f"patch[{i}]": p for i, p in enumerate(self.patch)}
+        sizes |= {f"vae_stride[{i}]": s for i, s in enumerate(self.vae_stride)}
+        for key, value in sizes.items():
+            most = SIZE_LIMITS.get(key, PATCH_LIMIT)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
                 raise ConfigError(
-                    f"{self.name}: the transformer config's {key} must be a positive integer, got {value!r}"
+                    f"{self.name}: the transformer config's {key} must be a positive integer of at most {most}, "
+                    f"got {value!r}"
                 )
 
     @property

@@ -4,6 +4,7 @@ any of them is read."""
 from __future__ import annotations
 
 import json
+import re
 import stat
 from pathlib import Path
 
@@ -39,6 +40,24 @@ class Unreadable(ConfigError):
         self.reason = reason
 
 
+def user_path(text: str | Path, what: str, resolve: bool = False) -> Path:
+    """A path a user gave, with a leading `~` or `~user` expanded as a shell would (`resolve`:
+    absolute, its links followed); `Unreadable` (one line) when that user is unknown or has no
+    home (Path.expanduser's RuntimeError), when it holds a NUL byte (no file system takes
+    one: a ValueError in every call on it), or when its links loop."""
+    if "\0" in str(text):
+        raise Unreadable(f"{what} {str(text)!r}", "a path holds no NUL byte")
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError:
+        head = str(text).split("/", 1)[0]
+        raise Unreadable(f"{what} {text}", f"{head} names no user with a home folder here") from None
+    try:
+        return path.resolve() if resolve else path
+    except (RuntimeError, OSError) as exc:  # Python 3.11 raises RuntimeError on a loop of links
+        raise Unreadable(f"{what} {text}", f"its symbolic links loop ({exc})") from None
+
+
 def read_text(path: Path, what: str, limit: int = CONFIG_LIMIT, encoding: str = "utf-8") -> str:
     """The text of a file a user named (or a model folder holds), as a one-line ConfigError when
     it is no regular file, longer than `limit` bytes, not text in `encoding`, or unreadable.
@@ -52,7 +71,8 @@ def read_text(path: Path, what: str, limit: int = CONFIG_LIMIT, encoding: str = 
     except OSError as exc:
         raise Unreadable(f"{what} {path}", f"cannot read it ({exc.strerror or exc})") from None
     if len(raw) > limit:
-        raise Unreadable(f"{what} {path}", f"larger than {limit // 2**20} MiB; not read")
+        size = f"{limit // 2**20} MiB" if limit >= 2**20 else f"{limit // 2**10} KiB"
+        raise Unreadable(f"{what} {path}", f"larger than {size}; not read")
     try:
         return raw.decode(encoding)
     except UnicodeDecodeError as exc:
@@ -72,6 +92,28 @@ def parse_json(text: str, what: str):
         raise Unreadable(what, f"not valid JSON ({msg})") from None
     check_text(data, what)
     return data
+
+
+# What a terminal acts on instead of showing: C0 controls but tab and newline (ESC starts the
+# sequences that set a window's title, clear the screen, move the cursor), DEL, C1 controls
+# (0x9b is a one-byte CSI), and the bidirectional overrides that reorder text as it is shown.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_LINE_BREAKS = re.compile("[\n\t]")
+
+
+def printable(text: str, one_line: bool = False) -> str:
+    """`text` as a terminal shows it without acting on it: each control character as its escape
+    (ESC as \\x1b); `one_line`: newlines and tabs too. For anything printed that a file or a
+    user gave (heartbeats, records, error messages, prompts)."""
+    shown = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 256 else f"\\u{ord(m[0]):04x}", text)
+    return _LINE_BREAKS.sub(lambda m: "\\n" if m[0] == "\n" else "\\t", shown) if one_line else shown
+
+
+def digits(text: str | None) -> int | None:
+    """The whole number `text` spells in ASCII digits (spaces around it allowed), else None.
+    `str.isdigit()` is no test of that: it passes '²' and other digits `int()` refuses."""
+    text = (text or "").strip()
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def check_text(data, what: str) -> None:

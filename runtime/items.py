@@ -19,11 +19,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from planner.errors import ConfigError
-from planner.user_files import TEXT_LIMIT, check_text, parse_json, read_text, require_regular_file
+from planner.user_files import TEXT_LIMIT, check_text, parse_json, read_text, require_regular_file, user_path
 from runtime.config import TEMPORAL_STRIDE, Item
 from runtime.models import adapters, schedulers
 from runtime.models.adapters import Adapter
 from runtime.models.registry import Defaults
+from runtime.record_shape import number as a_number
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # An item's files are <id>.mp4, <id>.json (its sidecar), <id>.latents.safetensors,
@@ -80,7 +81,7 @@ def check_image(path: str, where: str) -> str:
     """The absolute path of a readable image, else a one-line ConfigError."""
     from PIL import Image, UnidentifiedImageError
 
-    resolved = Path(path).expanduser().resolve()
+    resolved = user_path(path, f"{where}: image", resolve=True)
     require_regular_file(resolved, f"{where}: image")
     try:
         with Image.open(resolved) as image:
@@ -137,7 +138,12 @@ def _check_id(value: object, where: str) -> str:
     return value
 
 
-def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: Defaults) -> Item:
+def make_item(
+    fields: dict, index: int, source: str, cli: Overrides, defaults: Defaults, base: Path | None = None
+) -> Item:
+    """The item of one prompt (`fields`: a JSONL line's, or {"prompt": ...}); `base`: the folder its
+    file's relative paths are taken from (the prompt file's)."""
+
     def pick(key: str, cli_value, default):
         value = fields.get(key)
         if value is not None:
@@ -157,7 +163,7 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
             f'{source}: --true-cfg-scale / "true_cfg_scale" apply to HunyuanVideo only (Wan\'s --guidance is its CFG scale)'
         )
     item = Item(
-        loras=_loras_of(fields, cli, defaults, source),
+        loras=_loras_of(fields, cli, defaults, source, base),
         id=item_id,
         prompt=prompt,
         negative_prompt=pick("negative_prompt", cli.negative_prompt, defaults.negative_prompt),
@@ -182,18 +188,35 @@ def make_item(fields: dict, index: int, source: str, cli: Overrides, defaults: D
     return item
 
 
-def _loras_of(fields: dict, cli: Overrides, defaults: Defaults, where: str) -> tuple[Adapter, ...]:
-    """An item's adapters: its own "loras" (a JSONL line), else --lora and --lora-2; resolved."""
-    if "loras" in fields:
-        if not isinstance(fields["loras"], list):
-            raise ConfigError(f'{where}: "loras" must be a list of "SOURCE[:SCALE]" or objects')
+def _loras_of(fields: dict, cli: Overrides, defaults: Defaults, where: str, base: Path | None) -> tuple[Adapter, ...]:
+    """An item's adapters: its own "loras" (a JSONL line; relative paths beside its file, at
+    `base`), else --lora and --lora-2 (relative to the current folder); resolved. At most
+    `adapters.MAX_PER_ITEM`, counted before any is read."""
+    own = "loras" in fields
+    if own and not isinstance(fields["loras"], list):
+        raise ConfigError(f'{where}: "loras" must be a list of "SOURCE[:SCALE]" or objects')
+    count = len(fields["loras"]) if own else len(cli.lora or ()) + len(cli.lora_2 or ())
+    if count > adapters.MAX_PER_ITEM:
+        given = '"loras"' if own else "--lora / --lora-2"
+        raise ConfigError(f"{where}: {given} names {count} LoRAs; an item takes at most {adapters.MAX_PER_ITEM}")
+    if own:
         loras = [adapters.from_json(e, where) for e in fields["loras"]]
     else:
         loras = [*(adapters.parse_lora(t) for t in cli.lora or ()),
                  *(adapters.parse_lora(t, 2, "--lora-2") for t in cli.lora_2 or ())]  # fmt: skip
     if any(a.expert == 2 for a in loras) and defaults.experts == 1:
         raise ConfigError(f"{where}: --lora-2 (expert 2) applies to two-expert models (Wan2.2 A14B) only")
-    return tuple(adapters.resolve(a, "--lora" if a.expert == 1 else "--lora-2") for a in loras)
+    if own:
+        resolved = tuple(adapters.resolve(a, f'{where}: "loras"', base) for a in loras)
+    else:
+        resolved = tuple(adapters.resolve(a, "--lora" if a.expert == 1 else "--lora-2") for a in loras)
+    seen: dict[tuple[str, int], Adapter] = {}
+    for adapter in resolved:  # one file is one adapter of the model: a second scale would not add up
+        first = seen.setdefault((adapter.sha256, adapter.expert), adapter)
+        if first is not adapter:
+            raise ConfigError(f"{where}: {first.label} and {adapter.label} are the same LoRA file; give it once, with "
+                              "the sum of the scales")  # fmt: skip
+    return resolved
 
 
 def fit_to_model(items: tuple[Item, ...], spec, path: Path | None) -> tuple[Item, ...]:
@@ -271,7 +294,7 @@ def _jsonl_fields(line: str, where: str) -> dict:
         if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int)):
             raise ConfigError(f'{where}: "{key}" must be an integer, got {data[key]!r}')
     for key in ("guidance", "guidance_2", "true_cfg_scale", "flow_shift"):
-        if key in data and (isinstance(data[key], bool) or not isinstance(data[key], (int, float))):
+        if key in data and not a_number(data[key]):
             raise ConfigError(f'{where}: "{key}" must be a number, got {data[key]!r}')
     if "image" in data and not (isinstance(data["image"], str) and data["image"].strip()):
         raise ConfigError(f'{where}: "image" must be a path (a non-empty string), got {data["image"]!r}')
@@ -302,7 +325,7 @@ def read_prompt_file(path: Path) -> list[tuple[dict, str]]:
         elif line:
             fields = _jsonl_fields(line, where)
             if "image" in fields:  # relative to the prompt file, wherever the command runs
-                fields["image"] = str(path.parent / Path(fields["image"]).expanduser())
+                fields["image"] = str(path.parent / user_path(fields["image"], f"{where}: image"))
             entries.append((fields, where))
     if not entries:
         raise ConfigError(f"--prompts {path}: no prompts in the file")
@@ -320,4 +343,5 @@ def build_items(prompt: str | None, prompts_file: Path | None, cli: Overrides, d
         entries = [({"prompt": prompt}, "--prompt")]
     else:
         entries = read_prompt_file(prompts_file)
-    return tuple(make_item(fields, i, where, cli, defaults) for i, (fields, where) in enumerate(entries))
+    base = None if prompts_file is None else prompts_file.parent
+    return tuple(make_item(fields, i, where, cli, defaults, base) for i, (fields, where) in enumerate(entries))

@@ -19,6 +19,7 @@ writer of this tool is left to finish them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -31,7 +32,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from planner.errors import ConfigError
-from planner.user_files import read_text
+from planner.user_files import digits, read_text
+from runtime.out_folder import check_bookkeeping
 from runtime.outputs import check_foreign_files, fs_clock, state_dir
 from runtime.record_shape import a_pid
 from runtime.video import PARTIAL_GLOB
@@ -97,6 +99,7 @@ class FolderLock:
     # -- taking and giving back ----------------------------------------------------------
     def acquire(self, wait: bool = False, say: Callable[[str], None] = print, poll_s: float = 2.0) -> FolderLock:
         """Own OUT, or raise FolderBusy (wait: until the owner is done)."""
+        check_bookkeeping(self.out_dir)  # `.ditango` a file, the lock a FIFO: one line, before any read
         check_foreign_files(self.out_dir)
         state_dir(self.out_dir).mkdir(parents=True, exist_ok=True)
         me = {
@@ -173,22 +176,18 @@ class FolderLock:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return
-        try:
-            moved = json.loads(aside.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            moved = None
+        moved = _owner_in(aside)
         if stale is not None and isinstance(moved, dict) and moved.get("token") != stale.get("token"):
             try:  # a fresh lock: give it back (fails only if yet another run holds OUT now)
                 os.link(aside, self.path)
             except OSError:
                 pass
-        aside.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # what is not a file is left aside, out of the lock's way
+            aside.unlink(missing_ok=True)
 
     def _ours(self) -> bool:
-        try:
-            return json.loads(self.path.read_text(encoding="utf-8")).get("token") == self.token
-        except (OSError, ValueError, AttributeError):
-            return False
+        owner = _owner_in(self.path)
+        return owner is not None and owner.get("token") == self.token
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(BEAT_S):
@@ -197,6 +196,16 @@ class FolderLock:
                     os.utime(self.path)
                 except OSError:
                     pass
+
+
+def _owner_in(path: Path) -> dict | None:
+    """The owner a lock file names, None when it cannot say: read bounded and only if it is a
+    regular file (a FIFO put there would block the read for ever)."""
+    try:
+        owner = json.loads(read_text(path, "lock", 2**16))
+    except (OSError, ValueError, RecursionError):  # ConfigError is a ValueError: not a regular file, not text
+        return None
+    return owner if isinstance(owner, dict) else None
 
 
 def _alive(pid: int, started: int | None = None) -> bool:
@@ -223,7 +232,7 @@ def _start_time(pid: int) -> int | None:
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
-    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+    return digits(fields[19]) if len(fields) > 19 else None
 
 
 def remove_partials(out_dir: Path) -> list[Path]:

@@ -9,8 +9,6 @@ supervisor (slurm/supervise.py) reads through it; its reads are tolerant (`read_
 from __future__ import annotations
 
 import json
-import re
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -305,56 +303,3 @@ def item_records(out_dir: Path):
         record = None if path.name.startswith(".") else read_record(path)
         if record is not None and "id" in record and "items" not in record:
             yield path, record
-
-
-# Kernel interfaces mounted as file systems: they hold no regular files, whatever the
-# permission bits say (root may "write" under /proc by os.access).
-PSEUDO_FILESYSTEMS = frozenset(
-    {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "bpf",
-     "pstore", "efivarfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "nsfs"}
-)  # fmt: skip
-
-
-def check_writable(out: Path, create: bool) -> None:
-    """Fail early (before loading anything) when outputs could not be written: by creating (and
-    removing) a file, in OUT (`create`, made first) or, without creating OUT (`ditango check`),
-    in the nearest folder on the way to it that exists. Both ways give the same message."""
-    out = out.expanduser()
-    if out.is_symlink() and not out.exists():
-        raise ConfigError(f"output dir {out} is a symbolic link to nothing (a loop, or a target that is gone)")
-    probe = out
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"output dir {out} is not writable: {probe} is not a directory")
-    kind = _filesystem_type(probe)
-    if kind in PSEUDO_FILESYSTEMS:
-        raise ConfigError(f"output dir {out} is not writable: {probe} is on {kind}, a file system that holds no files")
-    try:
-        if create:
-            out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out if create else probe, prefix=".ditango-probe-"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"output dir {out} is not writable: {exc.strerror or exc}") from None
-
-
-def _filesystem_type(path: Path) -> str | None:
-    """The type of the file system `path` is on, from /proc/self/mountinfo (the mount point that
-    is the longest prefix of the resolved path; the last of stacked mounts); None off Linux."""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
-    target = str(path.resolve())
-    best, kind = "", None
-    for line in lines:
-        left, sep, right = line.partition(" - ")  # "<id> <parent> <dev> <root> <mount point> ... - <type> ..."
-        fields = left.split()
-        if not sep or len(fields) < 5 or not right.split():
-            continue
-        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])  # spaces come as \040
-        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best):
-            best, kind = mount, right.split()[0]
-    return kind

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TextIO
 
 from planner.errors import ConfigError
-from planner.user_files import read_json_file
+from planner.user_files import printable, read_json_file
 from runtime.config import Item
 from runtime.context import Observer
 from runtime.outputs import state_dir
@@ -48,6 +48,7 @@ class LogObserver:
 
     def _line(self, text: str, stamped: bool = True) -> None:
         stream = self.stream or sys.stderr
+        text = printable(text)  # errors hold what files and users gave: shown, never acted on
         with contextlib.suppress(OSError, ValueError):  # a closed or full log never fails the run
             stream.write(f"{stamp()} {text}\n" if stamped else f"{text}\n")
             stream.flush()

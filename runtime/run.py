@@ -17,16 +17,17 @@ import torch
 
 from runtime.assembly import build_denoiser, host_loaded
 from runtime.calibrate import hold_target, step_cache_ratios, target_quality
-from runtime.config import DecodeOptions, Item, RunConfig, plan_memory
+from runtime.config import DecodeOptions, Item, RunConfig
 from runtime.context import Observer, RankContext, SilentObserver
 from runtime.denoiser import Denoiser, synchronize
 from runtime.inputs import exact_reference, item_inputs
 from runtime.item_records import check_finite, gathered_records
 from runtime.kernels import resolve_backend
 from runtime.loop_types import NonFiniteLatents
+from runtime.memory_plan import plan_memory
 from runtime.models.adapters import adapter_sets, same_weights
 from runtime.models.loading import load_components, placement_on
-from runtime.models.registry import resolve_model
+from runtime.models.resolve import resolve_model
 from runtime.outputs import mark_running, plan_resume, record_failure
 from runtime.progress import ProgressFile, progress_path
 from runtime.quality import quality_record

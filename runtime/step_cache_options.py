@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import ConfigError
-from planner.user_files import read_json_file
+from planner.user_files import read_json_file, user_path
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -46,7 +46,7 @@ def _dtype(text: str) -> str:
 
 
 def _path(text: str) -> str:
-    return str(Path(text).expanduser().resolve())
+    return str(user_path(text, "mag_ratios", resolve=True))
 
 
 # Per cache: its keys (as in diffusers' config classes) with their parsers, and our defaults
@@ -145,6 +145,24 @@ def parse_step_cache(text: str) -> StepCacheSpec:
                 f"--step-cache {name}: {key}={value.strip()!r} is not valid{want.get(KEYS[name][key], '')}"
             ) from None
     return StepCacheSpec(name, tuple(options))
+
+
+def paths_beside(text: str, folder: Path) -> str:
+    """A --step-cache text that a file in `folder` names (a run file), its relative mag_ratios
+    path taken from `folder`."""
+    name, sep, rest = text.partition(":")
+    parts = []
+    for part in rest.split(","):
+        key, eq, value = part.partition("=")
+        value = value.strip()
+        if key.strip().replace("-", "_") == "mag_ratios" and eq and value:
+            try:
+                relative = not user_path(value, "mag_ratios").is_absolute()
+            except ConfigError:
+                relative = False  # said in one line where it is parsed
+            part = f"{key}={folder / value}" if relative else part
+        parts.append(part)
+    return name + sep + ",".join(parts)
 
 
 def load_mag_ratios(path: str) -> list[float]:

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from planner.errors import ConfigError
+from planner.user_files import digits
 from runtime.config import RunConfig
 from slurm.aggregate import aggregate
 from slurm.heartbeat import BeatWatch, kill_step, stopped_failure
@@ -158,14 +159,14 @@ def allocation_gpus_per_node() -> int | None:
     (SLURM_GPUS_PER_NODE, e.g. "8" or "h100:8"), else SLURM_JOB_GPUS (the GPU indices of this
     node), else the job's record: `salloc --gres=gpu:8` sets none of these in its shell, and
     only `scontrol show job` says what was allocated (`allocated_gpus_per_node`)."""
-    on_node = os.environ.get("SLURM_GPUS_ON_NODE")
-    if on_node and on_node.strip().isdigit():
-        return int(on_node)
+    on_node = digits(os.environ.get("SLURM_GPUS_ON_NODE"))
+    if on_node is not None:
+        return on_node
     per_node = os.environ.get("SLURM_GPUS_PER_NODE")
     if per_node:
-        count = per_node.split(",")[0].split(":")[-1].split("(")[0]
-        if count.isdigit():
-            return int(count)
+        count = digits(per_node.split(",")[0].split(":")[-1].split("(")[0])
+        if count is not None:
+            return count
     ids = os.environ.get("SLURM_JOB_GPUS")
     if ids:
         return len([i for i in ids.split(",") if i.strip()])

@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import ConfigError
+from planner.user_files import read_text
 from runtime.config import RunConfig
 from runtime.context import Observer
 from runtime.errors import OutputWriteError
-from runtime.outputs import STATE_DIR, fs_clock, read_record, settled_since
+from runtime.outputs import STATE_DIR, fs_clock, plan_resume, read_record, settled_since
 from runtime.report import SCHEMA
 from runtime.video import write_json
 from slurm.rank import LaunchedRank, apply_environment, exit_soon, is_peer_failure, join, select_device
@@ -184,11 +185,14 @@ def _own_folder(cfg: RunConfig, launched: LaunchedRank, say) -> tuple[object, Se
             for stale in errors_dir(cfg.out_dir).glob("rank-*.error"):  # the previous launch's
                 stale.unlink(missing_ok=True)
             decided = settled_since(cfg, series.since)
+            plan_resume(cfg)  # outputs made otherwise refuse the run here, in one line, as before any launch
         except (ConfigError, OutputWriteError, OSError) as exc:  # every rank must hear of it, or they wait
             refused = str(exc).removesuffix(", or pass --wait-for-lock")  # refused under a launcher
     box = [refused, decided]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
+        if lock is not None:  # taken before the refusal: given back, not left for a takeover
+            lock.release()
         raise ConfigError(box[0])
     return lock, series, box[1]
 
@@ -280,9 +284,9 @@ def _peer_error(cfg: RunConfig, wait_s: float = ERROR_WAIT_S) -> str | None:
     while True:
         found = sorted(errors_dir(cfg.out_dir).glob("rank-*.error"), key=lambda p: p.stat().st_mtime)
         for path in found:
-            try:
-                return path.read_text(encoding="utf-8").strip()
-            except OSError:
+            try:  # bounded, a regular file only (a FIFO there would block this rank for ever)
+                return read_text(path, "rank error", 2**16).strip()
+            except (OSError, ConfigError):
                 continue
         if time.monotonic() > deadline:
             return None

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import submitit
 
+from planner.errors import ConfigError
+from planner.user_files import digits, require_regular_file
 from slurm.jobs import cancelled_jobs, failed_state, job_ids, read_jobs, slurm_states
 from slurm.rank import is_peer_failure
 
@@ -16,12 +18,36 @@ from slurm.rank import is_peer_failure
 ATTEMPT_MARK = "ditango: job attempt starts"
 
 
-def job_error(job: submitit.Job) -> str | None:
+def job_error(job: submitit.Job, read_results: bool = True) -> str | None:
     """The most telling error of a finished job (see `job_failure`)."""
-    return job_failure(job)[0]
+    return job_failure(job, read_results)[0]
 
 
-def job_failure(job: submitit.Job) -> tuple[str | None, int | None]:
+# How much of a task's log is read for its exception: its end, where the traceback is.
+LOG_TAIL = 2**20
+
+
+def logged_exception(task) -> str | None:
+    """The exception a task's stderr log shows (its last attempt's traceback, read as text, the
+    end of the log only), None when it shows none: what `task.exception()` says, without
+    unpickling the task's result file. A file that is no regular file is not read."""
+    path = task.paths.stderr
+    try:
+        require_regular_file(path, "log")
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - LOG_TAIL))
+            text = f.read().decode("utf-8", errors="replace")
+    except (OSError, ConfigError):
+        return None
+    text = text.rpartition(ATTEMPT_MARK)[2]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return text if any(ln.split(":")[0].endswith(EXCEPTION_ENDS) for ln in lines) else None
+
+
+EXCEPTION_ENDS = ("Error", "Exception", "Interrupt")  # how the class of a raised exception line ends
+
+
+def job_failure(job: submitit.Job, read_results: bool = True) -> tuple[str | None, int | None]:
     """(error, rank) of a finished job: the rank that failed first, where that can be told.
 
     A cause is a task's own exception line (the rank that raised), or a task that died by a
@@ -30,7 +56,9 @@ def job_failure(job: submitit.Job) -> tuple[str | None, int | None]:
     signal deaths after the first are srun ending the step (--kill-on-bad-exit), not causes.
     Among causes, the one srun reported first, else the lowest task. Without a cause: a peer's
     reaction ('timed out', 'connection closed'), then the last line of a task that left no
-    exception, with the rank unknown (None)."""
+    exception, with the rank unknown (None). `read_results` False: each task's exception is
+    read from its log (`logged_exception`), never from its result file, which submitit would
+    unpickle: `ditango status` reads a folder others may write to."""
     try:
         log = job.paths.stderr.read_text(encoding="utf-8", errors="replace")
         ends = srun_task_ends(log.rpartition(ATTEMPT_MARK)[2])  # this attempt's, not a requeued one's
@@ -55,11 +83,11 @@ def job_failure(job: submitit.Job) -> tuple[str | None, int | None]:
             else:
                 other.append(f"rank {t}: {how} (srun ended it after another task failed)")
             continue
-        exc = task.exception()
+        exc = task.exception() if read_results else logged_exception(task)
         if exc is None:
             continue
         text = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        raised = [ln for ln in text if ln.split(":")[0].endswith(("Error", "Exception", "Interrupt"))]
+        raised = [ln for ln in text if ln.split(":")[0].endswith(EXCEPTION_ENDS)]
         if raised:
             line = _DOTTED.sub(r"\1", raised[-1])
             if is_peer_failure(line):
@@ -90,9 +118,10 @@ def srun_task_ends(text: str) -> list[tuple[tuple[int, ...], str]]:
     for match in _SRUN_END.finditer(text):
         tasks: list[int] = []
         for part in match.group(1).split(","):
-            first, _, last = part.partition("-")
-            if first.isdigit() and (not last or last.isdigit()):
-                tasks += range(int(first), int(last or first) + 1)
+            first, dash, last = part.partition("-")
+            low, high = digits(first), digits(last if dash else first)
+            if low is not None and high is not None:
+                tasks += range(low, high + 1)
         ends.append((tuple(tasks), match.group(2).strip()))
     return ends
 
@@ -119,14 +148,13 @@ def job_states(out_dir: Path) -> list[dict]:
 
 def _logged_error(out_dir: Path, submission: dict, job_id: str) -> str | None:
     """The error a failed job left in its submission folder, OUT/slurm/<name> (read there
-    whatever path jobs.json gives, so a record, moved or crafted, never points the unpickling
-    of results elsewhere), else none is left to read."""
+    whatever path jobs.json gives), from its logs as text: nothing in the folder is unpickled."""
     name = Path(submission["folder"]).name
     folder = out_dir / "slurm" / name
     if name in ("", ".", "..") or not folder.is_dir():
         return f"(its logs are gone: no {submission['folder']})"
     job = submitit.SlurmJob(folder=folder / "%j", job_id=job_id, tasks=tuple(range(submission["tasks"])))
     try:
-        return job_error(job)
+        return job_error(job, read_results=False)
     except OSError as exc:
         return f"(its logs in {folder} cannot be read: {exc.strerror or exc})"

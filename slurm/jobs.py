@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from planner.errors import ConfigError
+from planner.user_files import digits
 from runtime.outputs import Damaged, read_json, state_dir
 from runtime.video import write_json
 
@@ -64,6 +65,9 @@ def recorded_jobs(out_dir: Path) -> list[dict] | None:
     return data
 
 
+MAX_TASKS = 2**16  # ranks of one job: more than any cluster runs as one job
+
+
 def _shape_problem(data) -> str | None:
     if not isinstance(data, list):
         return f"expected a list of submissions, got {type(data).__name__}"
@@ -81,8 +85,8 @@ def _shape_problem(data) -> str | None:
                 check_job_id(job_id)
             except ConfigError as exc:
                 return f"submission {n}: {exc}"
-        if not isinstance(tasks, int) or isinstance(tasks, bool) or tasks < 1:
-            return f"submission {n}: tasks is {_brief(tasks)}, not an integer >= 1"
+        if not isinstance(tasks, int) or isinstance(tasks, bool) or not 1 <= tasks <= MAX_TASKS:
+            return f"submission {n}: tasks is {_brief(tasks)}, not an integer from 1 to {MAX_TASKS}"
     return None
 
 
@@ -298,7 +302,7 @@ def partition_nodes(partition: str | None) -> tuple[int, int] | None:
         cpus, mem, name = (line.split() + ["", "", ""])[:3]
         if partition is None and not name.endswith("*"):  # the default partition is starred
             continue
-        cpus, mem = cpus.rstrip("+"), mem.rstrip("+")  # "64+": nodes of that many or more
-        if cpus.isdigit() and mem.isdigit():
-            sizes.append((int(cpus), int(mem)))
+        cpus, mem = digits(cpus.rstrip("+")), digits(mem.rstrip("+"))  # "64+": nodes of that many or more
+        if cpus is not None and mem is not None:
+            sizes.append((cpus, mem))
     return (min(c for c, _ in sizes), min(m for _, m in sizes)) if sizes else None

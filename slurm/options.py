@@ -15,6 +15,7 @@ from typing import Literal
 
 from planner.errors import ConfigError
 from planner.host_memory import CPUS_PER_RANK, mem_request
+from planner.user_files import user_path
 from runtime.config import RunConfig
 from slurm.rank import LAUNCHER_VARIABLES, launched_rank
 
@@ -101,7 +102,7 @@ def check_log_folder(out: Path) -> None:
     under it, and Slurm reads `%` in those paths as a pattern (`%j`: the job id) and a
     backslash as turning the patterns off, and a control character would end a `#SBATCH`
     line. Any other character is passed quoted (slurm/submit.py)."""
-    path = str(out.expanduser().resolve())
+    path = str(user_path(out, "--out", resolve=True))
     bad = sorted({c for c in path if c in "%\\" or ord(c) < 32 or ord(c) == 127})
     if bad:
         shown = ", ".join(repr(c) for c in bad)
@@ -181,7 +182,7 @@ def choose_executor(
     SLURMD_NODENAME is set), which runs in this process; else submit with sbatch when it is on
     PATH and the run needs more than one node or any Slurm option was given; else run locally.
     `require_sbatch` False (a dry run): `slurm` means sbatch even where sbatch is not installed."""
-    launched = launched_rank()
+    launched = None if requested in ("local", "slurm") else launched_rank()  # asked for: a launcher's vars are not read
     if requested == "env":
         if launched is None:
             missing = ", ".join(v for v in LAUNCHER_VARIABLES if not os.environ.get(v))

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import ConfigError
+from planner.user_files import digits
 
 # The device ranks compute on, overriding the run's: "cpu" lets a job that asked Slurm for
 # GPUs compute on CPUs (the GPU request path tested on a cluster without GPUs); "cuda" insists.
@@ -72,26 +73,48 @@ class LaunchedRank:
         return self.rank == 0
 
 
+def launcher_number(environ, name: str, what: str, least: int = 0, most: int = 2**31 - 1,
+                    required: bool = False) -> int | None:  # fmt: skip
+    """The whole number in `least`..`most` a launcher variable holds, None when it is unset or
+    empty and not `required`; a one-line ConfigError naming the variable otherwise. Every
+    launcher variable that holds a number is read here."""
+    raw = environ.get(name)
+    if (raw is None or not raw.strip()) and not required:
+        return None
+    value = digits(raw)
+    if value is None or not least <= value <= most:
+        raise ConfigError(f"{name}={raw!r} (set by the launcher) is not {what}")
+    return value
+
+
 def launched_rank(environ=os.environ) -> LaunchedRank | None:
     """This process's place when a launcher started it with LAUNCHER_VARIABLES (all of them),
-    else None. Values that are not ranks are a ConfigError naming the variable."""
-    if any(not environ.get(name) for name in LAUNCHER_VARIABLES):
+    else None. A value of the wrong kind (a rank that is no number, a port out of range, an
+    address with spaces) is a ConfigError naming the variable: torch would fail on it later,
+    with a message that names neither."""
+    missing = [name for name in LAUNCHER_VARIABLES if not environ.get(name)]
+    if missing:
+        world = digits(environ.get("WORLD_SIZE"))
+        if environ.get("RANK") and world is not None and world > 1:  # a launcher's ranks, half described
+            raise ConfigError(f"RANK and WORLD_SIZE={world} are set, {', '.join(missing)} not: a launcher's rank "
+                              "needs all of " + ", ".join(LAUNCHER_VARIABLES))  # fmt: skip
         return None
-    values = {}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        raw = environ[name].strip()
-        if not raw.isdigit():
-            raise ConfigError(f"{name}={environ[name]!r} (set by the launcher) is not a rank number")
-        values[name] = int(raw)
-    if values["WORLD_SIZE"] < 1 or values["RANK"] >= values["WORLD_SIZE"]:
-        raise ConfigError(f"RANK={values['RANK']} is not below WORLD_SIZE={values['WORLD_SIZE']} (set by the launcher)")
+    rank, world, local = (launcher_number(environ, n, "a rank number", required=True)
+                          for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))  # fmt: skip
+    if world < 1 or rank >= world:
+        raise ConfigError(f"RANK={rank} is not below WORLD_SIZE={world} (set by the launcher)")
+    launcher_number(environ, "MASTER_PORT", "a port number (1-65535)", 1, 65535, required=True)
+    address = environ["MASTER_ADDR"]
+    if not address.strip() or any(c.isspace() or not c.isprintable() for c in address):
+        raise ConfigError(f"MASTER_ADDR={address!r} (set by the launcher) is not a host name or address")
     node = environ.get("GROUP_RANK") or socket.gethostname()
-    local_size, restart = (environ.get(n, "").strip() for n in ("LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"))
-    return LaunchedRank(
-        values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], node,
-        local_size=int(local_size) if local_size.isdigit() else 0, restart=int(restart) if restart.isdigit() else 0,
-        run_id=environ.get("TORCHELASTIC_RUN_ID", ""),
-    )  # fmt: skip
+    local_size = (
+        launcher_number(environ, "LOCAL_WORLD_SIZE", f"a number of ranks up to WORLD_SIZE={world}", 1, world) or 0
+    )
+    if local_size and local >= local_size:
+        raise ConfigError(f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_size} (set by the launcher)")
+    restart = launcher_number(environ, "TORCHELASTIC_RESTART_COUNT", "a restart count") or 0
+    return LaunchedRank(rank, world, local, node, local_size, restart, environ.get("TORCHELASTIC_RUN_ID", ""))
 
 
 def nccl_environment(log_dir: Path) -> dict[str, str]:

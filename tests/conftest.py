@@ -44,6 +44,15 @@ def runner() -> CliRunner:
     return CliRunner()
 
 
+def refused(result, *needles: str) -> str:
+    """The one `error:` line of a command refused with exit 2 (no traceback), holding `needles`."""
+    assert result.exit_code == 2, (result.exit_code, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    assert all(n in lines[0] for n in needles), lines[0]
+    return lines[0]
+
+
 def cluster_up() -> bool:
     """Whether a local Slurm answers with an idle node."""
     if shutil.which("sinfo") is None:

@@ -12,7 +12,7 @@ import pytest
 from ditango_cli.app import app
 from runtime.denoiser import Denoiser
 from runtime.models.loading import load_components, resolve_placement
-from runtime.models.registry import resolve_model
+from runtime.models.resolve import resolve_model
 from tiny_wan.data import eval_prompts
 from tiny_wan.judge import judge
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from ditango_cli.app import app
 from planner.errors import ConfigError
 from runtime.denoiser import Denoiser
-from runtime.outputs import check_writable
+from runtime.out_folder import check_writable
 
 FAST = ["--steps", "2", "--height", "16", "--width", "16", "--frames", "1", "--device", "cpu"]
 # The saved test model's VAE compresses 8x: 32x32 pixels are 4 tokens, enough for two ranks.
@@ -51,12 +51,12 @@ BAD_INPUTS = [
     (["--width", "2064", "--height", "16"], "width must be at most 2048", "try 2048"),
     (["--frames", "1025"], "frames must be at most 1021", "try 1021"),
     # Timeouts: nan passes every comparison, inf overflows the process group's timedelta.
-    (["--timeout", "nan"], "--timeout must be > 0 seconds, finite and at most 604800 (7 days), got nan", None),
-    (["--timeout", "inf"], "--timeout must be > 0 seconds, finite and at most 604800 (7 days), got inf", None),
-    (["--setup-timeout", "inf"], "--setup-timeout must be > 0 seconds, finite and at most 604800", "got inf"),
-    (["--setup-timeout", "nan"], "--setup-timeout must be > 0 seconds, finite and at most 604800", "got nan"),
+    (["--timeout", "nan"], "--timeout must be a finite number of seconds from 1 to 604800 (7 days), got nan", None),
+    (["--timeout", "inf"], "--timeout must be a finite number of seconds from 1 to 604800 (7 days), got inf", None),
+    (["--setup-timeout", "inf"], "--setup-timeout must be a finite number of seconds from 1 to 604800", "got inf"),
+    (["--setup-timeout", "nan"], "--setup-timeout must be a finite number of seconds from 1 to 604800", "got nan"),
     # Careless sizes: a timeout past a timedelta's range, a billion denoising steps.
-    (["--timeout", "1e300"], "--timeout must be > 0 seconds, finite and at most 604800", "got 1e+300"),
+    (["--timeout", "1e300"], "--timeout must be a finite number of seconds from 1 to 604800", "got 1e+300"),
     (["--steps", "1000000000"], "steps must be in [1, 1000]", "got 1000000000"),
     # More array tasks than items: `generate` refused it, `check` said ok.
     (["--array", "3", "--executor", "local"], "--array 3 is more than the 1 items", None),
@@ -211,9 +211,9 @@ def test_nan_weight_on_two_ranks_fails_the_item_without_a_relaunch(runner, tmp_p
 def test_more_local_cpu_ranks_than_memory_holds_are_refused_naming_how_many_fit(runner, tmp_path, monkeypatch):
     """Bug: `--gpus-per-node 100` started 100 local ranks on a 2-core, 24 GiB machine. Each CPU
     rank holds the whole pipeline: the number that fits is the available memory over a rank's."""
-    import runtime.config
+    import runtime.memory_plan
 
-    monkeypatch.setattr(runtime.config, "available_host_memory", lambda: int(2.5 * 2**30))
+    monkeypatch.setattr(runtime.memory_plan, "available_host_memory", lambda: int(2.5 * 2**30))
     base = ["check", "--prompt", "a red circle", "--out", str(tmp_path / "out"), "--device", "cpu",
             "--executor", "local"]  # fmt: skip
     line = one_line_error(runner, [*base, "--gpus-per-node", "100"])
@@ -223,7 +223,7 @@ def test_more_local_cpu_ranks_than_memory_holds_are_refused_naming_how_many_fit(
     assert f"enough for {fits}" in one_line_error(runner, [*base, "--gpus-per-node", str(fits + 1)])
     assert f"enough for {fits}" in one_line_error(runner, [*base, "--gpus-per-node", "1", "--replicas", "1",
                                                            "--nodes", str(fits + 1)])  # fmt: skip
-    monkeypatch.setattr(runtime.config, "available_host_memory", lambda: 2**28)  # not even one
+    monkeypatch.setattr(runtime.memory_plan, "available_host_memory", lambda: 2**28)  # not even one
     assert "run on GPUs, or on a machine with more memory" in one_line_error(runner, base)
 
 

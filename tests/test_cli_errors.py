@@ -287,7 +287,8 @@ def test_existing_output_is_skipped_not_overwritten(runner, tmp_path):
         (["--gpus", "4", "--parallel", "usp", "--ulysses-degree", "3"], ["must divide the cp degree 4", "1, 2, 4"]),
         (["--gpus", "2", "--parallel", "ring", "--ulysses-degree", "2"], ["only applies to --parallel usp"]),
         (["--gpus", "0"], ["must be >= 1"]),
-        (["--gpus", "2", "--timeout", "0"], ["--timeout must be > 0"]),
+        (["--gpus", "2", "--timeout", "0"], ["--timeout must be a finite number of seconds from 1"]),
+        (["--gpus", "2", "--timeout", "1e-9"], ["--timeout must be a finite number of seconds from 1", "1e-09"]),
         (
             ["--gpus", "2", "--height", "8", "--width", "8", "--frames", "1"],
             ["1 tokens cannot be split over 2 ranks"],

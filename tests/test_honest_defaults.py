@@ -81,7 +81,7 @@ def test_plan_item_picks_and_names_the_replayed_item(runner, tmp_path):
     missing = runner.invoke(app, [*args, "--plan-item", "c"])
     assert missing.exit_code == 2 and "its DiTango items: a, b" in missing.stderr
     alone = runner.invoke(app, ["simulate", "--plan-item", "a"])
-    assert alone.exit_code == 2 and "--plan-item needs --plan" in alone.stderr
+    assert alone.exit_code == 2 and "--plan-item only applies with --plan" in alone.stderr
 
 
 def test_a_video_made_another_way_is_not_skipped_under_this_ones_name(runner, tmp_path):

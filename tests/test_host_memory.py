@@ -24,7 +24,8 @@ from planner.host_memory import (
 )
 from planner.layout import ParallelLayout
 from planner.memory import GIB, MemoryOptions
-from runtime.config import Item, RunConfig, plan_host_memory
+from runtime.config import Item, RunConfig
+from runtime.memory_plan import plan_host_memory
 from runtime.models.registry import REGISTRY
 from slurm.options import SlurmOptions
 from slurm.submit import sbatch_script

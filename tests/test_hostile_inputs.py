@@ -157,7 +157,7 @@ def _save_i2v(path) -> None:
         (("model_index.json", "text_encoder", ["transformers", "NoSuchEncoderModel"]),
          "text_encoder is a transformers.NoSuchEncoderModel, which transformers"),
         (("model_index.json", "text_encoder", ["os", "system"]), "text_encoder comes from 'os'"),
-        (("transformer/config.json", "num_attention_heads", 0), "heads must be a positive integer, got 0"),
+        (("transformer/config.json", "num_attention_heads", 0), "heads must be a positive integer of at most 4096, got 0"),
         (("transformer/config.json", "attention_head_dim", "x"), "transformer/config.json: a value is not what"),
     ],
 )  # fmt: skip

@@ -22,7 +22,8 @@ from ditango_cli.app import app
 from planner.errors import ConfigError
 from runtime.errors import ModelDirError
 from runtime.models import hub
-from runtime.models.registry import BUILTIN_DIR, resolve_model
+from runtime.models.registry import BUILTIN_DIR
+from runtime.models.resolve import resolve_model
 
 from .conftest import FAST_ARGV
 
@@ -319,3 +320,41 @@ def test_check_never_downloads(fake_hub, cache, runner, tmp_path):
     (line,) = result.stderr.strip().splitlines()
     assert "generate --download would download it first" in line and "ditango download wan2.1-1.3b" in line
     assert fake_hub.calls == []
+
+
+@pytest.mark.parametrize(
+    ("ref", "needle"),
+    [
+        (b"\xff\xfe not text", "refs/main: not UTF-8 text"),
+        (b"../../../../etc\n", "holds no commit hash ('../../../../etc')"),
+        (None, "is a FIFO (named pipe), not a regular file"),
+        ("folder", "is a folder, not a regular file"),
+        ("dangling", "is a symbolic link to nothing"),
+    ],
+)
+def test_a_damaged_ref_in_the_cache_is_one_line(cache, runner, tmp_path, ref, needle):
+    """The bug: a refs/main that was not UTF-8 ended generate and check in a UnicodeDecodeError.
+    A ref is a commit hash: one that names a path (snapshots/../..) is refused too, and a FIFO
+    there is never read (the read would wait for a writer for ever)."""
+    import threading
+
+    snapshot = add_snapshot(cache, REPO, REV_A, refs=("main",))
+    main = snapshot.parent.parent / "refs" / "main"
+    main.unlink()
+    if ref is None:
+        os.mkfifo(main)
+    elif ref == "folder":  # once taken for no ref: the only snapshot was used without a word
+        main.mkdir()
+    elif ref == "dangling":
+        main.symlink_to(tmp_path / "gone")
+    else:
+        main.write_bytes(ref)
+    said = []
+    args = ["check", "--model", REPO, "--prompt", "a", "--device", "cpu"]
+    worker = threading.Thread(target=lambda: said.append(runner.invoke(app, args)), daemon=True)
+    worker.start()
+    worker.join(60)
+    if not said:  # unblock a reader of the FIFO before failing
+        os.close(os.open(main, os.O_WRONLY | os.O_NONBLOCK))
+    assert said, "the ref was read"
+    assert needle in one_error_line(said[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,12 +36,49 @@ def launcher_env(rank: int = 1, world: int = 2, local: int = 1) -> dict[str, str
 
 def test_the_launcher_variables_name_this_rank(monkeypatch):
     assert launched_rank(launcher_env(1, 4, 1) | {"GROUP_RANK": "0"}) == LaunchedRank(1, 4, 1, "0")
-    for name in LAUNCHER_VARIABLES:  # all of them, or it is no launcher's rank
+    for name in ("RANK", "WORLD_SIZE"):  # without them, it is no launcher's rank
         assert launched_rank({k: v for k, v in launcher_env().items() if k != name}) is None
+    for name in set(LAUNCHER_VARIABLES) - {"RANK", "WORLD_SIZE"}:  # a rank of 2, half described: said
+        with pytest.raises(ConfigError, match=f"RANK and WORLD_SIZE=2 are set, {name} not"):
+            launched_rank({k: v for k, v in launcher_env().items() if k != name})
     with pytest.raises(ConfigError, match="RANK='one'"):
         launched_rank(launcher_env() | {"RANK": "one"})
     with pytest.raises(ConfigError, match="RANK=2 is not below WORLD_SIZE=2"):
         launched_rank(launcher_env(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "needle"),
+    [
+        ("RANK", "\u00b2", "RANK='\u00b2' (set by the launcher) is not a rank number"),  # str.isdigit() passes it
+        ("WORLD_SIZE", "\u0662", "WORLD_SIZE='\u0662'"),
+        ("LOCAL_RANK", "-1", "LOCAL_RANK='-1'"),
+        ("WORLD_SIZE", " ", "WORLD_SIZE=' ' (set by the launcher) is not a rank number"),
+        ("MASTER_PORT", "abc", "MASTER_PORT='abc' (set by the launcher) is not a port number (1-65535)"),
+        ("MASTER_PORT", "70000", "MASTER_PORT='70000'"),
+        ("MASTER_PORT", "0", "MASTER_PORT='0'"),
+        ("MASTER_ADDR", "node 1", "MASTER_ADDR='node 1' (set by the launcher) is not a host name or address"),
+        ("LOCAL_WORLD_SIZE", "\u00b2", "LOCAL_WORLD_SIZE='\u00b2' (set by the launcher) is not a number of ranks"),
+        ("TORCHELASTIC_RESTART_COUNT", "x", "TORCHELASTIC_RESTART_COUNT='x'"),
+        (
+            "LOCAL_WORLD_SIZE",
+            "8",
+            "LOCAL_WORLD_SIZE='8' (set by the launcher) is not a number of ranks up to WORLD_SIZE=2",
+        ),
+    ],
+)
+def test_a_launcher_variable_of_the_wrong_kind_is_named_in_one_line(runner, tmp_path, monkeypatch, variable, value,
+                                                                     needle):  # fmt: skip
+    """The bugs: RANK='\u00b2' passed str.isdigit() and failed int(); MASTER_PORT=abc reached torch,
+    whose error named neither the variable nor a usage error."""
+    from .conftest import refused
+
+    for key, given in (launcher_env(0, 2, 0) | {variable: value}).items():
+        monkeypatch.setenv(key, given)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        launched_rank()
+    refused(runner.invoke(app, ["generate", "--prompt", "a", "--out", str(tmp_path / "out"), *FAST_ARGV]), needle)
+    assert not (tmp_path / "out").exists()
 
 
 def test_auto_runs_as_the_launchers_rank_and_env_needs_one(monkeypatch):
@@ -51,8 +89,13 @@ def test_auto_runs_as_the_launchers_rank_and_env_needs_one(monkeypatch):
     assert choose_executor("local", 1, SlurmOptions()) == "local"
     for key in ("MASTER_PORT", "SLURM_JOB_ID"):
         monkeypatch.delenv(key)
+    for requested in ("auto", "env"):  # a rank of 2 without its rendezvous port: said, never run as one process
+        with pytest.raises(ConfigError, match="RANK and WORLD_SIZE=2 are set, MASTER_PORT not"):
+            choose_executor(requested, 1, SlurmOptions(), ranks=1)
+    assert choose_executor("local", 1, SlurmOptions()) == "local"
+    monkeypatch.delenv("RANK")
     assert choose_executor("auto", 1, SlurmOptions(), ranks=1) == "local"
-    with pytest.raises(ConfigError, match=r"--executor env: no launcher started this process \(MASTER_PORT not set\)"):
+    with pytest.raises(ConfigError, match=r"--executor env: no launcher started this process \(RANK, MASTER_PORT not"):
         choose_executor("env", 1, SlurmOptions())
 
 
@@ -229,6 +272,28 @@ def test_torchrun_restarts_count_an_items_attempts_and_give_it_up(tmp_path):
     again = torchrun(out, prompts=PROMPTS[:1])
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((out / "report.json").read_text())["counts"]["done"] == 1
+
+
+def test_a_resume_refused_under_a_launcher_is_one_line_and_exit_2(runner, tmp_path):
+    """The bug: outputs made with other settings refused the run only inside the ranks, as
+    `error: rank 0: ConfigError` with exit 1 and error files; every other executor refuses it
+    in one line with exit 2 before anything runs. The folder is given back (no lock left)."""
+    import socket
+
+    out = tmp_path / "out"
+    made = runner.invoke(app, ["generate", "--prompt", PROMPTS[0], "--out", str(out), *FAST_ARGV])
+    assert made.exit_code == 0, made.stderr[-2000:]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DITANGO_FAULT", "SLURM_"))}
+    env |= launcher_env(0, 1, 0) | {"MASTER_PORT": str(port)}
+    ran = subprocess.run([str(DITANGO), "generate", "--prompt", PROMPTS[0], "--out", str(out), *FAST_ARGV,
+                          "--steps", "4"], capture_output=True, text=True, timeout=TORCHRUN_S, env=env)  # fmt: skip
+    assert ran.returncode == 2, ran.stderr[-3000:]
+    (line,) = [ln for ln in ran.stderr.splitlines() if ln.strip()]
+    assert line.startswith("error: --prompt: ") and "made with steps 3, not 4" in line, line
+    assert not list((out / ".ditango").glob("ranks/*.error")) and not (out / ".ditango" / "lock").exists()
 
 
 def test_wait_for_lock_is_refused_under_a_launcher(runner, tmp_path, monkeypatch):

@@ -9,7 +9,8 @@ import torch
 
 from runtime.models.checkpoint import inspect_model_dir
 from runtime.models.loading import load_components, resolve_placement
-from runtime.models.registry import BUILTIN_DIR, REGISTRY, resolve_model
+from runtime.models.registry import BUILTIN_DIR, REGISTRY
+from runtime.models.resolve import resolve_model
 from tiny_wan import TRAINED_ARCH, build_tiny_wan
 
 

@@ -226,7 +226,8 @@ def test_a_hunyuan_lora_gives_the_pipelines_latents(tmp_path):
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    from runtime.models.adapters import AdapterBank, check_against, lora_state_dict, parse_lora, resolve
+    from runtime.models.adapter_checks import check_against
+    from runtime.models.adapters import AdapterBank, lora_state_dict, parse_lora, resolve
     from tests import test_hunyuan as hy
 
     trained = hy.build_tiny_hunyuan()["transformer"]

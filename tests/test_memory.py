@@ -273,7 +273,8 @@ def test_check_reports_the_offloads_a_short_gpu_needs(runner, tmp_path):
 
 
 def test_plan_memory_turns_the_fitted_offloads_into_the_runs():
-    from runtime.config import Item, RunConfig, plan_memory
+    from runtime.config import Item, RunConfig
+    from runtime.memory_plan import plan_memory
 
     item = Item("a", "a cat", "", 0, 720, 1280, 81, 50, 5.0)
     cfg = RunConfig("wan2.1-14b", None, (item,), Path("/nonexistent"))

@@ -146,7 +146,7 @@ DAMAGED = {
     "not a list": (json.dumps(submission("123")).encode(), "expected a list of submissions, got dict"),
     "no folder": (json.dumps([{**submission("123"), "folder": None}]).encode(), "folder is None, not a string"),
     "ids not a list": (json.dumps([{**submission(), "job_ids": "123"}]).encode(), "job_ids is '123', not a list"),
-    "tasks 0": (json.dumps([submission("123", tasks=0)]).encode(), "tasks is 0, not an integer >= 1"),
+    "tasks 0": (json.dumps([submission("123", tasks=0)]).encode(), "tasks is 0, not an integer from 1 to 65536"),
     "an option as job id": (
         json.dumps([submission("123"), submission("--version")]).encode(),
         "submission 2: '--version' is not a Slurm job id",

@@ -19,13 +19,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from planner.errors import ConfigError
+from planner.user_files import Unreadable, user_path
+from runtime.models import hub
+from runtime.models.adapter_checks import check_against
+from runtime.models.weight_files import PICKLE_SUFFIXES, tensor_shapes
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# LoRAs an item may stack (each a set of layers applied at every step): a bound on a list a
+# file gives, far above what a video uses.
+MAX_PER_ITEM = 16
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,8 @@ def from_json(entry: object, where: str) -> Adapter:
             f'{where}: "loras" entry has unknown key(s) {", ".join(unknown)}; allowed: source, scale, expert'
         )
     scale, expert = entry.get("scale", 1.0), entry.get("expert", 1)
-    if isinstance(scale, bool) or not isinstance(scale, int | float):
-        raise ConfigError(f'{where}: "loras" scale must be a number, got {scale!r}')
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or (isinstance(scale, int) and abs(scale) > 100):
+        raise ConfigError(f'{where}: "loras" scale must be a number within [-100, 100], got {scale!r}')
     if expert not in (1, 2) or isinstance(expert, bool):
         raise ConfigError(f'{where}: "loras" expert must be 1 or 2, got {expert!r}')
     return checked(Adapter(entry["source"].strip(), float(scale), expert), where)
@@ -97,31 +104,53 @@ def checked(adapter: Adapter, where: str) -> Adapter:
     return adapter
 
 
-def resolve(adapter: Adapter, where: str = "--lora") -> Adapter:
-    """The adapter with its local file and that file's sha256, or a one-line ConfigError: a
-    missing source, a pickle, a folder with no or several .safetensors files."""
+def beside(text: str, folder: Path) -> str:
+    """A `SOURCE[:SCALE]` that a file in `folder` names (a run file), as it means it: a relative
+    path taken from `folder`, unless it is there no path and reads as a repo id (ORG/NAME)."""
+    adapter = parse_lora(text)
     try:
-        path, sha256 = _file_of(adapter.source)
+        path = user_path(adapter.source, "LoRA")
+    except Unreadable:
+        return text  # said in one line where it is resolved
+    if path.is_absolute() or (not (folder / path).exists() and hub.is_repo_id(adapter.source.partition("@")[0])):
+        return text
+    return f"{folder / path}:{adapter.scale!r}"
+
+
+def resolve(adapter: Adapter, where: str = "--lora", base: Path | None = None) -> Adapter:
+    """The adapter with its local file and that file's sha256, or a one-line ConfigError: a
+    missing source, a pickle (by name or content), a folder with no or several .safetensors
+    files. `base`: the folder a relative path is taken from (a prompt file's, a run file's;
+    None: the current one)."""
+    try:
+        path, sha256 = _file_of(adapter.source, base)
     except ValueError as exc:
         raise ConfigError(f"{where} {adapter.source}: {exc}") from None
     return replace(adapter, path=path, sha256=sha256)
 
 
 @functools.lru_cache(maxsize=256)
-def _file_of(source: str) -> tuple[str, str]:
-    """(file, sha256) of a source; each file is hashed once (a batch names the same ones)."""
-    from runtime.models import hub
-
-    path = Path(source).expanduser()
+def _file_of(source: str, base: Path | None = None) -> tuple[str, str]:
+    """(file, sha256) of a source; each file is hashed once (a batch names the same ones). The
+    file is the name the source reaches, absolute but with its links kept (a Hugging Face cache
+    snapshot's file links into blobs/, which have no extension); its bytes are checked as
+    safetensors before it is hashed."""
+    try:
+        path = user_path(source, "LoRA")
+    except Unreadable as exc:
+        raise ValueError(exc.reason) from None
+    if base is not None and not path.is_absolute():
+        path = (base / path).absolute()  # beside the file that names it, wherever the command runs
     if not path.exists() and hub.is_repo_id(source.partition("@")[0]):
-        repo, revision = hub.split_revision(source)
+        repo, revision = hub.split_revision(source, flag="the LoRA")
         found = hub.locate(repo, revision, None, ())
         if found is None:
+            at = f" --revision {revision}" if revision else ""
             raise ValueError(f"not a file or folder here, and not in the Hugging Face cache ({hub.hub_cache()}); "
-                             f"fetch it with: hf download {repo}")  # fmt: skip
+                             f"fetch it with: hf download {repo}{at}")  # fmt: skip
         path = found[0]
     if not path.exists():
-        raise ValueError("no such file or folder")
+        raise ValueError(f"no such file or folder ({path})" if base is not None else "no such file or folder")
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
         if len(files) != 1:
@@ -133,9 +162,11 @@ def _file_of(source: str) -> tuple[str, str]:
         path = files[0]
     if path.suffix in PICKLE_SUFFIXES:
         raise ValueError(f"a pickle file ({path.suffix}); only .safetensors LoRAs are loaded")
-    if path.suffix != ".safetensors" or not path.is_file():
+    if path.suffix != ".safetensors":
         raise ValueError("not a .safetensors file")
-    return str(path.resolve()), file_sha256(path)
+    path = Path(os.path.abspath(path))  # not resolved: the loader is handed a .safetensors name
+    tensor_shapes(path, "file")  # its bytes: a pickle under this name is refused, never read
+    return str(path), file_sha256(path)
 
 
 def file_sha256(path: Path) -> str:
@@ -146,37 +177,16 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def lora_state_dict(pipeline_class, adapter: Adapter) -> dict:
+def lora_state_dict(pipeline_class, adapter: Adapter, with_metadata: bool = False):
     """The adapter's tensors as diffusers converts them for the family (`transformer.<module>.
-    lora_A/B.weight`), read from its file only."""
+    lora_A/B.weight`), read from its file only; `with_metadata`: (tensors, the peft config the
+    file carries or None). Its name ends in .safetensors (`resolve`) and `use_safetensors` is
+    set: diffusers then reads it with safetensors only, and fails rather than falling back to
+    torch.load (as `AdapterBank` loads it too)."""
     path = Path(adapter.path)
+    assert path.suffix == ".safetensors", path
     return pipeline_class.lora_state_dict(str(path.parent), weight_name=path.name, use_safetensors=True,
-                                          local_files_only=True)  # fmt: skip
-
-
-def check_against(adapter: Adapter, state: dict, transformer, where: str = "--lora") -> None:
-    """Refuse, in one line, a LoRA that does not fit `transformer` (a model on any device, the
-    meta one included): keys of no module of it, or factors of other shapes than its layers'."""
-    modules = dict(transformer.named_modules())
-    targets = 0
-    for key, tensor in state.items():
-        name, _, rest = key.removeprefix("transformer.").rpartition(".lora_")
-        if not rest:
-            raise ConfigError(f"{where} {adapter.source}: {key!r} is not a LoRA key (module.lora_A/B.weight)")
-        module = modules.get(name)
-        if module is None or not hasattr(module, "in_features"):
-            raise ConfigError(f"{where} {adapter.source}: it adapts {name!r}, which the model has no linear layer "
-                              f"of (a LoRA of another model?)")  # fmt: skip
-        factor = rest.split(".")[0]
-        if factor == "A" and tensor.ndim == 2 and tensor.shape[1] != module.in_features:
-            raise ConfigError(f"{where} {adapter.source}: {name} takes {module.in_features} inputs, its lora_A "
-                              f"{tuple(tensor.shape)} (a LoRA of another model size?)")  # fmt: skip
-        if factor == "B" and tensor.ndim == 2 and tensor.shape[0] != module.out_features:
-            raise ConfigError(f"{where} {adapter.source}: {name} gives {module.out_features} outputs, its lora_B "
-                              f"{tuple(tensor.shape)} (a LoRA of another model size?)")  # fmt: skip
-        targets += 1
-    if targets == 0:
-        raise ConfigError(f"{where} {adapter.source}: no LoRA weights for the transformer in it")
+                                          local_files_only=True, return_lora_metadata=with_metadata)  # fmt: skip
 
 
 def adapter_sets(items) -> list[tuple[Adapter, ...]]:
@@ -260,14 +270,14 @@ def check_fit(items, spec, path: Path | None) -> None:
     for adapter in dict.fromkeys(replace(a, scale=1.0) for a in wanted):
         where = "--lora" if adapter.expert == 1 else "--lora-2"
         try:
-            state = lora_state_dict(pipeline_class, adapter)
+            state, metadata = lora_state_dict(pipeline_class, adapter, with_metadata=True)
         except Exception as exc:  # safetensors, diffusers' conversions: many types for a bad file
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             raise ConfigError(
                 f"{where} {adapter.source}: cannot read it as a LoRA ({type(exc).__name__}: {first})"
             ) from None
         model = models["transformer" if adapter.expert == 1 else "transformer_2"]
-        check_against(adapter, state, model, where)
+        check_against(adapter, state, model, where, metadata)
 
 
 def same_weights(components: dict, ctx) -> None:

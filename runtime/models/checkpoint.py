@@ -6,7 +6,9 @@ by name.
 
 Local files only, safetensors only: pickle-based weights (.bin, .pt, .pth, .ckpt, .pkl)
 can execute code when loaded, so a directory that only has those is refused with a
-message saying how to convert it.
+message saying how to convert it, and every weight file is read as safetensors by its
+content before anything loads it (runtime/models/weight_files.py): a pickle named
+`.safetensors` is refused too.
 """
 
 from __future__ import annotations
@@ -15,16 +17,14 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import safe_open
-
 from planner.errors import ConfigError
 from planner.user_files import read_json_file
 from runtime.errors import ModelDirError
 from runtime.models.families import FAMILIES
 from runtime.models.wan import WanVariant
+from runtime.models.weight_files import PICKLE_SUFFIXES, tensor_shapes
 
 LIBRARIES = ("diffusers", "transformers")  # where a model_index.json's classes may come from
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Components that carry weights, and the config file diffusers/transformers expect in each.
 WEIGHTED = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "vae", "image_encoder")
 
@@ -56,7 +56,11 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def _check_weights(folder: Path, name: str) -> list[Path]:
+# The weights' file name each library's from_pretrained loads (a sharded one: its index's).
+WEIGHTS_NAMES = {"diffusers": "diffusion_pytorch_model.safetensors", "transformers": "model.safetensors"}
+
+
+def _check_weights(folder: Path, name: str, library: str) -> list[Path]:
     files = _safetensors_files(folder)
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     for index in indexes:  # sharded checkpoints: every shard the index names must be present
@@ -70,6 +74,12 @@ def _check_weights(folder: Path, name: str) -> list[Path]:
                 + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
                 + f" named in {index.name}"
             )
+    wanted = WEIGHTS_NAMES[library]
+    if files and not ((folder / wanted).is_file() or (folder / f"{wanted}.index.json").is_file()):
+        raise ModelDirError(
+            f"{folder} has {', '.join(f.name for f in files[:3])} but no {wanted} (or its .index.json), the name "
+            f"{library} loads a {name} from; rename the file"
+        )
     if files:
         return files
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -82,18 +92,15 @@ def _check_weights(folder: Path, name: str) -> list[Path]:
 
 
 def count_params(files: list[Path]) -> int:
-    """Parameter count from safetensors headers (no tensor data is read)."""
+    """Parameter count from safetensors headers (no tensor data is read); a file that is not
+    safetensors by its content is a ModelDirError."""
     total = 0
     for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    n = 1
-                    for dim in f.get_slice(key).get_shape():
-                        n *= dim
-                    total += n
-        except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise ModelDirError(f"cannot read safetensors header of {file}: {exc}") from None
+        for shape in tensor_shapes(file, "weight file", ModelDirError).values():
+            n = 1
+            for dim in shape:
+                n *= dim
+            total += n
     return total
 
 
@@ -156,18 +163,19 @@ def inspect_model_dir(path: Path) -> ModelDirInfo:
         if not folder.is_dir():
             raise ModelDirError(f"model directory is incomplete: component folder {folder} is missing")
     configs = {name: _read_json(path / name / "config.json") for name in WEIGHTED if name in components}
-    weights = {name: _check_weights(path / name, name) for name in WEIGHTED if name in components}
+    variant = family.dir_variant(path, index, components, configs)  # what it asks for, before its files
+    weights = {name: _check_weights(path / name, name, components[name][0]) for name in WEIGHTED if name in components}
+    params = {name: count_params(files) for name, files in weights.items()}  # every header read: no pickle inside
     _read_json(path / "scheduler" / "scheduler_config.json")
     for tokenizer in [n for n in ("tokenizer", "tokenizer_2") if n in components]:
         if not any((path / tokenizer).iterdir()):
             raise ModelDirError(f"model directory is incomplete: {path / tokenizer} is empty")
-    variant = family.dir_variant(path, index, components, configs)
     return ModelDirInfo(
         path=path,
         pipeline_class=pipeline_class,
         components=components,
         transformer_config=configs["transformer"],
-        transformer_params=sum(count_params(weights[n]) for n in ("transformer", "transformer_2") if n in weights),
+        transformer_params=params.get("transformer", 0) + params.get("transformer_2", 0),
         variant=variant,
         family=family_name,
     )

@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 
 from planner.errors import ConfigError
+from planner.user_files import read_text, user_path
 from runtime.errors import ModelDirError
 
 # ORG/NAME as the Hub spells them (huggingface_hub's validate_repo_id: no "--" or "..").
@@ -32,21 +33,23 @@ REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model"]
 OFFLINE_ENVS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 CACHE_PREFIX = "models--"
+COMMIT = re.compile(r"[0-9a-f]{40}")  # what huggingface_hub writes in refs/<ref>
 
 
 def is_repo_id(text: str) -> bool:
     return REPO_ID.fullmatch(text) is not None and "--" not in text and ".." not in text
 
 
-def split_revision(model: str, revision: str | None = None) -> tuple[str, str | None]:
-    """'ORG/NAME@REV' -> ('ORG/NAME', 'REV'); anything else as it is, with `revision` (--revision)."""
+def split_revision(model: str, revision: str | None = None, flag: str = "--model") -> tuple[str, str | None]:
+    """'ORG/NAME@REV' -> ('ORG/NAME', 'REV'); anything else as it is, with `revision` (--revision);
+    `flag`: what gave `model`, for the one line that refuses it."""
     if revision is not None and any(c.isspace() or not c.isprintable() for c in revision):
         raise ConfigError(f"--revision {revision!r}: a revision has no spaces or control characters")
     name, at, rev = model.partition("@")
     if not (at and rev and is_repo_id(name)):
         return model, revision
     if any(c.isspace() or not c.isprintable() for c in rev):
-        raise ConfigError(f"--model {model!r}: a revision has no spaces or control characters")
+        raise ConfigError(f"{flag} {model!r}: a revision has no spaces or control characters")
     if revision and revision != rev:
         raise ConfigError(f"--model {model} and --revision {revision} name two revisions: give one")
     return name, rev
@@ -60,7 +63,7 @@ def hub_cache() -> Path:
     if not cache:
         home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
         cache = os.path.join(home, "hub")
-    return Path(os.path.expandvars(cache)).expanduser().absolute()
+    return user_path(os.path.expandvars(cache), "the Hugging Face cache").absolute()
 
 
 def offline() -> bool:
@@ -68,22 +71,30 @@ def offline() -> bool:
     return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE") for name in OFFLINE_ENVS)
 
 
+# What a loading rank sets in the environment: the Hub off, and with it transformers' Hub
+# kernels (from 5.x on by default): they would fetch code to run from the Hub and replace the
+# model's layers with it, and they refuse the meta device that sharded loads start on.
+OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "USE_HUB_KERNELS": "NO"}
+
+
 @contextlib.contextmanager
 def hub_offline():
-    """The Hub off for a block: a rank loads a local snapshot and never downloads. The
-    environment (libraries imported inside, subprocesses) and huggingface_hub's own flag, which
-    it read at import and checks before every request."""
+    """The Hub off for a block: a rank loads a local snapshot and never downloads, nor runs a
+    kernel from the Hub. The environment (libraries imported inside, subprocesses) and
+    huggingface_hub's own flag, which it read at import and checks before every request."""
     from huggingface_hub import constants
 
-    before = os.environ.get("HF_HUB_OFFLINE"), constants.HF_HUB_OFFLINE
-    os.environ["HF_HUB_OFFLINE"], constants.HF_HUB_OFFLINE = "1", True
+    before = {name: os.environ.get(name) for name in OFFLINE_ENVIRONMENT}, constants.HF_HUB_OFFLINE
+    os.environ.update(OFFLINE_ENVIRONMENT)
+    constants.HF_HUB_OFFLINE = True
     try:
         yield
     finally:
-        if before[0] is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = before[0]
+        for name, value in before[0].items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         constants.HF_HUB_OFFLINE = before[1]
 
 
@@ -98,8 +109,18 @@ def _commit(repo: Path, revision: str | None) -> str:
     newline), a unique prefix of a snapshot's commit, or the revision as given. No revision and
     no refs/main (a copied snapshots/ folder): its only snapshot."""
     ref = repo / "refs" / (revision or "main")
-    if ref.is_file():
-        return ref.read_text(encoding="utf-8").strip()
+    if os.path.lexists(ref):  # read bounded, a regular file only, as UTF-8 (planner/user_files.py)
+        try:
+            commit = read_text(ref, "Hugging Face cache ref", 2**12).strip()
+        except FileNotFoundError:
+            raise ConfigError(
+                f"Hugging Face cache ref {ref} is a symbolic link to nothing; fetch the repo again"
+            ) from None
+        if not COMMIT.fullmatch(commit):  # else a snapshot path of its own making: snapshots/../..
+            raise ConfigError(  # not a ModelDirError: a damaged cache is said, not skipped for the next place
+                f"Hugging Face cache ref {ref} holds no commit hash ({commit[:50]!r}); fetch the repo again"
+            )
+        return commit
     snapshots = sorted(p.name for p in (repo / "snapshots").glob("*") if p.is_dir())
     if revision is None:
         return snapshots[0] if len(snapshots) == 1 else "main"
@@ -213,8 +234,8 @@ def model_root(cli_root: str | Path | None) -> Path | None:
     root = cli_root or os.environ.get(MODEL_ROOT_ENV) or None
     if not root:
         return None
-    path = Path(root).expanduser()
+    where = "--model-root" if cli_root else MODEL_ROOT_ENV
+    path = user_path(root, where)
     if not path.is_dir():
-        where = "--model-root" if cli_root else MODEL_ROOT_ENV
         raise ConfigError(f"{where} {root}: not a folder (the folder of named checkpoints)")
     return path

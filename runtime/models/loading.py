@@ -14,7 +14,7 @@ from planner.user_files import read_json_file
 from runtime.errors import ModelDirError
 from runtime.models.checkpoint import LIBRARIES, WEIGHTED
 from runtime.models.hub import hub_offline
-from runtime.models.registry import ResolvedModel
+from runtime.models.resolve import ResolvedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The oldest torch the runtime works with (pyproject.toml says the same): FSDP2's

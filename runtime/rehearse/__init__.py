@@ -36,7 +36,8 @@ from planner.decode_memory import decode_bytes
 from planner.layout import virtual_node_map
 from planner.memory import GIB, estimate_memory
 from planner.plan import StepPlan
-from runtime.config import RunConfig, item_memory_options
+from runtime.config import RunConfig
+from runtime.memory_plan import item_memory_options
 from runtime.rehearse.fake_gpu import (
     CONSTANT_LIMIT,
     fake_cuda,
