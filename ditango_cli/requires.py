@@ -155,7 +155,8 @@ GENERATE_RULES = (
     ),
     Rule(
         SLURM_JOB,
-        "to a Slurm submission (--executor slurm, or auto where sbatch is on PATH)",
+        "to a Slurm submission (--executor slurm, or auto where sbatch is on PATH; inside an allocation, "
+        "SLURM_JOB_ID set, the ranks are srun steps under the allocation's own settings)",
         lambda s: s.where == "sbatch",
     ),
 )

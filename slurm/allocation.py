@@ -25,6 +25,7 @@ from planner.user_files import digits
 from runtime.config import RunConfig
 from slurm.aggregate import aggregate
 from slurm.heartbeat import BeatWatch, kill_step, stopped_failure
+from slurm.job_errors import srun_task_ends
 from slurm.jobs import run_slurm
 from slurm.options import SlurmOptions
 from slurm.rank import exit_soon, is_peer_failure, rendezvous_port
@@ -89,7 +90,7 @@ def run_steps(
                     f"srun could not start the step in {cfg.setup_timeout_s:g} s (--setup-timeout): "
                     f"{said or 'the allocation has no free resources for it'}"
                 )
-            found = None if stopped else watch.stale(cfg.timeout_s)
+            found = None if stopped or _ending(srun_log) else watch.stale(cfg.timeout_s)
             if found is not None:  # a rank stopped (SIGSTOP): its peers may wait on it for the setup timeout
                 rank, seconds, step = found
                 stopped = stopped_failure(rank, seconds, folder / f"task-{task}-rank-{rank}.log")
@@ -151,6 +152,15 @@ def srun_command(cfg: RunConfig, folder: Path, task: int, call: Path) -> list[st
         "--kill-on-bad-exit=1", f"--output={folder}/task-{task}-rank-%t.log",
         sys.executable, "-m", "slurm.allocation", str(call),
     ]  # fmt: skip
+
+
+def _ending(srun_log: Path) -> bool:
+    """Whether srun reported a task's end: it is ending the step, and a rank it killed after a
+    peer failed beats no more without being the cause."""
+    try:
+        return bool(srun_task_ends(srun_log.read_text(encoding="utf-8", errors="replace")))
+    except OSError:
+        return False
 
 
 def allocation_gpus_per_node() -> int | None:

@@ -39,12 +39,14 @@ def logged_exception(task) -> str | None:
             text = f.read().decode("utf-8", errors="replace")
     except (OSError, ConfigError):
         return None
-    text = text.rpartition(ATTEMPT_MARK)[2]
+    text = _RANK_PREFIX.sub("", text.rpartition(ATTEMPT_MARK)[2])
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return text if any(ln.split(":")[0].endswith(EXCEPTION_ENDS) for ln in lines) else None
 
 
 EXCEPTION_ENDS = ("Error", "Exception", "Interrupt")  # how the class of a raised exception line ends
+# torch.distributed's prefix on each line a rank's uncaught exception prints ("[rank1]: ...")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?", re.MULTILINE)
 
 
 def job_failure(job: submitit.Job, read_results: bool = True) -> tuple[str | None, int | None]:
@@ -59,11 +61,7 @@ def job_failure(job: submitit.Job, read_results: bool = True) -> tuple[str | Non
     exception, with the rank unknown (None). `read_results` False: each task's exception is
     read from its log (`logged_exception`), never from its result file, which submitit would
     unpickle: `ditango status` reads a folder others may write to."""
-    try:
-        log = job.paths.stderr.read_text(encoding="utf-8", errors="replace")
-        ends = srun_task_ends(log.rpartition(ATTEMPT_MARK)[2])  # this attempt's, not a requeued one's
-    except OSError:
-        ends = []
+    ends = attempt_task_ends(job)
     reported = {t: i for i, (tasks, _) in enumerate(ends) for t in tasks}  # a task's last report wins
     how_ended = {t: how for tasks, how in ends for t in tasks}
     first_tasks, first_how = ends[0] if ends else ((), "")
@@ -100,6 +98,16 @@ def job_failure(job: submitit.Job, read_results: bool = True) -> tuple[str | Non
         _, rank, line = min(causes)
         return line, rank
     return ((secondary or other)[0], None) if secondary or other else (None, None)
+
+
+def attempt_task_ends(job: submitit.Job) -> list[tuple[tuple[int, ...], str]]:
+    """srun's reports of the tasks that ended in the job's current attempt (in task 0's stderr,
+    after the last ATTEMPT_MARK: not a requeued attempt's), in the order they came."""
+    try:
+        log = job.paths.stderr.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    return srun_task_ends(log.rpartition(ATTEMPT_MARK)[2])
 
 
 # "runtime.errors.ConfigError: ..." -> "ConfigError: ...": the class says enough.

@@ -36,7 +36,7 @@ from runtime.progress import LogObserver
 from slurm.aggregate import aggregate
 from slurm.entry import run_rank
 from slurm.heartbeat import BeatWatch, Heartbeat, kill_step, stopped_failure
-from slurm.job_errors import ATTEMPT_MARK, job_failure
+from slurm.job_errors import ATTEMPT_MARK, attempt_task_ends, job_failure
 from slurm.jobs import (
     check_job_id,
     discard_folder,
@@ -269,7 +269,14 @@ def wait(
                 watch.reset()
                 continue
             found = watch.stale(stale_s)
-            if found is not None and not job.done(force_check=True) and job.state == "RUNNING":  # not stale news
+            # Not stale news: the job still runs, and srun has not begun to end its step (a rank
+            # killed by srun after a peer failed beats no more; the peer's error is the cause).
+            if (
+                found is not None
+                and not attempt_task_ends(job)
+                and not job.done(force_check=True)
+                and job.state == "RUNNING"
+            ):
                 rank, seconds, step = found
                 log = (job.task(rank) if job.num_tasks > 1 else job).paths.stderr
                 stopped[job.job_id] = stopped_failure(rank, seconds, log)

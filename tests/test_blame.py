@@ -361,15 +361,16 @@ def test_a_slurm_writer_stopped_while_writing_is_named_and_retried(runner, tmp_p
     from ditango_cli.app import app
     from slurm.heartbeat import MIN_STALE_S
     from tests.conftest import cluster_up
-    from tests.test_slurm import SMALL as SLURM_SMALL
+    from tests.test_slurm import SMALL, STEPS
 
     assert cluster_up(), "Slurm is not running: .ci/run must start scripts/local-slurm.sh"
     out, fired = tmp_path / "out", tmp_path / "fired"
     monkeypatch.setenv("DITANGO_FAULT_INJECT", "0:write")  # sbatch and srun export the environment
     monkeypatch.setenv("DITANGO_FAULT_KIND", "stop")
     monkeypatch.setenv("DITANGO_FAULT_ONCE", str(fired))
+    launch = SMALL if launcher == "sbatch" else STEPS  # an allocation's steps take no job options
     args = ["generate", "--prompt", "a red ball", "--out", str(out), "--nodes", "2", "--gpus", "1",
-            "--timeout", str(STEP_TIMEOUT_S), "--setup-timeout", "600", *SLURM_SMALL]  # fmt: skip
+            "--timeout", str(STEP_TIMEOUT_S), "--setup-timeout", "600", *launch]  # fmt: skip
     args = [a for a in args if a != "--quiet"]  # the retry line is progress output
     if launcher == "sbatch":
         result = runner.invoke(app, args)

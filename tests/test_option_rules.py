@@ -57,6 +57,18 @@ def test_an_option_typed_where_it_means_nothing_is_refused(runner, tmp_path, arg
         assert not out.exists()
 
 
+def test_job_options_inside_an_allocation_are_refused_and_say_why(runner, tmp_path, monkeypatch):
+    """In an allocation the ranks are srun steps of it: a partition or a time limit would change
+    nothing, even with --executor slurm (which submits only outside one)."""
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    for command in ("check", "generate"):
+        out = tmp_path / command
+        args = [command, "--prompt", "a", "--device", "cpu", "--gpus", "2", "--executor", "slurm", "--out", str(out)]
+        refused(runner.invoke(app, [*args, "--partition", "gpu"]), "inside an allocation, SLURM_JOB_ID set")
+        assert not out.exists()
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -18,7 +18,9 @@ from ditango_cli.app import app
 from tests.conftest import FAST_ARGV, cluster_up
 
 pytestmark = pytest.mark.slurm
-SMALL = [*FAST_ARGV, "--partition", "debug", "--executor", "slurm"]
+# What srun steps in an allocation take; a submission takes Slurm's job options besides.
+STEPS = [*FAST_ARGV, "--executor", "slurm"]
+SMALL = [*STEPS, "--partition", "debug"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,8 +30,8 @@ def _require_cluster():
 
 def test_two_nodes_two_tasks_match_the_local_run(runner, tmp_path):
     base = ["generate", "--prompt", "a green circle moving up", "--save-latents", "--gpus", "2", "--nodes", "2",
-            "--parallel", "ring", *SMALL]  # fmt: skip
-    result = runner.invoke(app, [*base, "--out", str(tmp_path / "slurm")])
+            "--parallel", "ring", *STEPS]  # fmt: skip
+    result = runner.invoke(app, [*base, "--partition", "debug", "--out", str(tmp_path / "slurm")])
     assert result.exit_code == 0, result.stderr
     local = [a if a != "slurm" else "local" for a in base]
     assert runner.invoke(app, [*local, "--out", str(tmp_path / "local")]).exit_code == 0

@@ -365,8 +365,9 @@ def test_status_reads_a_failed_jobs_error_from_its_logs_never_its_result_pickles
     logs.mkdir(parents=True)
     for task in range(3):
         (logs / f"123_{task}_result.pkl").write_bytes(pickle.dumps(("error", Trap(marker))))
+    # as torch.distributed prints a rank's uncaught exception: each line prefixed with its rank
     (logs / "123_0_log.err").write_text(
-        "Traceback (most recent call last):\nslurm.faults.RuntimeError: boom on rank 0\n"
+        "[rank0]: Traceback (most recent call last):\n[rank0]: slurm.faults.RuntimeError: boom on rank 0\n"
     )
     (logs / "123_1_log.err").write_text("nothing went wrong here\n")
     monkeypatch.setattr("slurm.job_errors.slurm_states", lambda ids: dict.fromkeys(ids, "FAILED"))
