@@ -1,8 +1,8 @@
 """Run N ranks as local processes and supervise them.
 
-Each rank is a spawned process that joins a process group (file rendezvous in a private
-temp dir; gloo on CPU, NCCL on CUDA with rank g on GPU g; see slurm/rank.py), with the
-group timeout applied to every collective. Rank 0 may send progress events to the
+Each rank is a spawned process, in a process session of its own as torchrun's workers are,
+that joins a process group (file rendezvous in a private temp dir; gloo on CPU, NCCL on CUDA
+with rank g on GPU g; see slurm/rank.py), with the group timeout applied to every collective. Rank 0 may send progress events to the
 supervisor; other ranks' stdout and stderr go to per-rank log files.
 
 The first rank to fail ends the run, and it is the one blamed, not a peer that only saw it
@@ -157,7 +157,27 @@ def _heartbeat(beats, rank: int) -> None:
         time.sleep(HEARTBEAT_S)
 
 
+def _own_session() -> None:
+    """This rank in a process session of its own, as torchrun starts its workers: where the
+    kernel groups CPU time by session (autogroup), each rank then gets its own share instead of
+    all of them splitting the launching shell's one. Ctrl-C reaches the supervisor only, which
+    stops the ranks; its death stops them too (`_die_with_parent`)."""
+    with contextlib.suppress(OSError):  # already a session leader
+        os.setsid()
+
+
+def rank_threads(world_size: int, environ=os.environ) -> int:
+    """Compute threads per local rank: OMP_NUM_THREADS where set (as torchrun honours it), else
+    this process's usable cores (its affinity: a Slurm step's or taskset's, not the machine's)
+    shared among the ranks."""
+    given = environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, len(os.sched_getaffinity(0)) // world_size)
+
+
 def _bootstrap(rank, world, replicas, rdzv, device, timeout_s, threads, log_dir, q, beats, target, args):
+    _own_session()
     _die_with_parent()
     threading.Thread(target=_heartbeat, args=(beats, rank), name="heartbeat", daemon=True).start()
     # Progress bars (model loading) take a thread lock: tqdm's default one is a multiprocessing
@@ -220,7 +240,7 @@ def run_ranks(
     named once another sign of failure came)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    threads = rank_threads(world_size)
     if replicas < 1 or world_size % replicas:
         raise ValueError(f"{replicas} replicas do not divide {world_size} ranks")
     # Each rank's last heartbeat (time.monotonic()), in shared memory the ranks write; 0 until

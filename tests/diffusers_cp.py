@@ -7,7 +7,7 @@ returns rank 0's final latents. Nothing of ours runs inside the workers except t
 model builder, so agreement with it is evidence from outside our code.
 
 diffusers 0.42.1 targets accelerators; two CPU-only patches make it run here, both applied
-inside the worker processes only (see `_patch_diffusers_for_cpu`):
+inside the worker processes only (see `patch_diffusers_for_cpu`):
 
 1. `torch.accelerator.device_count` -> 1. `ModelMixin._resolve_parallel_config` computes
    `rank % torch.accelerator.device_count()`, which is 0 on a CPU-only build:
@@ -45,7 +45,7 @@ from tiny_wan import TinyWanConfig
 DEFAULT_MODEL_CONFIG = TinyWanConfig(seed=11, heads=2, head_dim=12, layers=3, ffn_dim=40, text_dim=24, text_heads=2)
 
 
-def _patch_diffusers_for_cpu(ring_degree: int) -> None:
+def patch_diffusers_for_cpu(ring_degree: int) -> None:
     """The CPU-only patches described in the module docstring. Worker processes only."""
     from diffusers.models import attention_dispatch
 
@@ -109,7 +109,7 @@ def _worker(
 
     try:
         torch.set_num_threads(1)
-        _patch_diffusers_for_cpu(ring_degree)
+        patch_diffusers_for_cpu(ring_degree)
         dist.init_process_group(
             "gloo",
             init_method=f"file://{workdir}/rendezvous",

@@ -207,8 +207,8 @@ def test_a_heartbeat_whose_process_is_gone_reads_stopped():
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_ctrl_c_says_what_is_kept_and_how_to_resume(tmp_path, ranks):
-    """Ctrl-C reaches the whole foreground group (the local ranks too): one line, exit 130, and
-    no warning of leaked semaphores from the ranks that it ended."""
+    """Ctrl-C reaches the foreground group: the launcher, which stops its local ranks (each in a
+    session of its own); one line, exit 130, and no warning of leaked semaphores from them."""
     out = tmp_path / "out"
     cmd = [str(Path(sys.executable).parent / "ditango"), "generate", "--prompt", "a cat", "--out", str(out),
            "--steps", "400", "--height", "32", "--width", "64", "--frames", "5", "--device", "cpu",
