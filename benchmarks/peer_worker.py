@@ -30,6 +30,40 @@ from runtime.models.resolve import resolve_model  # noqa: E402
 from tests.diffusers_cp import patch_diffusers_for_cpu  # noqa: E402
 
 
+def wan_pipeline(model: str, parallel=None):
+    """(WanPipeline on `model`'s components on CPU, its text length); with `parallel` (a
+    diffusers ContextParallelConfig), diffusers' context parallelism installed on it."""
+    import diffusers.utils.logging
+    from diffusers import WanPipeline
+
+    diffusers.utils.logging.disable_progress_bar()
+    resolved = resolve_model(model)
+    components = load_components(resolved, resolve_placement("cpu"))
+    if parallel is not None:
+        components["transformer"].enable_parallelism(config=parallel)
+    pipe = WanPipeline(**components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, resolved.spec.defaults.max_text_len
+
+
+def generate_latents(pipe, text_len: int, args, on_step=None) -> torch.Tensor:
+    """The final latents of `pipe` on the work `args` names (prompt, seed, steps, guidance, size);
+    `on_step(pipe, step, timestep, kwargs)` at the end of each step."""
+    return pipe(
+        prompt=args.prompt,
+        negative_prompt="",
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        height=args.height,
+        width=args.width,
+        num_frames=args.frames,
+        output_type="latent",
+        generator=torch.Generator("cpu").manual_seed(args.seed),
+        callback_on_step_end=on_step,
+        max_sequence_length=text_len,
+    ).frames
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ring", type=int, default=1)
@@ -44,23 +78,15 @@ def main() -> None:
     ap.add_argument("--width", type=int, required=True)
     ap.add_argument("--frames", type=int, required=True)
     args = ap.parse_args()
-    import diffusers.utils.logging
-    from diffusers import ContextParallelConfig, WanPipeline
+    from diffusers import ContextParallelConfig
 
-    diffusers.utils.logging.disable_progress_bar()
     rank = int(os.environ["RANK"])
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
     patch_diffusers_for_cpu(args.ring)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    resolved = resolve_model(args.model)
-    components = load_components(resolved, resolve_placement("cpu"))
-    components["transformer"].enable_parallelism(
-        config=ContextParallelConfig(ring_degree=args.ring, ulysses_degree=args.ulysses)
-    )
-    pipe = WanPipeline(**components)
-    pipe.set_progress_bar_config(disable=True)
+    pipe, text_len = wan_pipeline(args.model, ContextParallelConfig(ring_degree=args.ring, ulysses_degree=args.ulysses))
     ends: list[float] = []
 
     def step_end(pipe, step, timestep, kwargs):
@@ -68,19 +94,7 @@ def main() -> None:
         return kwargs
 
     start = time.perf_counter()
-    latents = pipe(
-        prompt=args.prompt,
-        negative_prompt="",
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance,
-        height=args.height,
-        width=args.width,
-        num_frames=args.frames,
-        output_type="latent",
-        generator=torch.Generator("cpu").manual_seed(args.seed),
-        callback_on_step_end=step_end,
-        max_sequence_length=resolved.spec.defaults.max_text_len,
-    ).frames
+    latents = generate_latents(pipe, text_len, args, step_end)
     if rank == 0:  # the first step's time includes the text encoding: the table uses steps 2..
         args.out.mkdir(parents=True, exist_ok=True)
         save_file({"latents": latents.contiguous()}, str(args.out / "latents.safetensors"))

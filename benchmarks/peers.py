@@ -34,49 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-PROMPT = "a red circle moving left on a black background"
 HERE = Path(__file__).resolve().parent
 
 
 def reference_latents(args) -> torch.Tensor:
     """1-process WanPipeline on the same inputs as every run."""
-    import diffusers.utils.logging
-    from diffusers import WanPipeline
+    from peer_worker import generate_latents, wan_pipeline
 
-    from runtime.models.loading import load_components, resolve_placement
-    from runtime.models.resolve import resolve_model
+    return generate_latents(*wan_pipeline("tiny-wan"), args)
 
-    diffusers.utils.logging.disable_progress_bar()
-    resolved = resolve_model("tiny-wan")
-    pipe = WanPipeline(**load_components(resolved, resolve_placement("cpu")))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe(
-        prompt=PROMPT,
-        negative_prompt="",
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance,
-        height=args.height,
-        width=args.width,
-        num_frames=args.frames,
-        output_type="latent",
-        generator=torch.Generator("cpu").manual_seed(0),
-        max_sequence_length=resolved.spec.defaults.max_text_len,
-    ).frames
+
+WORK = ("prompt", "seed", "steps", "guidance", "height", "width", "frames")  # the options every run takes
 
 
 def work(args) -> list[str]:
-    return [
-        "--steps",
-        str(args.steps),
-        "--guidance",
-        str(args.guidance),
-        "--height",
-        str(args.height),
-        "--width",
-        str(args.width),
-        "--frames",
-        str(args.frames),
-    ]
+    return [part for name in WORK for part in (f"--{name}", str(getattr(args, name)))]
 
 
 def torchrun(args) -> list[str]:
@@ -84,50 +56,19 @@ def torchrun(args) -> list[str]:
 
 
 def ditango_args(args, strategy: str, out: Path) -> list[str]:
-    return [
-        "generate",
-        "--prompt",
-        PROMPT,
-        *work(args),
-        "--device",
-        "cpu",
-        "--parallel",
-        strategy,
-        "--no-vae-parallel",
-        "--save-latents",
-        "--overwrite",
-        "--quiet",
-        "--out",
-        str(out),
-    ]
+    fixed = "--device cpu --no-vae-parallel --save-latents --overwrite --quiet".split()
+    return ["generate", *work(args), *fixed, "--parallel", strategy, "--out", str(out)]
 
 
 def command(args, peer: str, strategy: str, out: Path) -> list[str]:
     """The command line of one run, writing under `out`."""
     if peer == "diffusers":
-        degrees = ["--ring", str(args.ranks)] if strategy == "ring" else ["--ulysses", str(args.ranks)]
-        return [
-            *torchrun(args),
-            str(HERE / "peer_worker.py"),
-            *degrees,
-            "--out",
-            str(out),
-            "--prompt",
-            PROMPT,
-            *work(args),
-        ]
+        degrees = ["--ring" if strategy == "ring" else "--ulysses", str(args.ranks)]
+        return [*torchrun(args), str(HERE / "peer_worker.py"), *degrees, "--out", str(out), *work(args)]
+    ditango = [*ditango_args(args, strategy, out), "--executor"]
     if peer == "ditango torchrun":
-        return [*torchrun(args), "-m", "ditango_cli.app", *ditango_args(args, strategy, out), "--executor", "env"]
-    return [
-        sys.executable,
-        "-m",
-        "ditango_cli.app",
-        *ditango_args(args, strategy, out),
-        "--executor",
-        "local",
-        "--gpus",
-        str(args.ranks),
-    ]
+        return [*torchrun(args), "-m", "ditango_cli.app", *ditango, "env"]
+    return [sys.executable, "-m", "ditango_cli.app", *ditango, "local", "--gpus", str(args.ranks)]
 
 
 def result(peer: str, out: Path) -> tuple[list[float], torch.Tensor]:
@@ -140,6 +81,8 @@ def result(peer: str, out: Path) -> tuple[list[float], torch.Tensor]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", default="a red circle moving left on a black background")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
