@@ -2,8 +2,9 @@
 
 Each rank is a spawned process, in a process session of its own as torchrun's workers are,
 that joins a process group (file rendezvous in a private temp dir; gloo on CPU, NCCL on CUDA
-with rank g on GPU g; see slurm/rank.py), with the group timeout applied to every collective. Rank 0 may send progress events to the
-supervisor; other ranks' stdout and stderr go to per-rank log files.
+with rank g on GPU g; see slurm/rank.py), with the group timeout applied to every
+collective. Rank 0 may send progress events to the supervisor; other ranks' stdout and
+stderr go to per-rank log files.
 
 The first rank to fail ends the run, and it is the one blamed, not a peer that only saw it
 go. A failure is a rank's own error (sent before the rank exits at once) or a process that
@@ -42,6 +43,7 @@ from tqdm import tqdm
 
 from slurm.heartbeat import stopped_message
 from slurm.rank import apply_environment, is_peer_failure, join, select_device
+from slurm.rank_process import die_with_parent, own_session, rank_threads, redirect_output
 
 POLL_S = 0.1
 GRACE_S = 5.0
@@ -107,47 +109,6 @@ class EventSink:
             self._q.put(("event", self.rank, kind, payload))
 
 
-def _redirect_output(log: Path) -> None:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout, sys.stderr = _LenientLog(sys.stdout), _LenientLog(sys.stderr)
-
-
-class _LenientLog:
-    """A rank's stdout or stderr (its log file) that drops what it cannot write: on a full disk a
-    progress bar or a warning must not fail the rank (and read as a model that does not load);
-    the outputs' own writes report the disk (runtime/video.py)."""
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except OSError:
-            return len(text)
-
-    def flush(self) -> None:
-        with contextlib.suppress(OSError):
-            self._stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this rank if the supervisor dies (no orphans holding GPUs or ports)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _heartbeat(beats, rank: int) -> None:
     """Write this rank's time into `beats` every HEARTBEAT_S, from a thread of its own: it goes
     on while the main thread computes or waits in a collective, and stops only when the whole
@@ -157,28 +118,9 @@ def _heartbeat(beats, rank: int) -> None:
         time.sleep(HEARTBEAT_S)
 
 
-def _own_session() -> None:
-    """This rank in a process session of its own, as torchrun starts its workers: where the
-    kernel groups CPU time by session (autogroup), each rank then gets its own share instead of
-    all of them splitting the launching shell's one. Ctrl-C reaches the supervisor only, which
-    stops the ranks; its death stops them too (`_die_with_parent`)."""
-    with contextlib.suppress(OSError):  # already a session leader
-        os.setsid()
-
-
-def rank_threads(world_size: int, environ=os.environ) -> int:
-    """Compute threads per local rank: OMP_NUM_THREADS where set (as torchrun honours it), else
-    this process's usable cores (its affinity: a Slurm step's or taskset's, not the machine's)
-    shared among the ranks."""
-    given = environ.get("OMP_NUM_THREADS", "").strip()
-    if given.isdigit() and int(given) > 0:
-        return int(given)
-    return max(1, len(os.sched_getaffinity(0)) // world_size)
-
-
 def _bootstrap(rank, world, replicas, rdzv, device, timeout_s, threads, log_dir, q, beats, target, args):
-    _own_session()
-    _die_with_parent()
+    own_session()
+    die_with_parent()
     threading.Thread(target=_heartbeat, args=(beats, rank), name="heartbeat", daemon=True).start()
     # Progress bars (model loading) take a thread lock: tqdm's default one is a multiprocessing
     # semaphore, which a rank that exits at once on a failure leaves behind, and the resource
@@ -186,7 +128,7 @@ def _bootstrap(rank, world, replicas, rdzv, device, timeout_s, threads, log_dir,
     tqdm.set_lock(threading.RLock())
     try:
         if log_dir is not None:
-            _redirect_output(Path(log_dir) / f"rank-{rank}.log")
+            redirect_output(Path(log_dir) / f"rank-{rank}.log")
             apply_environment(Path(log_dir).parent)
         torch.set_num_threads(threads)
         # The GPU of the GLOBAL rank (all ranks are on this machine): replica r's ranks get

@@ -239,8 +239,8 @@ def test_local_rank_bootstrap_binds_the_global_rank_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(dist, "is_initialized", lambda: "args" in calls)
     monkeypatch.setattr(dist, "get_backend", lambda *a: calls["args"][0])
     monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.update(destroyed=True))
-    monkeypatch.setattr(local, "_die_with_parent", lambda: None)
-    monkeypatch.setattr(local, "_redirect_output", lambda log: None)
+    monkeypatch.setattr(local, "die_with_parent", lambda: None)
+    monkeypatch.setattr(local, "redirect_output", lambda log: None)
     seen = {}
 
     def target(rank, size, events, *args):

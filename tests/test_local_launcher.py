@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from slurm.local import rank_threads, run_ranks
+from slurm.local import run_ranks
+from slurm.rank_process import rank_threads
 
 
 def _where_am_i(rank, world, events):
@@ -33,6 +34,7 @@ def test_threads_per_rank_follow_omp_num_threads_else_the_usable_cores(monkeypat
     assert rank_threads(2, {"OMP_NUM_THREADS": "3"}) == 3
     assert rank_threads(2, {}) == max(1, usable // 2)
     assert rank_threads(4 * usable, {"OMP_NUM_THREADS": ""}) == 1
-    assert rank_threads(1, {"OMP_NUM_THREADS": "zero"}) == usable  # not a count: the cores decide
+    for wrong in ("zero", "0", "\u00b2", "-2"):  # not a count: the cores decide
+        assert rank_threads(1, {"OMP_NUM_THREADS": wrong}) == usable
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})  # a Slurm step's cpuset
     assert rank_threads(2, {}) == 3
