@@ -81,9 +81,6 @@ def main() -> None:
     from diffusers import ContextParallelConfig
 
     rank = int(os.environ["RANK"])
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
     patch_diffusers_for_cpu(args.ring)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     pipe, text_len = wan_pipeline(args.model, ContextParallelConfig(ring_degree=args.ring, ulysses_degree=args.ulysses))

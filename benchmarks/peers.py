@@ -97,6 +97,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 2:
         ap.error("--steps must be at least 2 (the first step is not timed)")
+    if not set(args.strategies.split(",")) <= {"ring", "ulysses"}:
+        ap.error("--strategies: ring and/or ulysses (diffusers' degrees are set for these two)")
     root = args.out or Path(tempfile.mkdtemp(prefix="ditango-peers-"))
     cores = len(os.sched_getaffinity(0))
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // args.ranks))}
