@@ -62,10 +62,10 @@ ROWS: list[tuple[str, str, list[str]]] = [
     ("ring", "exact", RING),
     ("ulysses", "exact", ["--parallel", "ulysses"]),
     ("tp", "exact", ["--parallel", "tp"]),
-    ("ditango hpdc 0.4", "ditango", ["--parallel", "ditango", "--cache-ratio", "0.4"]),
-    ("ditango hpdc 0.8", "ditango", ["--parallel", "ditango", "--cache-ratio", "0.8"]),
-    ("ditango budget 0.7", "ditango", ["--parallel", "ditango", "--planner", "budget", "--cache-ratio", "0.7"]),
-    ("ditango budget 0.8", "ditango", ["--parallel", "ditango", "--planner", "budget", "--cache-ratio", "0.8"]),
+    ("ditango hpdc 0.4", "ditango", ["--parallel", "ditango", "--reuse", "always", "--cache-ratio", "0.4"]),
+    ("ditango hpdc 0.8", "ditango", ["--parallel", "ditango", "--reuse", "always", "--cache-ratio", "0.8"]),
+    ("ditango budget 0.7", "ditango", ["--parallel", "ditango", "--reuse", "always", "--planner", "budget", "--cache-ratio", "0.7"]),
+    ("ditango budget 0.8", "ditango", ["--parallel", "ditango", "--reuse", "always", "--planner", "budget", "--cache-ratio", "0.8"]),
     ("first-block 0.05", "step cache", [*RING, "--step-cache", "first-block:threshold=0.05"]),
     ("first-block 0.1", "step cache", [*RING, "--step-cache", "first-block:threshold=0.1"]),
     ("pab 2", "step cache", [*RING, "--step-cache", "pab:spatial_attention_block_skip_range=2"]),
@@ -75,7 +75,7 @@ ROWS: list[tuple[str, str, list[str]]] = [
     ("magcache 0.06", "step cache", [*RING, "--step-cache", "magcache:threshold=0.06"]),
     ("magcache 0.12", "step cache", [*RING, "--step-cache", "magcache:threshold=0.12"]),
     ("ditango hpdc 0.4 + first-block 0.05", "ditango + step cache",
-     ["--parallel", "ditango", "--cache-ratio", "0.4", "--step-cache", "first-block:threshold=0.05"]),
+     ["--parallel", "ditango", "--reuse", "always", "--cache-ratio", "0.4", "--step-cache", "first-block:threshold=0.05"]),
 ]  # fmt: skip
 
 

@@ -30,7 +30,7 @@ RATIOS = {"hpdc": (0.2, 0.4, 0.6, 0.8), "budget": (0.2, 0.4, 0.6, 0.8, 0.9)}
 STEPS = 50
 COMMAND = (
     'ditango generate --model tiny-wan --prompt "a red circle moving left on a black background" '
-    f"--steps {STEPS} --device cpu --executor local --gpus-per-node 1 --nodes 4 --parallel ditango "
+    f"--steps {STEPS} --device cpu --executor local --gpus-per-node 1 --nodes 4 --parallel ditango --reuse always "
     "--group-size 1 --planner {planner} --cache-ratio {ratio} --quiet --overwrite --out DIR"
 )
 
@@ -40,7 +40,7 @@ def record(exe: Path, out: Path, planner: str, ratio: float) -> dict:
     cmd = [
         str(exe), "generate", "--model", "tiny-wan", "--prompt", "a red circle moving left on a black background",
         "--steps", str(STEPS), "--device", "cpu", "--executor", "local", "--gpus-per-node", "1", "--nodes", "4",
-        "--parallel", "ditango", "--group-size", "1", "--planner", planner, "--cache-ratio", str(ratio),
+        "--parallel", "ditango", "--group-size", "1", "--reuse", "always", "--planner", planner, "--cache-ratio", str(ratio),
         "--quiet", "--overwrite", "--out", str(out),
     ]  # fmt: skip
     subprocess.run(cmd, check=True)

@@ -33,8 +33,8 @@ from tiny_wan.judge import judge  # noqa: E402
 FOUR = "--gpus-per-node 2 --nodes 2 --executor local"
 DEFAULT_RUNS = (
     f"ring-4={FOUR} --parallel ring",
-    f"ditango-0.4={FOUR} --parallel ditango --cache-ratio 0.4",
-    f"ditango-0.8={FOUR} --parallel ditango --cache-ratio 0.8",
+    f"ditango-0.4={FOUR} --parallel ditango --reuse always --cache-ratio 0.4",
+    f"ditango-0.8={FOUR} --parallel ditango --reuse always --cache-ratio 0.8",
     "hybrid-k5=--gpus-per-node 2 --executor local --cfg-parallel --hybrid --hybrid-k 5",
 )
 ASPECTS = ("colour", "direction", "background")

@@ -42,8 +42,14 @@ CONFIGS = [  # label, args
     ("ulysses 2x2", ["--gpus", "2", "--nodes", "2", "--parallel", "ulysses"]),
     ("usp 2x2", ["--gpus", "2", "--nodes", "2", "--parallel", "usp", "--ulysses-degree", "2"]),
     ("cfg-parallel + ring 2x2", ["--gpus", "2", "--nodes", "2", "--cfg-parallel", "--parallel", "ring"]),
-    ("ditango 0.4, 2x2", ["--gpus", "2", "--nodes", "2", "--parallel", "ditango", "--cache-ratio", "0.4"]),
-    ("ditango 0.8, 2x2", ["--gpus", "2", "--nodes", "2", "--parallel", "ditango", "--cache-ratio", "0.8"]),
+    (
+        "ditango 0.4, 2x2",
+        ["--gpus", "2", "--nodes", "2", "--parallel", "ditango", "--reuse", "always", "--cache-ratio", "0.4"],
+    ),
+    (
+        "ditango 0.8, 2x2",
+        ["--gpus", "2", "--nodes", "2", "--parallel", "ditango", "--reuse", "always", "--cache-ratio", "0.8"],
+    ),
 ]
 
 

@@ -24,12 +24,11 @@ def local_profile() -> str:
     """The HARDWARE profile of this machine's first GPU (by its name), else h20's."""
     import torch
 
-    from planner.cost_model import HARDWARE
+    from planner.reuse import FALLBACK_GPU, device_hardware
 
     if not torch.cuda.is_available():
-        return "h20"
-    name = torch.cuda.get_device_name(0).lower().replace(" ", "")
-    return next((k for k in sorted(HARDWARE, key=len, reverse=True) if k in name), "h20")
+        return FALLBACK_GPU
+    return device_hardware("cuda", torch.cuda.get_device_name(0)).name
 
 
 def choose_layout(p, g, d, mem, spec, items, array: int = 1):

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS
+from planner.ditango import OWN_GROUP_MODES, PLANNERS, REUSE_MODES, RUN_DEFAULTS
 from planner.errors import ConfigError
 from planner.hybrid import FIRST_SEGMENT_TEXTS
 from planner.layout import STRATEGIES
@@ -181,6 +181,13 @@ class OutputArgs:
         bool, _o("--save-latents", help="Also write ID.latents.safetensors (the final latents).")
     ] = False
     overwrite: Annotated[bool, _o("--overwrite", help="Regenerate items whose outputs exist.")] = False
+    profile: Annotated[
+        bool,
+        _o(
+            "--profile",
+            help="Profile the denoising: a trace per rank under OUT/profile, time by category in the report.",
+        ),
+    ] = False
 
 
 @dataclass
@@ -274,6 +281,15 @@ class DiTangoArgs:
     anchor_when_all: Annotated[
         bool | None,
         _o("--anchor-when-all/--no-anchor-when-all", help="DiTango: all cells computed makes an anchor [off]."),
+    ] = None
+    reuse: Annotated[
+        str | None,
+        _o(
+            "--reuse",
+            **planner_choice("reuse", REUSE_MODES),
+            help="DiTango: auto reuses only where the cost model says it saves more than its bookkeeping costs "
+            f"(else the exact ring); always as the planner decides [{RUN_DEFAULTS.reuse}].",
+        ),
     ] = None
     cache_dtype: Annotated[
         str | None,

@@ -110,7 +110,7 @@ class RunSetting:
 
 DITANGO_ONLY = ("planner", "cache_ratio", "target_psnr", "warmup", "cooldown", "group_size", "tau_max",
                 "anchor_interval", "alpha", "own_group", "anchor_when_all", "cache_dtype",
-                "cache_memory_limit")  # fmt: skip
+                "cache_memory_limit", "reuse")  # fmt: skip
 HYBRID_TUNING = ("hybrid_k", "hybrid_window", "hybrid_slope", "hybrid_tau_cap", "hybrid_split", "hybrid_first_text")
 # What only a submitted job (sbatch) takes: srun steps run in the allocation they are in.
 SLURM_JOB = ("partition", "account", "qos", "time", "cpus_per_task", "mem", "exclusive", "constraint", "slurm_arg",

@@ -52,6 +52,7 @@ def ditango_options(d: DiTangoArgs) -> DiTangoOptions:
         "planner",
         "own_group",
         "anchor_when_all",
+        "reuse",
     )
     planner = run_planner_config(**{k: getattr(d, k) for k in names}, use_alpha=bool(d.alpha))
     limit = None if d.cache_memory_limit is None else parse_bytes(d.cache_memory_limit, "--cache-memory-limit")
@@ -91,7 +92,7 @@ def build_run_config(
     the user set (an option that means nothing in this run is refused, or a run file's left out:
     ditango_cli/requires.py). `generate` and `check` both validate here, so they refuse the same
     inputs with the same message."""
-    from runtime.strategies.selective import check_cache_limit
+    from runtime.cache import check_cache_limit
     from slurm.placement import cpu_only_torch, ranks_device
 
     check_torch()
@@ -157,7 +158,8 @@ def build_run_config(
     cfg = RunConfig(
         model=m.model, model_path=None,
         items=items, out_dir=user_path(o.out, "--out"), device=device, dtype=None if m.dtype is None else m.dtype.value,
-        save_latents=o.save_latents, overwrite=o.overwrite, max_text_len=spec.defaults.max_text_len,
+        save_latents=o.save_latents, overwrite=o.overwrite, profile=o.profile,
+        max_text_len=spec.defaults.max_text_len,
         layout=layout, attention_backend=p.attention_backend.value, timeout_s=p.timeout,
         setup_timeout_s=p.setup_timeout_s, ditango=ditango, reference=d.reference, step_cache=step_cache,
         hybrid=hybrid_config(g, spec.layers), replicas=p.replicas, alloc_gpus_per_node=p.gpus_per_node, decode=decode,

@@ -62,6 +62,7 @@ ASSUMPTIONS = {
     "overlap": "ring/DiTango hops: max(compute, transfer) + (1 - overlap) x min(compute, transfer) + latency (next "
     "block prefetched); the profile's overlap, 1 unless given (--overlap)",
     "block_overhead_us": 150,  # kernel launches and host work per block and forward (not hidden by a graph)
+    "kernel_overhead_us": 8,  # host dispatch and launch of one small eager kernel (DiTango's bookkeeping)
     "not_modelled": "text encoder time, scheduler step, stragglers; the VAE decode and launch overheads are priced by "
     "the layout search only (planner/search.py)",
     "memory": "planner/memory.py: peak bytes per GPU by phase (text_encode, denoise, decode); fits: the peak within "
@@ -245,19 +246,21 @@ def _video_attention_time(hw: Hardware, topo: Topology, shape: ModelShape, token
         spans = [sum(sizes[i * u : (i + 1) * u]) for i in range(layout.ring)]
         ring = topo.groups["ring"][0]
         return t + _ring_time(hw, topo, ring, max(spans), spans, h, D, e)
-    return _ditango_time(hw, topo, shape, sizes, e, unit_fractions(compute_fraction, layout, own_group), own_group)
+    fractions = unit_fractions(compute_fraction, layout, own_group)
+    return ditango_attention_time(hw, topo, H, D, sizes, e, fractions, own_group)
 
 
-def _ditango_time(hw: Hardware, topo: Topology, shape: ModelShape, sizes: list[int], e: int,
-                  fractions: list[float], own_group: str) -> float:  # fmt: skip
+def ditango_attention_time(hw: Hardware, topo: Topology, heads: int, head_dim: int, sizes: list[int], e: int,
+                           fractions: list[float], own_group: str) -> float:  # fmt: skip
     """DiTango on the slowest rank: each rank's own chunk, the ring over its group's other
     members (every forward, or as unit 0 decides), and per remote offset d, computed with
     its unit's fraction, the direct fetch from I*d ahead (the slowest rank's link: ranks at
     a group boundary may cross a node where rank 0 does not) overlapped with the ring of the
-    remote group's chunks around the own group. A reused unit is merged from the cache (free)."""
+    remote group's chunks around the own group. A reused unit is merged from the cache (its
+    bookkeeping: planner/reuse.py)."""
     layout = topo.layout
     cp_ranks = topo.groups["cp"][0]
-    H, D, size, G, P = shape.heads, shape.head_dim, layout.group, layout.groups, layout.cp_degree
+    H, D, size, G, P = heads, head_dim, layout.group, layout.groups, layout.cp_degree
     q = max(sizes)
     units = ditango_units(layout, own_group)
     per_offset = {d: f for f, offs in zip(fractions, units, strict=True) for d in offs}

@@ -29,12 +29,13 @@ from planner.budget import BudgetPlanner, budget_scores, softmax_mass
 from planner.errors import ConfigError
 from planner.hpdc import HpdcPlanner, alpha_factors, ase, compressed_state, drift, importance_weights, relative_drift
 from planner.plan import PlanLog, StepPlan
-from planner.schedule import OWN_GROUP_MODES, PLANNERS, PlannerConfig, StepPlanner
+from planner.schedule import OWN_GROUP_MODES, PLANNERS, REUSE_MODES, PlannerConfig, StepPlanner
 
 __all__ = [
     "OWN_GROUP_MODES",
     "PLANNERS",
     "PLANNER_CLASSES",
+    "REUSE_MODES",
     "RUN_DEFAULTS",
     "DiTangoOptions",
     "DiTangoPlanner",
@@ -56,8 +57,9 @@ PLANNER_CLASSES: dict[str, type[StepPlanner]] = {"hpdc": HpdcPlanner, "budget": 
 assert set(PLANNER_CLASSES) == set(PLANNERS)
 
 # What a run (`generate`, `simulate`, a recorded plan) uses where an option is not given: the
-# authors' test script's settings. PlannerConfig's own defaults are the library's.
-RUN_DEFAULTS = PlannerConfig(cache_ratio=0.4)
+# authors' test script's settings, and reuse only where it pays. PlannerConfig's own defaults are
+# the library's.
+RUN_DEFAULTS = PlannerConfig(cache_ratio=0.4, reuse="auto")
 # The budget planner's cool-down where none is given: measured, its cool-down bought 0.3 dB for
 # 0.07 x ring's bytes.
 BUDGET_COOLDOWN = 0

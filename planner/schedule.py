@@ -20,6 +20,8 @@ from planner.plan import PlanLog, StepPlan
 
 PLANNERS = ("hpdc", "budget")
 OWN_GROUP_MODES = ("decide", "fresh")
+# "auto": reuse only where it saves more than its bookkeeping costs (planner/reuse.py); "always": as planned.
+REUSE_MODES = ("auto", "always")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class PlannerConfig:
     # falling linearly to 2 - front_load at the last one (1: flat). Early steps change the
     # video most; 1.6 measured +1 dB over flat at equal bytes on the built-in model.
     front_load: float = 1.6
+    reuse: str = "always"  # REUSE_MODES (a run's default is "auto": planner/ditango.py RUN_DEFAULTS)
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, legal: str) -> ConfigError:
@@ -64,6 +67,8 @@ class PlannerConfig:
             raise bad("front_load", self.front_load, "0 <= front_load <= 2 (1: the same quota on every selective step)")
         if self.own_group not in OWN_GROUP_MODES:
             raise bad("own_group", self.own_group, " or ".join(OWN_GROUP_MODES))
+        if self.reuse not in REUSE_MODES:
+            raise bad("reuse", self.reuse, " or ".join(REUSE_MODES))
 
 
 class StepPlanner:

@@ -9,6 +9,8 @@ stays float32: merge weights are exp(lse differences), and a bf16 lse (8 mantiss
 would turn a log-sum-exp of ~10 into errors of several percent in those weights.
 Buffers are allocated once per item, before its first step (`allocate`), and freed after its
 last (`reset`).
+How large it may be is decided here too: the cache dtype by device, a user's limit checked
+before any rank starts, and on a GPU without one the free memory minus a headroom.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import math
 import torch
 
 from planner import memory
+from planner.ditango import PLANNER_CLASSES, DiTangoOptions, unit_offsets
 from planner.errors import ConfigError
+from planner.layout import chunk_sizes
 from planner.memory import anchor_bytes as anchor_bytes  # re-exported for the runtime
 from runtime.state import AttentionState
 
@@ -101,3 +105,46 @@ class StateCache:
     def __repr__(self) -> str:
         shape = None if self.out_NLUBSHD is None else tuple(self.out_NLUBSHD.shape)
         return f"StateCache(NLU={self.shape_NLU}, out={shape}, dtype={self.dtype}, bytes={self.nbytes()})"
+
+
+CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # DiTangoOptions.cache_dtype names
+# Without --cache-memory-limit on a GPU, the cache may take the free memory minus this much,
+# left for activations, the KV blocks in flight and the allocator's fragmentation.
+AUTO_LIMIT_HEADROOM_FRACTION = 0.10  # of the GPU's total memory
+AUTO_LIMIT_HEADROOM_MIN = 4 * 2**30
+
+
+def cache_dtype_for(name: str | None, device: torch.device) -> torch.dtype:
+    """`name` None: bfloat16 on CUDA (where memory decides what fits), float32 on CPU."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return CACHE_DTYPES[name]
+
+
+def check_cache_limit(
+    opts: DiTangoOptions, items, layout, heads: int, head_dim: int, layers: int, device: torch.device
+) -> None:
+    """Raise now (before any rank starts) when a user's cache limit cannot hold one cached unit
+    per branch and layer of some item: the same sizing `SelectiveRuntime.begin_run` does."""
+    if opts.cache_limit_bytes is None:
+        return
+    dtype = cache_dtype_for(opts.cache_dtype, device)
+    for item in items:
+        tokens = max(chunk_sizes(item.tokens(), layout.cp_degree))
+        branches = 1 if layout.cfg_degree == 2 or item.cfg_scale <= 1 else 2
+        reference = PLANNER_CLASSES[opts.planner.planner].Statistics.reference_states
+        per_unit = unit_bytes(1, tokens, heads, head_dim, dtype, reference=reference)
+        own = len(unit_offsets(layout.groups, layout.group, opts.planner.own_group)) - (layout.groups - 1)
+        fixed = branches * layers * (anchor_bytes(1, tokens, heads) + own * per_unit)
+        compose_factor(layout.groups - 1, branches, layers, per_unit, opts.cache_limit_bytes, fixed)
+
+
+def auto_cache_limit(device: torch.device) -> int | None:
+    """This GPU's budget for the cache when the user set none: free memory (counting what the
+    allocator holds unused) minus the headroom. None on CPU (no cap)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    headroom = max(AUTO_LIMIT_HEADROOM_MIN, int(AUTO_LIMIT_HEADROOM_FRACTION * total))
+    return max(1, free - headroom)

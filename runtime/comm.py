@@ -23,19 +23,23 @@ import torch.distributed as dist
 
 from planner.traffic import ring_all_reduce_bytes
 from runtime.mesh import Mesh
+from runtime.profiling import region
 
 
 class PendingRecv:
-    """An in-flight P2P exchange; `wait()` returns the received tensor."""
+    """An in-flight P2P exchange; `wait()` returns what was received: a tensor, or a tuple of
+    them when a tuple was sent."""
 
-    def __init__(self, works: list, buffer: torch.Tensor) -> None:
+    def __init__(self, works: list, buffers: tuple[torch.Tensor, ...], single: bool) -> None:
         self._works = works
-        self.buffer = buffer
+        self.buffers = buffers
+        self._single = single
 
-    def wait(self) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
-        return self.buffer
+    def wait(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        with region("exchange"):
+            for work in self._works:
+                work.wait()
+        return self.buffers[0] if self._single else self.buffers
 
 
 class Comm:
@@ -60,13 +64,15 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, op, group, ranks: Sequence[int], purpose: str = "control") -> None:
         """In-place all-reduce over `group` (global `ranks`), counted under `purpose`."""
-        dist.all_reduce(tensor, op=op, group=group)
+        with region("exchange"):
+            dist.all_reduce(tensor, op=op, group=group)
         for peer in ranks:
             self._count(peer, tensor.numel() * tensor.element_size(), purpose)
 
     def ring_all_reduce(self, tensor: torch.Tensor, group, ranks: Sequence[int], purpose: str = "tp") -> None:
         """In-place sum over `group` (global `ranks`, in group order), counted as a ring moves it."""
-        dist.all_reduce(tensor, group=group)
+        with region("exchange"):
+            dist.all_reduce(tensor, group=group)
         self.count_ring_all_reduce(tensor.numel() * tensor.element_size(), ranks, purpose)
 
     def count_ring_all_reduce(self, nbytes: int, ranks: Sequence[int], purpose: str = "tp") -> None:
@@ -94,20 +100,32 @@ class Comm:
         return box[0]
 
     def exchange(
-        self, send: torch.Tensor, dst: int, src: int, recv_shape: Sequence[int], group, purpose: str = "attention"
+        self,
+        send: torch.Tensor | tuple[torch.Tensor, ...],
+        dst: int,
+        src: int,
+        recv_shape: Sequence[int] | tuple[Sequence[int], ...],
+        group,
+        purpose: str = "attention",
     ) -> PendingRecv:
         """Post send(send -> dst) and recv(src) together and return at once (overlap with compute).
 
-        Every rank of a ring calls this in the same step, so sends and receives pair up.
+        `send` a tensor and `recv_shape` its shape at `src`, or a tuple of tensors (K and V: no
+        copy into one message) and a tuple of shapes. Every rank of a ring calls this in the
+        same step, so sends and receives pair up (in tuple order).
         """
-        buffer = torch.empty(tuple(recv_shape), dtype=send.dtype, device=send.device)
-        ops = [
-            dist.P2POp(dist.isend, send.contiguous(), dst, group=group),
-            dist.P2POp(dist.irecv, buffer, src, group=group),
-        ]
-        works = dist.batch_isend_irecv(ops)
-        self._count(src, buffer.numel() * buffer.element_size(), purpose)
-        return PendingRecv(works, buffer)
+        single = isinstance(send, torch.Tensor)
+        sends = (send,) if single else tuple(send)
+        shapes = (recv_shape,) if single else tuple(recv_shape)
+        buffers = tuple(
+            torch.empty(tuple(shape), dtype=t.dtype, device=t.device) for t, shape in zip(sends, shapes, strict=True)
+        )
+        ops = [dist.P2POp(dist.isend, t.contiguous(), dst, group=group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, buffer, src, group=group) for buffer in buffers]
+        with region("exchange"):
+            works = dist.batch_isend_irecv(ops)
+        self._count(src, sum(b.numel() * b.element_size() for b in buffers), purpose)
+        return PendingRecv(works, buffers, single)
 
     def one_way(
         self, tensor: torch.Tensor | None, src: int, dst: int, shape, dtype, device, group, purpose: str
@@ -120,12 +138,14 @@ class Comm:
         which the mesh created and warmed up."""
         if self.mesh.rank == src:
             op = dist.P2POp(dist.isend, tensor.contiguous(), dst, group=group)
-            for work in dist.batch_isend_irecv([op]):
-                work.wait()
+            with region("exchange"):
+                for work in dist.batch_isend_irecv([op]):
+                    work.wait()
             return None
         buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, src, group=group)]):
-            work.wait()
+        with region("exchange"):
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, src, group=group)]):
+                work.wait()
         self._count(src, buffer.numel() * buffer.element_size(), purpose)
         return buffer
 
@@ -140,7 +160,8 @@ class Comm:
     ) -> torch.Tensor:
         """Uneven all-to-all along dim 0: rows [sum(send_splits[:j]), ...) go to group member j."""
         recv = send_NX.new_empty((sum(recv_splits), *send_NX.shape[1:]))
-        dist.all_to_all_single(recv, send_NX.contiguous(), recv_splits, send_splits, group=group)
+        with region("exchange"):
+            dist.all_to_all_single(recv, send_NX.contiguous(), recv_splits, send_splits, group=group)
         row = send_NX[0].numel() * send_NX.element_size() if send_NX.shape[0] else 0
         for peer, n in zip(group_ranks, recv_splits, strict=True):
             self._count(peer, n * row, purpose)
@@ -158,7 +179,8 @@ class Comm:
         pad = longest - x_BSX.shape[1]
         padded = torch.nn.functional.pad(x_BSX, (0, 0) * (x_BSX.dim() - 2) + (0, pad)) if pad else x_BSX
         parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded.contiguous(), group=group)
+        with region("exchange"):
+            dist.all_gather(parts, padded.contiguous(), group=group)
         nbytes = padded.numel() * padded.element_size()
         for peer in group_ranks:
             self._count(peer, nbytes, purpose)

@@ -220,6 +220,7 @@ class RunConfig:
     dtype: DType | None = None  # None: float32 on CPU, bfloat16 on CUDA
     save_latents: bool = False
     overwrite: bool = False
+    profile: bool = False  # --profile: a trace per rank and item, and a table of where the time went
     max_text_len: int = 512
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     attention_backend: str = "auto"  # auto | flash | torch | reference (ignored by strategy "none")

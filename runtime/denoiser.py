@@ -28,6 +28,7 @@ from runtime.loop_types import DenoiseResult, ImageCondition, TextEmbeds
 from runtime.models.families import family_of
 from runtime.models.loading import Placement
 from runtime.models.schedulers import Sampler
+from runtime.profiling import step_region
 from runtime.step_cache import StepCache
 from runtime.vae import DecodeOptions, decode_video
 
@@ -175,17 +176,18 @@ class Denoiser:
                 start = time.perf_counter()
                 self.expert = experts[i]
                 scale = guidance if self.expert == 0 or guidance_2 is None else guidance_2
-                if listener is not None:
-                    listener.begin_step(i)
-                if cache is not None:
-                    cache.begin_step(i, t)
-                noise = self.guidance.noise(self, i, t, latents, text, scale)
-                latents = scheduler.step(noise, t, latents, return_dict=False)[0]
-                if trace is not None:
-                    trace.append(latents.detach().float().cpu())
-                finite.append(torch.isfinite(latents).all())
-                if listener is not None:
-                    listener.end_step(i)
+                with step_region(i):
+                    if listener is not None:
+                        listener.begin_step(i)
+                    if cache is not None:
+                        cache.begin_step(i, t)
+                    noise = self.guidance.noise(self, i, t, latents, text, scale)
+                    latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+                    if trace is not None:
+                        trace.append(latents.detach().float().cpu())
+                    finite.append(torch.isfinite(latents).all())
+                    if listener is not None:
+                        listener.end_step(i)
                 synchronize(self.device)
                 result.step_s.append(time.perf_counter() - start)
                 if on_step is not None:

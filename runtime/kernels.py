@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from planner.errors import ConfigError
+from runtime.profiling import region
 from runtime.state import AttentionState
 
 Backend = Literal["flash", "torch", "reference"]
@@ -108,10 +109,32 @@ def attention(
     q_BSHD: torch.Tensor, k_BKHD: torch.Tensor, v_BKHD: torch.Tensor, scale: float, backend: Backend
 ) -> AttentionState:
     """Softmax attention of the queries over one KV partition, as a float32 state."""
-    if backend == "reference":
-        out, lse = reference_attention(q_BSHD, k_BKHD, v_BKHD, scale)
-    elif backend == "flash":
-        out, lse = _flash_kernel(q_BSHD, k_BKHD, v_BKHD, scale)
-    else:
-        out, lse = _torch_kernel(q_BSHD, k_BKHD, v_BKHD, scale)
+    with region("attention"):
+        if backend == "reference":
+            out, lse = reference_attention(q_BSHD, k_BKHD, v_BKHD, scale)
+        elif backend == "flash":
+            out, lse = _flash_kernel(q_BSHD, k_BKHD, v_BKHD, scale)
+        else:
+            out, lse = _torch_kernel(q_BSHD, k_BKHD, v_BKHD, scale)
     return AttentionState.from_kernel(out, lse)
+
+
+def attention_output(
+    q_BSHD: torch.Tensor, k_BKHD: torch.Tensor, v_BKHD: torch.Tensor, scale: float, backend: Backend
+) -> torch.Tensor:
+    """Softmax attention over the whole KV in one call: the output only [B, S, H, D], in q's
+    dtype. Where nothing is merged (one rank, or Ulysses without a ring) the state's float32
+    copy and lse would be made only to be dropped."""
+    with region("attention"):
+        if backend == "reference":
+            return reference_attention(q_BSHD, k_BKHD, v_BKHD, scale)[0].to(q_BSHD.dtype)
+        if backend == "flash":
+            from flash_attn import flash_attn_func
+
+            return flash_attn_func(q_BSHD, k_BKHD, v_BKHD, softmax_scale=scale)
+        q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BKHD, v_BKHD))  # -> B H S D
+        if q.device.type == "cpu":  # the kernel `attention` runs: the same output
+            out_BHSD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[0]
+        else:  # PyTorch picks its fastest kernel for the GPU
+            out_BHSD = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        return out_BHSD.transpose(1, 2)

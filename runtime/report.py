@@ -15,6 +15,7 @@ import torch
 
 from runtime.config import Item, RunConfig
 from runtime.gallery import write_gallery
+from runtime.profiling import summary as profile_summary
 from runtime.video import write_json
 
 SCHEMA = 1
@@ -137,6 +138,7 @@ def item_record(
     error: str | None = None,
     step_cache: dict | None = None,
     method: dict | None = None,
+    profile: dict | None = None,
 ) -> dict:
     """The per-item record: the sidecar's body and one entry of report.json's `items`."""
     return {
@@ -163,6 +165,8 @@ def item_record(
         # What besides the fields above shapes the video ({}: an exact run; runtime/outputs.py
         # video_method): a folder's items are resumed only under the same.
         "method": method or {},
+        # with --profile: per rank, ms per profiled step by category (runtime/profiling.py), and the traces
+        "profile": profile,
         "error": error,
     }
 
@@ -235,6 +239,8 @@ class ReportWriter:
             report["step_cache_calibration"] = self.step_cache_calibration
         if self.timing is not None:
             report["timing"] = self.timing.to_json(self.records)
+        if (profile := profile_summary(ordered)) is not None:
+            report["profile"] = profile
         write_json(self.path, report)
         if self.path == self.cfg.out_dir / "report.json":  # a task's or replica's own report has no page
             write_gallery(self.cfg.out_dir, report)

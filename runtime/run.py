@@ -23,12 +23,13 @@ from runtime.denoiser import Denoiser, synchronize
 from runtime.inputs import exact_reference, item_inputs
 from runtime.item_records import check_finite, gathered_records
 from runtime.kernels import resolve_backend
-from runtime.loop_types import NonFiniteLatents
+from runtime.loop_types import DenoiseResult, NonFiniteLatents
 from runtime.memory_plan import plan_memory
 from runtime.models.adapters import adapter_sets, same_weights
 from runtime.models.loading import load_components, placement_on
 from runtime.models.resolve import resolve_model
 from runtime.outputs import mark_running, plan_resume, record_failure
+from runtime.profiling import StepProfiler, trace_name
 from runtime.progress import ProgressFile, progress_path
 from runtime.quality import quality_record
 from runtime.report import ItemTiming, ReportWriter, RunTiming, claim_bring_up_start, peak_memory, run_report
@@ -61,14 +62,21 @@ def generate_item(
     start = time.perf_counter()
     measured = cfg.reference == "exact" and (cfg.ditango is not None or cfg.step_cache is not None)
     trace = [] if measured and ctx.is_writer and reference is None else None  # the error per step, vs exact
-    result = denoiser.denoise(
-        latents, text, item.steps, item.cfg_scale, on_step=observer.step_done, condition=condition,
-        guidance_2=item.guidance_2, sampler=item.sampler, trace=trace,
-    )  # fmt: skip
+    result, profile = denoise_item(denoiser, item, cfg, ctx, observer, (latents, text, condition), trace)
     timing.denoise_s = time.perf_counter() - start
     timing.step_s = result.step_s
     check_finite(result, item, ctx)
     records = gathered_records(denoiser, ctx)
+    reuse = (records["attention"] or {}).get("reuse")
+    if ctx.is_writer and reuse is not None and not reuse["pays"]:
+        observer.message(
+            f"{item.id}: DiTango's reuse would cost more than it saves here (bookkeeping "
+            f"{reuse['bookkeeping_us_per_layer']:.0f} us > {reuse['saved_us_per_layer']:.0f} us saved per layer on "
+            f"{reuse['hardware']}): the exact ring ran (--reuse always reuses anyway)"
+        )
+    if cfg.profile:  # every rank's table, and where its trace is
+        traces = [trace_name(item.id, r) for r in range(ctx.mesh.world_size)]
+        records["profile"] = {"per_rank": ctx.gather(profile), "traces": traces}
     exact_trace = None if trace is None else []
     if not measured:
         reference = None
@@ -102,6 +110,34 @@ def generate_item(
     observer.phase("write")
     return write_item(cfg, item, frames, result.latents_BCFHW, timing, quality=quality, decode=decode,
                       reference_frames=None if reference is None else ref_frames, **records)  # fmt: skip
+
+
+def denoise_item(
+    denoiser: Denoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer, inputs: tuple, trace
+) -> tuple[DenoiseResult, dict | None]:
+    """The item's steps from `inputs` (latents, text, condition): the result, and with
+    --profile this rank's table of where the time went (runtime/profiling.py)."""
+    latents, text, condition = inputs
+    profiler = None
+    if cfg.profile:
+        profiler = StepProfiler(denoiser.device, item.steps, cfg.out_dir / trace_name(item.id, ctx.mesh.rank))
+    try:
+        result = denoiser.denoise(
+            latents,
+            text,
+            item.steps,
+            item.cfg_scale,
+            on_step=observer.step_done if profiler is None else profiler.observing(observer.step_done),
+            condition=condition,
+            guidance_2=item.guidance_2,
+            sampler=item.sampler,
+            trace=trace,
+        )
+    except BaseException:
+        if profiler is not None:
+            profiler.abandon()
+        raise
+    return result, None if profiler is None else profiler.finish(len(result.step_s))
 
 
 def denoiser_for_run(cfg: RunConfig, ctx: RankContext, spec, components: dict, placement, backend: str) -> Denoiser:

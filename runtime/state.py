@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.profiling import region
+
 
 @dataclass(frozen=True)
 class AttentionState:
@@ -44,7 +46,7 @@ def merge(a: AttentionState | None, b: AttentionState | None) -> AttentionState 
     Naive form:  lse = log(e^lse_a + e^lse_b),
                  out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b).
     Stable form used here (no exp of a large lse; ring-flash-attention, PyTorch):
-                 out = out_a - sigmoid(lse_b - lse_a) * (out_a - out_b)
+                 out = out_a + sigmoid(lse_b - lse_a) * (out_b - out_a)
                  lse = logaddexp(lse_a, lse_b)   (= lse_a - logsigmoid(lse_a - lse_b),
                        but also exact when one side is -inf, where that form gives NaN)
     A row whose lse is -inf on one side (no key there) takes the other side.
@@ -53,14 +55,16 @@ def merge(a: AttentionState | None, b: AttentionState | None) -> AttentionState 
         return b
     if b is None:
         return a
-    diff = b.lse_BSH - a.lse_BSH
-    weight_b = torch.sigmoid(diff)
-    # Rows empty on both sides would give NaN (inf - inf); keep side a for them.
-    both_empty = torch.isneginf(a.lse_BSH) & torch.isneginf(b.lse_BSH)
-    weight_b = torch.where(both_empty, torch.zeros_like(weight_b), weight_b)
-    out = a.out_BSHD - weight_b.unsqueeze(-1) * (a.out_BSHD - b.out_BSHD)
-    lse = torch.logaddexp(a.lse_BSH, b.lse_BSH)
-    return AttentionState(out, lse)
+    with region("merge"):
+        return _merge(a, b)
+
+
+def _merge(a: AttentionState, b: AttentionState) -> AttentionState:
+    # Five kernels, the weight computed in place. Rows empty on both sides give NaN weights
+    # (inf - inf): they count as 0, so such rows keep side a.
+    weight_b = torch.sub(b.lse_BSH, a.lse_BSH).sigmoid_().nan_to_num_(nan=0.0)
+    out = torch.lerp(a.out_BSHD, b.out_BSHD, weight_b.unsqueeze(-1))  # out_a + w (out_b - out_a)
+    return AttentionState(out, torch.logaddexp(a.lse_BSH, b.lse_BSH))
 
 
 def merge_all(states: Iterable[AttentionState | None]) -> AttentionState | None:
@@ -70,6 +74,11 @@ def merge_all(states: Iterable[AttentionState | None]) -> AttentionState | None:
         return None
     if len(present) == 1:
         return present[0]
+    with region("merge"):
+        return _merge_all(present)
+
+
+def _merge_all(present: list[AttentionState]) -> AttentionState:
     lse_NBSH = torch.stack([s.lse_BSH for s in present])
     total = torch.logsumexp(lse_NBSH, dim=0)
     weights = torch.exp(lse_NBSH - total)

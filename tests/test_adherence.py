@@ -37,6 +37,7 @@ def adherence(n_prompts: int, seed: int = 0) -> dict[str, float]:
     return {k: v / len(prompts) for k, v in hits.items()}
 
 
+@pytest.mark.e2e
 def test_the_readme_prompt_through_the_cli(runner, tmp_path):
     """No --model: the default model draws a green object moving right on a gray background, read from the MP4."""
     result = runner.invoke(
@@ -48,6 +49,7 @@ def test_the_readme_prompt_through_the_cli(runner, tmp_path):
     assert (verdict.colour, verdict.direction, verdict.background) == ("green", "right", "gray"), verdict
 
 
+@pytest.mark.e2e
 def test_colour_background_and_direction_on_a_small_prompt_set():
     """CI's share of the adherence check: 8 prompts (every colour and direction, both backgrounds)."""
     scores = adherence(8)

@@ -89,6 +89,7 @@ def _killed_before_its_peers_notice(rank, world, events, victim):
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_a_death_seen_before_any_message_is_still_blamed_on_the_dead_rank():
     """Bug: the supervisor noticed rank 1's exit first, then took the first error message to
     arrive within a second as the explanation: a survivor's 'Connection reset by peer'."""
@@ -152,6 +153,7 @@ def _reactions(error: str) -> dict[int, str]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("victim", [0, 2])
+@pytest.mark.e2e
 def test_a_rank_killed_with_sigkill_is_blamed_not_a_survivor(runner, tmp_path, monkeypatch, victim):
     """Bug: after `kill -9` of one rank, the error named a survivor ('Connection reset by peer')
     and pointed at the survivor's log."""
@@ -169,6 +171,7 @@ def test_a_rank_killed_with_sigkill_is_blamed_not_a_survivor(runner, tmp_path, m
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_a_stopped_rank_is_blamed_as_not_answering(runner, tmp_path, monkeypatch):
     """Bug: a SIGSTOPped rank raises nothing and never exits; its peers' collective timeouts
     were blamed. Its heartbeat stops with it, which names it."""
@@ -185,6 +188,7 @@ def test_a_stopped_rank_is_blamed_as_not_answering(runner, tmp_path, monkeypatch
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_a_writer_stopped_while_writing_ends_the_wait_after_the_step_timeout_and_is_retried(
     runner, tmp_path, monkeypatch
 ):

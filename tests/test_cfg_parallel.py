@@ -181,6 +181,7 @@ def test_cfg_parallel_composes_with_context_parallelism(reference, two_ranks):
     assert 0.0 <= computed < 1.0  # reuse happened
 
 
+@pytest.mark.e2e
 def test_cli_hybrid_report(runner, tmp_path):
     import json
 

@@ -195,6 +195,7 @@ def test_nan_weight_fails_the_item_once_and_the_batch_goes_on(runner, tmp_path, 
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_nan_weight_on_two_ranks_fails_the_item_without_a_relaunch(runner, tmp_path, saved_model_dir):
     """The same on two context-parallel ranks: both see the same NaN latents, record it and go
     on to the next item together; no rank raises, so nothing is relaunched or retried."""

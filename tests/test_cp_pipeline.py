@@ -89,6 +89,7 @@ FAST = FAST_ARGV
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_cli_two_ranks_two_virtual_nodes_matches_one_process(runner, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     base = ["generate", "--prompt", "a green square moving left", "--save-latents", *FAST]
@@ -110,6 +111,7 @@ def test_cli_two_ranks_two_virtual_nodes_matches_one_process(runner, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_failing_item_is_retried_then_given_up_while_the_batch_goes_on(runner, tmp_path, monkeypatch):
     """A rank that raises inside item b ends that launch at once (not after the 300 s group
     timeout); b is retried in a fresh launch, then given up, and a and c are still generated."""
@@ -151,6 +153,7 @@ FAULT_MARGIN_S = 15  # detection, stopping the ranks, blame and report, on a loa
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["raise", "hang", "exit"])
+@pytest.mark.e2e
 def test_a_failing_rank_ends_the_local_run_within_the_step_timeout(runner, tmp_path, monkeypatch, kind):
     """A rank that raises, stops answering (a wedged GPU) or dies without a word (killed, out
     of memory) ends the whole launch within the per-step timeout plus a margin, with the error
@@ -207,6 +210,7 @@ def test_replicas_must_fit_the_allocation(runner, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_a_failing_replica_charges_only_its_own_item(runner, tmp_path, monkeypatch):
     """2 replicas x 2 ranks: rank 3 (replica 1) raises inside item d. Every rank is stopped,
     including replica 0 in the middle of its own item; only d is charged, and the item replica

@@ -87,13 +87,16 @@ def test_every_writer_fails_as_one_error_naming_its_file(tmp_path, kind):
         assert sorted(p.name for p in disk.iterdir()) == ["filler"]
 
 
+@pytest.mark.e2e
 def test_a_disk_that_fills_up_at_any_point_never_counts_a_broken_item_done(runner, tmp_path):
     """A sweep of the free space around what one item writes (video, sidecar, report, lock):
     bug: 6 of 8 free-space points ended in a traceback raised while recording the failure, and
     a truncated MP4 stayed under its final name with the item later counted done."""
     reference = tmp_path / "reference"
     assert runner.invoke(app, ["generate", *TINY, "--out", str(reference)]).exit_code == 0
-    needed = sum(-(-p.stat().st_size // PAGE) for p in reference.rglob("*") if p.is_file()) + 2
+    # + 4 pages: the bookkeeping's own files, and the output path the JSON files record is longer on
+    # the small disk than the reference's (a report near a page boundary takes one more there).
+    needed = sum(-(-p.stat().st_size // PAGE) for p in reference.rglob("*") if p.is_file()) + 4
     outcomes = set()
     for free in range(0, needed + 1):
         with small_disk(tmp_path, free * PAGE) as disk:

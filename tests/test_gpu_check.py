@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import PARITY_CONFIG
@@ -155,6 +156,7 @@ def test_sharding_section_fails_when_nothing_is_split(monkeypatch):
     assert any(not r.ok and "DTensor TP" in r.check for r in rows), rows
 
 
+@pytest.mark.e2e
 def test_memory_section_on_cpu(monkeypatch):
     """The memory model against a traced peak at small sizes; a model off by 2x fails."""
     from benchmarks.gpu import model_checks

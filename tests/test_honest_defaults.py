@@ -206,6 +206,7 @@ def test_a_heartbeat_whose_process_is_gone_reads_stopped():
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.e2e
 def test_ctrl_c_says_what_is_kept_and_how_to_resume(tmp_path, ranks):
     """Ctrl-C reaches the foreground group: the launcher, which stops its local ranks (each in a
     session of its own); one line, exit 130, and no warning of leaked semaphores from them."""

@@ -271,6 +271,7 @@ def test_download_refuses_offline_and_pickle_only_repos(fake_hub, cache, runner,
     assert built_in.exit_code == 0 and "built in" in built_in.stderr
 
 
+@pytest.mark.e2e
 def test_generate_from_the_cache_offline_in_a_subprocess(cache, tmp_path):
     """`ditango generate --model ORG/NAME` with HF_HUB_OFFLINE=1: the whole command, as a user
     runs it on a compute node, from a cache of symlinked blobs."""

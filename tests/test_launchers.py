@@ -136,6 +136,7 @@ def torchrun(out: Path, *extra: str, env: dict | None = None, prompts=PROMPTS, r
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_torchrun_ranks_make_the_same_latents_as_one_process(runner, tmp_path):
     """Two ranks under torchrun: ring attention over the launcher's process group, one writer:
     one MP4 and sidecar per item, one report, the latents of a one-process run."""
@@ -162,6 +163,7 @@ def test_torchrun_ranks_make_the_same_latents_as_one_process(runner, tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["kill", "raise"])
+@pytest.mark.e2e
 def test_a_failed_torchrun_worker_ends_the_job_and_is_named(tmp_path, kind):
     """Rank 1 dies (SIGKILL) or raises after step 2 of the first item: the job ends, torchrun's
     summary blames rank 1 (not rank 0, which only saw it go), and rank 0 records the item failed;
@@ -229,6 +231,7 @@ def test_ranks_never_download(runner, tmp_path, monkeypatch):
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_a_folder_another_run_owns_ends_every_rank_in_one_line(tmp_path):
     """Rank 0 alone asks for the output folder and every rank hears the answer: a folder held by
     a live run ends the job at once (no rank waits in the broadcast for the setup timeout), with
@@ -250,6 +253,7 @@ def test_a_folder_another_run_owns_ends_every_rank_in_one_line(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_torchrun_restarts_count_an_items_attempts_and_give_it_up(tmp_path):
     """Rank 0 is killed mid-item (as NCCL's blocked rank or the OOM killer leave it: nothing
     recorded) in every launch. Each torchrun restart records what the previous launch left
@@ -274,6 +278,7 @@ def test_torchrun_restarts_count_an_items_attempts_and_give_it_up(tmp_path):
     assert json.loads((out / "report.json").read_text())["counts"]["done"] == 1
 
 
+@pytest.mark.e2e
 def test_a_resume_refused_under_a_launcher_is_one_line_and_exit_2(runner, tmp_path):
     """The bug: outputs made with other settings refused the run only inside the ranks, as
     `error: rank 0: ConfigError` with exit 1 and error files; every other executor refuses it

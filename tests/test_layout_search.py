@@ -145,6 +145,7 @@ FAST = ["--prompt", "a red circle moving right", "--steps", "3", "--height", "32
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_layout_auto_runs_the_layout_it_names_and_makes_the_same_video_as_by_hand(runner, tmp_path):
     auto = tmp_path / "auto"
     result = runner.invoke(app, ["generate", *FAST, "--layout", "auto", "--out", str(auto)])

@@ -123,6 +123,7 @@ def _state(pid: int) -> str:
     return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
 
 
+@pytest.mark.e2e
 def test_two_runs_into_one_folder_never_generate_an_item_twice(runner, tmp_path):
     prompts = _prompts(tmp_path, ["a", "b"])
     out = tmp_path / "out"

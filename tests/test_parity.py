@@ -108,3 +108,19 @@ def test_decode_matches_wan_pipeline(parity_components):
     assert ours.shape == theirs.shape == (5, 32, 48, 3)
     expected = (theirs.clip(0, 1) * 255).round().astype("uint8")
     assert (ours == expected).all()
+
+
+def test_the_built_in_model_matches_wan_pipeline():
+    """The in-process path on the built-in model's own weights, components shared with the pipeline."""
+    from runtime.models.loading import load_components
+    from runtime.models.resolve import resolve_model
+
+    resolved = resolve_model("tiny-wan")
+    placement = resolve_placement("cpu")
+    components = load_components(resolved, placement)
+    kwargs = dict(prompt="a red circle moving left", negative="", seed=5, steps=4, guidance=2.5)
+    ref = reference_latents(components, height=64, width=96, frames=9, **kwargs)
+    denoiser = Denoiser(components, placement, TEXT_LEN)
+    init = denoiser.initial_latents(5, 64, 96, 9)
+    out = denoiser.denoise(init, denoiser.encode_text("a red circle moving left", "", 2.5), 4, 2.5).latents_BCFHW
+    assert (out - ref).abs().max().item() <= PARITY_ATOL and (out - init).abs().max().item() > 1e-2

@@ -56,6 +56,7 @@ def test_fsdp_counts_match_the_meta_builds():
         assert (spec.shape.fsdp_gathered_params, spec.shape.fsdp_root_gathered_params) == (gathered, root)
 
 
+@pytest.mark.e2e
 def test_hunyuan_reads_the_device_once_a_forward():
     """HunyuanVideo's joint attention read its text mask on the host in every block (a wait for
     the GPU 60 times a forward); now only the forward's text padding is read."""
@@ -82,6 +83,7 @@ def test_hunyuan_reads_the_device_once_a_forward():
         pytest.param(["--parallel", "usp", "--step-cache", "first-block"], marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.e2e
 def test_small_rehearsal_agrees_with_the_models(parallel):
     code, report, err = rehearse(*SMALL, *parallel)
     assert report is not None, err

@@ -19,6 +19,7 @@ def latents(out):
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_run_file_equals_the_command_line_and_the_command_line_wins(runner, tmp_path):
     run = tmp_path / "run.toml"
     run.write_text(

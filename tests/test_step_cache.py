@@ -290,6 +290,7 @@ def test_magcache_ratios_measured_over_chunks_equal_one_process():
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_cli_tp_and_cfg_parallel_with_a_step_cache_equal_one_process(runner, tmp_path):
     """Through the command: first-block cache under --parallel tp on 2 ranks decides as one
     process does (every rank holds the whole sequence: the all-reduced sums count it twice,

@@ -15,11 +15,13 @@ TARGET = 33.0
 def _run(runner, prompts, out, *extra):
     args = ["generate", "--prompts", str(prompts), "--out", str(out), "--device", "cpu", "--steps", "8",
             "--height", "32", "--width", "32", "--frames", "9", "--gpus", "2", "--nodes", "2", "--executor", "local", "--parallel", "ditango", "--group-size", "1",
-            "--warmup", "1", "--cooldown", "1", "--target-psnr", str(TARGET), "--reference", "exact", *extra]  # fmt: skip
+            "--warmup", "1", "--cooldown", "1", "--target-psnr", str(TARGET), "--reference", "exact",
+            "--reuse", "always", *extra]  # fmt: skip
     return runner.invoke(app, args)
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_target_psnr_chooses_records_and_keeps_the_ratio(runner, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red circle moving left on a black background\na blue square moving up on a gray background\n")

@@ -127,6 +127,7 @@ def test_tiles_over_ranks_equal_one_process(world):
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_cli_decodes_tiles_on_two_ranks_and_records_the_cost(runner, tmp_path, saved_model_dir):
     """generate on 2 ranks decodes in parallel by default; --reference exact records what the
     tiles cost against the untiled decode (a random VAE: the overlaps differ)."""

@@ -132,10 +132,10 @@ def cache_rows(device: str = "cuda", shape: dict = CACHE_14B, name: str = "14B 7
     allocator is not asked: the buffer formula, what the runtime holds and frees are."""
     from planner.ditango import PlannerConfig, unit_offsets
     from planner.layout import ParallelLayout
-    from runtime.cache import anchor_bytes, unit_bytes
+    from runtime.cache import anchor_bytes, cache_dtype_for, unit_bytes
     from runtime.comm import Comm
     from runtime.mesh import Mesh
-    from runtime.strategies.selective import SelectiveRuntime, cache_dtype_for
+    from runtime.strategies.selective import SelectiveRuntime
 
     device = torch.device(device, 0) if device == "cuda" else torch.device(device)
     cuda = device.type == "cuda"

@@ -111,7 +111,10 @@ def replay_on(selective, plans: dict[int, StepPlan] | None) -> None:
 
     def replayed_allocate(*args, **kwargs):
         allocate(*args, **kwargs)
-        selective.planner = ReplayPlanner(plans or {}, selective.planner_class)
+        # Where the run would find reuse does not pay it runs every step exact (its own planner
+        # says so): so does its rehearsal.
+        if not selective.exact_only:
+            selective.planner = ReplayPlanner(plans or {}, selective.planner_class)
 
     def replayed_end_step(step: int) -> None:
         """end_step's collectives (the statistics a planner would observe), without its host

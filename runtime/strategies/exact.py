@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels import attention
+from runtime.kernels import attention, attention_output
 from runtime.state import AttentionState, merge
 from runtime.strategies.ring import ring_attention
 from runtime.strategies.ulysses import heads_to_seq, seq_to_heads
@@ -24,6 +24,15 @@ def with_extra(state: AttentionState, q_BSHD, extra_kv, scale: float, backend) -
     return merge(state, attention(q_BSHD, *extra_kv, scale, backend))
 
 
+def whole_attention(q_BSHD, k_BSHD, v_BSHD, scale: float, backend, extra_kv=None) -> torch.Tensor:
+    """Attention over a sequence this rank holds whole, plus `extra_kv`: without it one kernel
+    call and no state (nothing to merge), [B, S, H, D] in q's dtype."""
+    if extra_kv is None:
+        return attention_output(q_BSHD, k_BSHD, v_BSHD, scale, backend)
+    state = attention(q_BSHD, k_BSHD, v_BSHD, scale, backend)
+    return with_extra(state, q_BSHD, extra_kv, scale, backend).out_BSHD.to(q_BSHD.dtype)
+
+
 class ExactAttention:
     """Every KV chunk fresh, every step: the exact baselines (and DiTango's exact runs)."""
 
@@ -34,15 +43,12 @@ class ExactAttention:
         u, r = mesh.layout.ulysses, mesh.layout.ring
         dtype = q_BSHD.dtype
         if ctx.cp == 1:
-            return with_extra(attention(q_BSHD, k_BSHD, v_BSHD, scale, backend), q_BSHD, extra_kv, scale,
-                              backend).out_BSHD.to(dtype)  # fmt: skip
+            return whole_attention(q_BSHD, k_BSHD, v_BSHD, scale, backend, extra_kv)
         ring_me, uly_me = divmod(mesh.cp_index, u)
         # Ulysses group = cp indices [ring_me * u, (ring_me + 1) * u): their chunk sizes.
         uly_sizes = ctx.seq_sizes[ring_me * u : (ring_me + 1) * u]
         if u > 1:
-            qkv = seq_to_heads(
-                torch.stack([q_BSHD, k_BSHD, v_BSHD], dim=2), uly_sizes, comm, mesh.ulysses_ranks, mesh.ulysses_group
-            )
+            qkv = seq_to_heads((q_BSHD, k_BSHD, v_BSHD), uly_sizes, comm, mesh.ulysses_ranks, mesh.ulysses_group)
             q_BSHD, k_BSHD, v_BSHD = qkv.unbind(dim=2)
             if extra_kv is not None:  # this member's heads of the whole-held partition (seq_to_heads' split)
                 h = q_BSHD.shape[2]
@@ -53,9 +59,9 @@ class ExactAttention:
                 q_BSHD, k_BSHD, v_BSHD, scale=scale, backend=backend, comm=comm,
                 ring_ranks=mesh.ring_ranks, ring_group=mesh.ring_group, kv_sizes=spans,
             )  # fmt: skip
-        else:
-            state = attention(q_BSHD, k_BSHD, v_BSHD, scale, backend)
-        out = with_extra(state, q_BSHD, extra_kv, scale, backend).out_BSHD.to(dtype)
+            out = with_extra(state, q_BSHD, extra_kv, scale, backend).out_BSHD.to(dtype)
+        else:  # Ulysses alone: every member holds the whole sequence of its heads
+            out = whole_attention(q_BSHD, k_BSHD, v_BSHD, scale, backend, extra_kv)
         if u > 1:
             out = heads_to_seq(out, uly_sizes, uly_me, comm, mesh.ulysses_ranks, mesh.ulysses_group)
         return out

@@ -20,13 +20,14 @@ import torch
 
 from planner.ditango import DiTangoOptions
 from planner.layout import chunk_bounds, chunk_sizes
+from runtime.cache import CACHE_DTYPES
 from runtime.comm import Comm
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
 from runtime.models.families import family_of
 from runtime.state import AttentionState, merge, merge_all
 from runtime.strategies.exact import EXACT
-from runtime.strategies.selective import CACHE_DTYPES, SelectiveRuntime
+from runtime.strategies.selective import SelectiveRuntime
 from runtime.strategies.tensor import TensorParallel, check_unsharded
 
 
@@ -162,6 +163,7 @@ def parallelize(
             mesh, comm, backend, opts.planner, layers=layers, heads=heads, head_dim=head_dim,
             cache_dtype=None if opts.cache_dtype is None else CACHE_DTYPES[opts.cache_dtype],
             cache_limit_bytes=opts.cache_limit_bytes, patch=patches.pop(),
+            element_bytes=next(transformers[0].parameters()).element_size(),
         )  # fmt: skip
     installed = [(f.uninstall, *f.install(t, ctx)) for f, t in zip(families, transformers, strict=True)]
     return Parallelized(ctx, transformers, installed, runtime)

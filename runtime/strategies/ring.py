@@ -37,22 +37,23 @@ def ring_attention(
     P = len(ring_ranks)
     me = ring_ranks.index(comm.mesh.rank)
     B, _, H, D = k_BKHD.shape
-    kv_2BKHD = torch.stack([k_BKHD, v_BKHD])  # one message per hop
+    kv = (k_BKHD, v_BKHD)  # two messages per hop, no copy into one
     state: AttentionState | None = None
     for step in range(P):
         pending = None
         if step < P - 1:
             origin = (me - step - 1) % P  # the block our predecessor holds now
+            shape = (B, kv_sizes[origin], H, D)
             pending = comm.exchange(
-                kv_2BKHD,
+                kv,
                 dst=ring_ranks[(me + 1) % P],
                 src=ring_ranks[(me - 1) % P],
-                recv_shape=(2, B, kv_sizes[origin], H, D),
+                recv_shape=(shape, shape),
                 group=ring_group,
             )
         if step > 0 or include_own:
-            state = merge(state, attention(q_BSHD, kv_2BKHD[0], kv_2BKHD[1], scale, backend))
+            state = merge(state, attention(q_BSHD, *kv, scale, backend))
         if pending is not None:
-            kv_2BKHD = pending.wait()
+            kv = pending.wait()
     assert state is not None
     return state

@@ -29,61 +29,29 @@ planner.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from planner.ditango import PLANNER_CLASSES, DiTangoOptions, DiTangoPlanner, PlannerConfig, StepPlan, unit_offsets
+from planner.ditango import PLANNER_CLASSES, DiTangoPlanner, PlannerConfig, StepPlan, unit_offsets
 from planner.layout import chunk_sizes, token_count
-from runtime.cache import StateCache, anchor_bytes, compose_factor, unit_bytes
+from planner.reuse import run_reuse_costs
+from runtime.cache import (
+    StateCache,
+    anchor_bytes,
+    auto_cache_limit,
+    cache_dtype_for,
+    compose_factor,
+    unit_bytes,
+)
 from runtime.comm import Comm
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
+from runtime.profiling import region
 from runtime.state import AttentionState, merge, merge_all
-from runtime.strategies.exact import with_extra
+from runtime.strategies.exact import EXACT, with_extra
 from runtime.strategies.ring import ring_attention
-
-CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # DiTangoOptions.cache_dtype names
-# Without --cache-memory-limit on a GPU, the cache may take the free memory minus this much,
-# left for activations, the KV blocks in flight and the allocator's fragmentation.
-AUTO_LIMIT_HEADROOM_FRACTION = 0.10  # of the GPU's total memory
-AUTO_LIMIT_HEADROOM_MIN = 4 * 2**30
-
-
-def cache_dtype_for(name: str | None, device: torch.device) -> torch.dtype:
-    """`name` None: bfloat16 on CUDA (where memory decides what fits), float32 on CPU."""
-    if name is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return CACHE_DTYPES[name]
-
-
-def check_cache_limit(
-    opts: DiTangoOptions, items, layout, heads: int, head_dim: int, layers: int, device: torch.device
-) -> None:
-    """Raise now (before any rank starts) when a user's cache limit cannot hold one cached unit
-    per branch and layer of some item: the same sizing `SelectiveRuntime.begin_run` does."""
-    if opts.cache_limit_bytes is None:
-        return
-    dtype = cache_dtype_for(opts.cache_dtype, device)
-    for item in items:
-        tokens = max(chunk_sizes(item.tokens(), layout.cp_degree))
-        branches = 1 if layout.cfg_degree == 2 or item.cfg_scale <= 1 else 2
-        reference = PLANNER_CLASSES[opts.planner.planner].Statistics.reference_states
-        per_unit = unit_bytes(1, tokens, heads, head_dim, dtype, reference=reference)
-        own = len(unit_offsets(layout.groups, layout.group, opts.planner.own_group)) - (layout.groups - 1)
-        fixed = branches * layers * (anchor_bytes(1, tokens, heads) + own * per_unit)
-        compose_factor(layout.groups - 1, branches, layers, per_unit, opts.cache_limit_bytes, fixed)
-
-
-def auto_cache_limit(device: torch.device) -> int | None:
-    """This GPU's budget for the cache when the user set none: free memory (counting what the
-    allocator holds unused) minus the headroom. None on CPU (no cap)."""
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    headroom = max(AUTO_LIMIT_HEADROOM_MIN, int(AUTO_LIMIT_HEADROOM_FRACTION * total))
-    return max(1, free - headroom)
 
 
 class SelectiveRuntime:
@@ -102,8 +70,10 @@ class SelectiveRuntime:
         cache_dtype: torch.dtype | None = None,
         cache_limit_bytes: int | None = None,
         patch: tuple[int, int, int] = (1, 2, 2),
+        element_bytes: int = 4,
     ) -> None:
         self.mesh, self.comm, self.backend = mesh, comm, backend
+        self.element_bytes = element_bytes  # the transformer's dtype, as its K and V travel
         self.patch = patch  # the transformer's (frames, rows, columns) per token
         self.planner_cfg = planner_cfg
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
@@ -121,6 +91,9 @@ class SelectiveRuntime:
         # A step cache (runtime/step_cache.py) may skip whole layers on a step: then the layers
         # that ran are agreed at the end of each step, and the plan and the ages follow them.
         self.partial_steps = False
+        # --reuse auto: the cost model's verdict on this item (planner/reuse.py), agreed by the plan
+        # group; where reuse does not pay, every step is the exact ring (`exact_only`).
+        self.reuse: dict | None = None
 
     # -- per item ------------------------------------------------------------------------
     @property
@@ -146,11 +119,27 @@ class SelectiveRuntime:
         """An item starts: its cache sized for the token chunks of `latents_BCFHW`. `switches`:
         the steps where another expert takes over (Wan2.2 A14B): cached states belong to the
         expert that made them, so such a step is an anchor."""
-        sizes = chunk_sizes(token_count(tuple(latents_BCFHW.shape[2:]), self.patch), len(self.mesh.cp_ranks))
+        tokens = token_count(tuple(latents_BCFHW.shape[2:]), self.patch)
+        sizes = chunk_sizes(tokens, len(self.mesh.cp_ranks))
+        self.reuse = self._reuse_check(tokens, latents_BCFHW.device)
         self.allocate(
             max(sizes), latents_BCFHW.shape[0], steps, branches, latents_BCFHW.device,
             local_tokens=sizes[self.mesh.cp_index], switches=switches,
         )  # fmt: skip
+
+    @property
+    def exact_only(self) -> bool:
+        return self.reuse is not None and not self.reuse["pays"]
+
+    def _reuse_check(self, tokens: int, device: torch.device) -> dict | None:
+        """With --reuse auto, whether reuse saves more than its bookkeeping costs on this item
+        (all ranks agree: a heterogeneous plan group takes the minimum); None: --reuse always."""
+        if self.planner_cfg.reuse == "always":
+            return None
+        cache_bytes = (self.cache_dtype or cache_dtype_for(None, device)).itemsize
+        costs = run_reuse_costs(device, self.mesh.layout, self.heads, self.head_dim, tokens, self.planner_cfg,
+                                self.element_bytes, cache_bytes)  # fmt: skip
+        return {**costs.to_json(), "pays": bool(self._agree_min(int(costs.pays)))}
 
     def allocate(
         self,
@@ -182,9 +171,11 @@ class SelectiveRuntime:
         fixed = branches * self.layers * (anchor_bytes(batch, max_tokens, self.heads) + int(self.own_unit) * per_unit)
         self.compose = compose_factor(self.groups - 1, branches, self.layers, per_unit, limit, fixed_bytes=fixed)
         self.branches = branches
-        self.planner = DiTangoPlanner(self.planner_cfg, steps, self.layers, self.units, switches)
+        planner_cfg = replace(self.planner_cfg, warmup=steps, cooldown=0) if self.exact_only else self.planner_cfg
+        self.planner = DiTangoPlanner(planner_cfg, steps, self.layers, self.units, switches)
         self.cache = StateCache(branches, self.layers, self.units, dtype)
-        self.cache.allocate(batch, local_tokens, self.heads, self.head_dim, device)
+        if not self.exact_only:  # nothing is cached when every step is exact
+            self.cache.allocate(batch, local_tokens, self.heads, self.head_dim, device)
         # The planner's statistics, preallocated with the cache.
         self.stats = statistics(self.planner_cfg, branches, self.layers, self.units, self.planner.switches, device)
         self.stats.allocate(batch, local_tokens, self.heads)
@@ -233,7 +224,8 @@ class SelectiveRuntime:
     def begin_step(self, step: int) -> None:
         assert self.planner is not None, "begin_run first"
         self.step_plan = self.planner.plan(step)
-        self._check_plan_agrees(self.step_plan)
+        if not self.exact_only:  # every step exact: nothing to disagree on
+            self._check_plan_agrees(self.step_plan)
         self.stats.begin_step(self.step_plan)
         self.ran_NL.zero_()
 
@@ -285,6 +277,10 @@ class SelectiveRuntime:
     # -- per layer -----------------------------------------------------------------------
     def attend(self, ctx, q_BSHD, k_BSHD, v_BSHD, scale: float, layer: int = 0, extra_kv=None) -> torch.Tensor:
         """The strategy of `ctx` (a ShardContext): this step's plan, plus `extra_kv` fresh."""
+        if self.exact_only:  # the exact ring over the cp group, as --parallel ring runs it
+            self.ran_NL[self.branch, layer] = True
+            self.kv_fresh, self.evaluations = self.kv_fresh + 1.0, self.evaluations + 1
+            return EXACT.attend(ctx, q_BSHD, k_BSHD, v_BSHD, scale, layer, extra_kv)
         state = self.attention(layer, q_BSHD, k_BSHD, v_BSHD, scale, ctx.seq_sizes)
         return with_extra(state, q_BSHD, extra_kv, scale, self.backend).out_BSHD.to(q_BSHD.dtype)
 
@@ -319,17 +315,17 @@ class SelectiveRuntime:
         self.kv_fresh += fresh_tokens / sum(seq_sizes)
         self.evaluations += 1
 
-        kv_2BKHD = torch.stack([k_BSHD, v_BSHD])
         B, _, H, D = k_BSHD.shape
 
         def fetch(d: int):
             # Symmetric: every rank sends its own chunk back by I*d and receives from I*d ahead.
             src_index = (c + self.group_size * d) % cp
+            shape = (B, seq_sizes[src_index], H, D)
             return self.comm.exchange(
-                kv_2BKHD,
+                (k_BSHD, v_BSHD),
                 dst=mesh.cp_ranks[(c - self.group_size * d) % cp],
                 src=mesh.cp_ranks[src_index],
-                recv_shape=(2, B, seq_sizes[src_index], H, D),
+                recv_shape=(shape, shape),
                 group=mesh.cp_group,
             )
 
@@ -348,21 +344,23 @@ class SelectiveRuntime:
         for n, d in enumerate(offsets):
             block = pending.wait()
             pending = fetch(offsets[n + 1]) if n + 1 < len(offsets) else None  # prefetch
-            fresh[d] = group_state(q_BSHD, block[0], block[1], g + d)
+            fresh[d] = group_state(q_BSHD, *block, g + d)
 
+        with region("bookkeeping"):
+            cached = {u: self.cache.get(self.branch, layer, u) for u in range(len(units)) if not compute_U[u]}
         unit_states = [
-            merge_all([fresh[d] for d in offs]) if compute_U[u] else self.cache.get(self.branch, layer, u)
-            for u, offs in enumerate(units)
+            merge_all([fresh[d] for d in offs]) if compute_U[u] else cached[u] for u, offs in enumerate(units)
         ]
         out = local
         for state in unit_states:
             out = merge(out, state)
-        self.stats.measure(self.branch, layer, plan, local, unit_states, compute_U, out,
-                           lambda u: self.cache.get(self.branch, layer, u))  # fmt: skip
-        if plan.kind != "exact" or self.planner.keeps_exact_states:
-            for u in range(len(units)):
-                if compute_U[u]:
-                    self.cache.put(self.branch, layer, u, unit_states[u])
+        with region("bookkeeping"):
+            self.stats.measure(self.branch, layer, plan, local, unit_states, compute_U, out,
+                               lambda u: self.cache.get(self.branch, layer, u))  # fmt: skip
+            if plan.kind != "exact" or self.planner.keeps_exact_states:
+                for u in range(len(units)):
+                    if compute_U[u]:
+                        self.cache.put(self.branch, layer, u, unit_states[u])
         return out
 
     def item_report(self) -> dict:
@@ -391,6 +389,7 @@ class SelectiveRuntime:
             # fresh (the own chunk, and the groups of the units computed)
             "kv_fraction_per_evaluation": round(self.kv_fresh / self.evaluations, 6) if self.evaluations else None,
             "cache_peak_bytes": self.cache_peak_bytes,
+            "reuse": self.reuse,  # --reuse auto: the cost model's verdict (None: --reuse always)
             "compose_factor": self.compose,
             "units": self.units,
             "groups": self.groups,

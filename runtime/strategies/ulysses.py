@@ -14,15 +14,17 @@ from runtime.comm import Comm
 
 
 def seq_to_heads(
-    x_BSGHD: torch.Tensor, seq_sizes: Sequence[int], comm: Comm, ranks: Sequence[int], group
+    xs_BSHD: Sequence[torch.Tensor], seq_sizes: Sequence[int], comm: Comm, ranks: Sequence[int], group
 ) -> torch.Tensor:
-    """[B, S_me, G, H, D] sequence-sharded -> [B, T, G, h, D] head-sharded (T = sum seq_sizes)."""
+    """G tensors [B, S_me, H, D] sequence-sharded -> [B, T, G, h, D] head-sharded (T = sum seq_sizes)."""
     u = len(ranks)
-    B, S, G, H, D = x_BSGHD.shape
+    B, S, H, D = xs_BSHD[0].shape
     h = H // u
-    # Rows for member j: our S tokens, heads [j*h, (j+1)*h).
-    send = x_BSGHD.reshape(B, S, G, u, h, D).permute(3, 1, 0, 2, 4, 5).reshape(u * S, B, G, h, D)
-    recv_TBGhD = comm.all_to_all(send, [S] * u, list(seq_sizes), ranks, group)
+    # Rows for member j: our S tokens, heads [j*h, (j+1)*h), each tensor copied once into place.
+    send = xs_BSHD[0].new_empty(u, S, B, len(xs_BSHD), h, D)
+    for g, x_BSHD in enumerate(xs_BSHD):
+        send[:, :, :, g].copy_(x_BSHD.reshape(B, S, u, h, D).permute(2, 1, 0, 3, 4))
+    recv_TBGhD = comm.all_to_all(send.view(u * S, B, len(xs_BSHD), h, D), [S] * u, list(seq_sizes), ranks, group)
     return recv_TBGhD.permute(1, 0, 2, 3, 4)
 
 

@@ -49,6 +49,7 @@ from runtime.models.hunyuan.shapes import (
     vae_shape_of,
 )
 from runtime.models.hunyuan.vae import decode_tile, join_chunks, vae_chunks
+from runtime.profiling import region
 
 __all__ = [
     "COMPONENTS", "PIPELINES", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "REQUIRED", "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR",
@@ -90,8 +91,9 @@ class JointAttention:
         if norm_qt is not None:
             qt, kt = norm_qt(qt), norm_kt(kt)
         if image_rotary_emb is not None:  # positions: video tokens only (the local chunk's)
-            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+            with region("rotary"):
+                q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+                k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
         out_v, out_t = self.ctx.joint_attention(q, k, v, qt, kt, vt, scale=q.shape[-1] ** -0.5, layer=self.layer)
         out_v, out_t = out_v.flatten(2, 3).to(q.dtype), out_t.flatten(2, 3).to(q.dtype)
         if getattr(attn, "to_out", None) is not None:

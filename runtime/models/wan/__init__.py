@@ -55,6 +55,7 @@ from runtime.models.wan.shapes import (
     vae_shape_of,
 )
 from runtime.models.wan.vae import decode_tile, join_chunks, vae_chunks
+from runtime.profiling import region
 
 __all__ = [
     "COMPONENTS", "IMAGE_ENCODER_CLASSES", "IMAGE_PROCESSOR_CLASSES", "PIPELINES", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "REQUIRED",
@@ -105,7 +106,8 @@ class WanSelfAttention:
         query, key = attn.norm_q(query), attn.norm_k(key)  # per token (RMS across heads): shard-safe
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         if rotary_emb is not None:
-            query, key = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
+            with region("rotary"):
+                query, key = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
         out = self.ctx.attention(query, key, value, scale=query.shape[-1] ** -0.5, layer=self.layer)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
