@@ -131,3 +131,29 @@ def test_a_run_says_so_and_equals_the_ring(tmp_path):
     assert "reuse would cost more than it saves" in ditango["stderr"] and "--reuse always" in ditango["stderr"]
     for name, tensor in ring["latents"].items():
         assert torch.equal(ditango["latents"][name], tensor)
+
+
+def test_the_reuse_mode_is_not_part_of_an_items_making(tmp_path):
+    """Folders made before --reuse (or under the other mode) resume; the cache ratio still counts."""
+    from dataclasses import replace
+
+    from planner.ditango import DiTangoOptions
+    from planner.errors import ConfigError
+    from runtime.config import Item, RunConfig
+    from runtime.outputs import output_paths, plan_resume, video_method
+    from runtime.report import item_record
+    from runtime.video import write_json
+
+    item = Item("x", "a red ball", "", 0, 32, 32, 5, 2, 5.0)
+    layout = ParallelLayout(nodes=1, gpus_per_node=2, strategy="ditango", group_size=1)
+    cfg = RunConfig("tiny-wan", None, (item,), tmp_path, layout=layout, ditango=DiTangoOptions(RUN_DEFAULTS))
+    made = video_method(replace(cfg, ditango=DiTangoOptions(replace(RUN_DEFAULTS, reuse="always"))))
+    assert "reuse" not in made["ditango"]["planner"] and made == video_method(cfg)
+    paths = output_paths(tmp_path, "x")
+    paths["video"].write_bytes(b"mp4")
+    record = item_record(item, model="tiny-wan", status="done", video="x.mp4", latents=None, timing=None)
+    write_json(paths["sidecar"], {**record, "method": made})
+    assert set(plan_resume(cfg)) == {"x"}
+    other = replace(cfg, ditango=DiTangoOptions(replace(RUN_DEFAULTS, cache_ratio=0.8)))
+    with pytest.raises(ConfigError, match="was made with ditango"):
+        plan_resume(other)
