@@ -129,6 +129,14 @@ def run_reuse_costs(
     # A rehearsal's CUDA tensors are fake: no GPU to name (FALLBACK_GPU's profile then).
     name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else ""
     return reuse_costs(
-        device_hardware(device.type, name), layout, heads, head_dim, tokens, cache_ratio=cfg.cache_ratio,
-        planner=cfg.planner, own_group=cfg.own_group, element_bytes=element_bytes, cache_bytes=cache_bytes,
-    )  # fmt: skip
+        device_hardware(device.type, name),
+        layout,
+        heads,
+        head_dim,
+        tokens,
+        cache_ratio=cfg.cache_ratio,
+        planner=cfg.planner,
+        own_group=cfg.own_group,
+        element_bytes=element_bytes,
+        cache_bytes=cache_bytes,
+    )

@@ -137,8 +137,8 @@ class SelectiveRuntime:
         if self.planner_cfg.reuse == "always":
             return None
         cache_bytes = (self.cache_dtype or cache_dtype_for(None, device)).itemsize
-        costs = run_reuse_costs(device, self.mesh.layout, self.heads, self.head_dim, tokens, self.planner_cfg,
-                                self.element_bytes, cache_bytes)  # fmt: skip
+        layout, cfg = self.mesh.layout, self.planner_cfg
+        costs = run_reuse_costs(device, layout, self.heads, self.head_dim, tokens, cfg, self.element_bytes, cache_bytes)
         return {**costs.to_json(), "pays": bool(self._agree_min(int(costs.pays)))}
 
     def allocate(
