@@ -34,9 +34,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 REGION_PREFIX = "ditango::"
 SPAN = REGION_PREFIX + "profiled"  # the whole profiled window, on the denoising thread
 STEP = REGION_PREFIX + "step "  # one denoising step (a marker for the trace: its own time is outside ops)
-# A region's name -> its category (runtime.profiling.region's names).
-REGIONS = {"attention": "attention", "merge": "merge", "exchange": "exchange", "bookkeeping": "bookkeeping",
-           "rotary": "rotary"}  # fmt: skip
+# The runtime's regions (`region`'s names); each is its own category.
+REGIONS = ("attention", "merge", "exchange", "bookkeeping", "rotary")
 # An operator's category: its exact name, else the first pattern in its (lower-case) name.
 OP_NAMES = {
     "linear": ("aten::linear", "aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::baddbmm",
@@ -50,22 +49,22 @@ OP_PATTERNS = (
     ("exchange", ("gloo:", "nccl:", "c10d::", "record_param_comms")),
 )
 OP_CATEGORY = {name: category for category, names in OP_NAMES.items() for name in names}
-CATEGORIES = ("attention", "merge", "exchange", "bookkeeping", "rotary", "linear", "norms", "copies", "other ops",
-              "outside ops")  # fmt: skip
+CATEGORIES = (*REGIONS, "linear", "norms", "copies", "other ops", "outside ops")
+
+
+def _span(label: str):
+    """A span named `label` in a profile; nothing when no profiler runs."""
+    return record_function(label) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def region(name: str):
-    """A named span of the runtime in a profile (`name` in REGIONS); nothing when no profiler runs."""
-    if torch.autograd._profiler_enabled():
-        return record_function(REGION_PREFIX + name)
-    return contextlib.nullcontext()
+    """A named span of the runtime (`name` in REGIONS)."""
+    return _span(REGION_PREFIX + name)
 
 
 def step_region(step: int):
-    """A denoising step's span in a profile (`ditango::step N`); nothing when no profiler runs."""
-    if torch.autograd._profiler_enabled():
-        return record_function(f"{STEP}{step}")
-    return contextlib.nullcontext()
+    """A denoising step's span (`ditango::step N`)."""
+    return _span(f"{STEP}{step}")
 
 
 def op_category(name: str) -> str | None:
@@ -90,7 +89,8 @@ def category_of(event) -> str:
         e = e.cpu_parent
     for e in chain:  # the nearest region
         if e.name.startswith(REGION_PREFIX):
-            return REGIONS.get(e.name[len(REGION_PREFIX) :], "other ops")
+            name = e.name[len(REGION_PREFIX) :]
+            return name if name in REGIONS else "other ops"
     for e in reversed(chain):  # the outermost operator that names a category
         if (category := op_category(e.name)) is not None:
             return category
@@ -133,7 +133,7 @@ class StepProfiler:
     table, and the trace written to `trace`); `abandon` when the denoising failed."""
 
     def __init__(self, device: torch.device, steps: int, trace: Path) -> None:
-        self.device, self.steps, self.trace = device, steps, trace
+        self.device, self.trace = device, trace
         self.skipped = 1 if steps > 1 else 0
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self._profile = profile(activities=activities)
@@ -183,7 +183,7 @@ def summary(records: list[dict]) -> dict | None:
     tables = [r["profile"] for r in records if r.get("profile")]
     if not tables:
         return None
-    ranks = len(tables[0]["per_rank"])
+    ranks = max(len(t["per_rank"]) for t in tables)
     per_rank = []
     for rank in range(ranks):
         rows = [t["per_rank"][rank] for t in tables if rank < len(t["per_rank"]) and t["per_rank"][rank]]
