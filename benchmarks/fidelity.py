@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.ditango import ASPECTS, MODEL, Config, fmt, mean  # noqa: E402
 from benchmarks.harness import bench  # noqa: E402
+from planner.strategy import strategy_named
 from runtime.plots import Series, write_xy_plot  # noqa: E402
 from runtime.quality import psnr, ssim  # noqa: E402
 from tiny_wan.judge import judge  # noqa: E402
@@ -158,7 +159,7 @@ def simulate(exe: Path, row: dict, args: list[str], steps: int) -> dict | None:
     strategy = args[args.index("--parallel") + 1]
     cmd = [str(exe), "simulate", "--nodes", "4", "--gpus-per-node", "8", "--parallel", strategy, "--steps",
            str(steps), "--json"]  # fmt: skip
-    if strategy == "ditango":
+    if strategy_named(strategy).reuses:
         for flag in ("--cache-ratio", "--planner"):
             if flag in args:
                 cmd += [flag, args[args.index(flag) + 1]]
@@ -173,7 +174,7 @@ def simulate(exe: Path, row: dict, args: list[str], steps: int) -> dict | None:
     # time and, under context parallelism, none of its bytes (they are the attention's).
     r, blocks, evals = rows[0], row["blocks_run"], row["attention_evals"]
     step = (r["step_s"] - r["attention_s"]) * blocks + r["attention_s"] * evals
-    moved = blocks if strategy == "tp" else evals
+    moved = blocks if strategy_named(strategy).splits_weights else evals
     return {"e2e_s": r["e2e_s"] - steps * (r["step_s"] - step), "step_s": step,
             "inter_node_bytes": r["inter_node_bytes"] * moved, "intra_node_bytes": r["intra_node_bytes"] * moved}  # fmt: skip
 

@@ -63,7 +63,7 @@ def ditango_args(args, strategy: str, out: Path) -> list[str]:
 def command(args, peer: str, strategy: str, out: Path) -> list[str]:
     """The command line of one run, writing under `out`."""
     if peer == "diffusers":
-        degrees = ["--ring" if strategy == "ring" else "--ulysses", str(args.ranks)]
+        degrees = [f"--{strategy}", str(args.ranks)]  # the two strategies diffusers' degrees are set for
         return [*torchrun(args), str(HERE / "peer_worker.py"), *degrees, "--out", str(out), *work(args)]
     ditango = [*ditango_args(args, strategy, out), "--executor"]
     if peer == "ditango torchrun":

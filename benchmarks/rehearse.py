@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from planner.strategy import strategy_named
+
 GIB = 2**30
 MODELS = ("wan2.1-14b", "wan2.2-a14b", "hunyuanvideo")
 LAYOUTS = ("1x8", "4x8")
@@ -39,7 +41,7 @@ def case(model: str, layout: str, strategy: str) -> dict:
     nodes, gpus = layout.split("x")
     size = ["--height", "720", "--width", "1280", "--frames", "81"]
     where = ["--nodes", nodes, "--gpus-per-node", gpus]
-    extra = ["--group-size", "node"] if strategy == "ditango" else []
+    extra = ["--group-size", "node"] if "group_size" in strategy_named(strategy).options else []
     code, report, seconds = run(["ditango", "rehearse", "--model", model, *size, *where, "--parallel", strategy,
                                  *extra, "--json"])  # fmt: skip
     if not report or "ranks" not in report:
@@ -92,8 +94,8 @@ def main() -> int:
     for model in args.models.split(","):
         for layout in args.layouts.split(","):
             for strategy in args.strategies.split(","):
-                if strategy == "tp" and model == "hunyuanvideo":
-                    continue  # not supported for its joint blocks (planner/layout.py)
+                if strategy_named(strategy).splits_weights and model == "hunyuanvideo":
+                    continue  # tp: not supported for its joint blocks (planner/layout.py)
                 rows.append(case(model, layout, strategy))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(table(rows))

@@ -65,10 +65,10 @@ def choose_layout(p, g, d, mem, spec, items, array: int = 1):
                           + "; ".join(notes))  # fmt: skip
     best, reason = choices[0], why(choices, problem)
     lay = best.layout
-    p = replace(p, parallel=ParallelChoice(lay.strategy) if lay.cp_degree > 1 else None, replicas=best.replicas,
-                ulysses_degree=lay.ulysses if lay.strategy == "usp" else None)  # fmt: skip
+    parallel = ParallelChoice(lay.strategy.name) if lay.cp_degree > 1 else None
+    p = replace(p, parallel=parallel, replicas=best.replicas, ulysses_degree=lay.ulysses_degree)
     g = replace(g, cfg_parallel=lay.cfg_degree == 2)
-    d = replace(d, group_size=str(lay.group) if lay.strategy == "ditango" else None)
+    d = replace(d, group_size=None if lay.group_size is None else str(lay.group_size))
     mem = replace(mem, shard_weights=best.shard_weights)
     flags = " ".join(best.flags()) or "(one GPU, no flags)"
     typer.echo(printable(f"layout auto ({problem.objective}, {hw.name}): {flags}; {reason}"), err=True)  # a file's name

@@ -30,7 +30,7 @@ def show_dry_run(cfg: RunConfig, opts: SlurmOptions, where: str, as_json: bool) 
     out.print(
         f"device {record['device']} ({record['backend']}); {record['replicas']} replica(s) of "
         f"{cfg.layout.world_size} rank(s), strategy {cfg.layout.strategy}"
-        + (f" (group size {cfg.layout.group})" if cfg.layout.strategy == "ditango" else "")
+        + (f" (group size {cfg.layout.group})" if "group_size" in cfg.layout.strategy.options else "")
         + f"; {record['items']} item(s) in "
         f"{opts.array} array task(s); timeouts: step {cfg.timeout_s:g} s, setup {cfg.setup_timeout_s:g} s",
         markup=False,
@@ -48,7 +48,7 @@ def show_dry_run(cfg: RunConfig, opts: SlurmOptions, where: str, as_json: bool) 
         out.print(f"  {key}={shlex.quote(value)}{after}", markup=False)
     out.print(f"  ({RANK_DEVICE_ENV}=cpu would make the ranks compute on CPUs whatever was requested)", markup=False)
     table = Table("rank", "node", "local", "gpu", "replica", "in replica", "cfg", "cp", "ulysses", "ring")
-    with_group = cfg.layout.strategy == "ditango"
+    with_group = "group_size" in cfg.layout.strategy.options
     if with_group:
         table.add_column("group")
     for r in record["ranks"]:

@@ -181,7 +181,7 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict, given: Given) -> int:
     check_output_folder_free(cfg.out_dir)  # generate would refuse an OUT that another run or live jobs own
     skipped = plan_resume(cfg) if cfg.out_dir.is_dir() else {}
     spec = resolved.spec
-    backend = "diffusers" if cfg.layout.strategy == "none" else resolve_backend(
+    backend = "diffusers" if cfg.layout.strategy.runtime is None else resolve_backend(
         cfg.attention_backend, placement.device, placement.dtype, where == "local")  # fmt: skip
     summary = {
         "model": cfg.model, "model_path": None if resolved.path is None else str(resolved.path),
@@ -202,10 +202,7 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict, given: Given) -> int:
         f"model {summary['model']} ({summary['model_path'] or 'built-in'}), {spec.layers} layers, {spec.heads} heads; "
         f"device {summary['device']}, dtype {summary['dtype']}; out {summary['out_dir']}; {lay.world_size} rank(s)"
         + (f" x {cfg.replicas} replicas" if cfg.replicas > 1 else "")
-        + f", strategy {lay.strategy} ("
-        + (f"tp {lay.tp}" if lay.strategy == "tp" else f"ulysses {lay.ulysses} x ring {lay.ring}")
-        + (f", group size {lay.group}" if lay.strategy == "ditango" else "")
-        + f", attention {backend})",
+        + f", strategy {lay.strategy} ({lay.strategy.degrees_text(lay)}, attention {backend})",
         highlight=False,
     )
     if note := lay.idle():

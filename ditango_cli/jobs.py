@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ditango_cli.options import PATH
 from ditango_cli.tables import plain_console, print_tables, say_error
+from planner.strategy import STRATEGIES
 from planner.user_files import printable
 
 OutArg = Annotated[Path, typer.Argument(**PATH, help="The --out folder of a batch.")]
@@ -143,7 +144,8 @@ def report(out: OutArg, as_json: JsonOpt = False) -> int:
     console = plain_console()
     layout = merged.get("layout") or {}
     if layout:
-        group = f", group size {layout.get('group_size')}" if layout.get("strategy") == "ditango" else ""
+        known = STRATEGIES.get(layout.get("strategy"))
+        group = f", group size {layout.get('group_size')}" if known and "group_size" in known.options else ""
         console.print(f"{merged.get('model')}: {layout.get('world_size')} rank(s) on {layout.get('nodes')} node(s), "
                       f"strategy {layout.get('strategy')}{group}", highlight=False, soft_wrap=True)  # fmt: skip
     print_tables(console, table)

@@ -18,8 +18,8 @@ import typer
 from planner.ditango import OWN_GROUP_MODES, PLANNERS, REUSE_MODES, RUN_DEFAULTS
 from planner.errors import ConfigError
 from planner.hybrid import FIRST_SEGMENT_TEXTS
-from planner.layout import STRATEGIES
 from planner.search import OBJECTIVES
+from planner.strategy import DEFAULT_CP, STRATEGIES
 from planner.user_files import Unreadable, user_path
 from runtime.config import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, setup_timeout
 from runtime.kernels import BACKENDS
@@ -198,8 +198,8 @@ class ParallelArgs:
         ParallelChoice | None,
         _o(
             "--parallel",
-            help="ring, ulysses, usp, ditango (context parallel) or tp (heads and FFN split) "
-            "[none on 1 rank, ring on more].",
+            help=f"{', '.join(n for n, s in STRATEGIES.items() if s.runtime)} (docs/strategies.md) "
+            f"[none on 1 rank, {DEFAULT_CP} on more].",
             case_sensitive=False,
         ),
     ] = None

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 import typer
 
 from planner.errors import ConfigError
+from planner.strategy import Strategy
 
 COMMAND_LINE = "the command line"
 TYPED = ("COMMANDLINE", "ENVIRONMENT")  # click's ParameterSource names (typer may vendor click)
@@ -99,7 +100,7 @@ class RunSetting:
     where: str  # the executor: local, srun, sbatch or env
     model_from: str  # runtime/models/resolve.py model_source: built-in, folder, cache folder or hub
     layout_auto: bool
-    strategy: str  # after --layout auto; "none" on one rank
+    strategy: Strategy  # after --layout auto; none on one rank
     world_size: int
     cp_degree: int
     hybrid: bool
@@ -128,11 +129,11 @@ GENERATE_RULES = (
         lambda s: s.model_from == "hub",
     ),
     Rule(("objective", "hardware", "allow_reuse"), "with --layout auto", lambda s: s.layout_auto),
-    Rule(DITANGO_ONLY, "to --parallel ditango", lambda s: s.strategy == "ditango"),
+    Rule(DITANGO_ONLY, "to --parallel ditango", lambda s: s.strategy.reuses),
     Rule(
         ("reference",),
         "to what it measures against exact: --parallel ditango, a --step-cache or a tiled decode",
-        lambda s: s.strategy == "ditango" or s.step_cache or s.tiled_decode,
+        lambda s: s.strategy.reuses or s.step_cache or s.tiled_decode,
     ),
     Rule(HYBRID_TUNING, "with --hybrid", lambda s: s.hybrid),
     Rule(
@@ -151,7 +152,7 @@ GENERATE_RULES = (
     Rule(
         ("attention_backend",),
         "to a parallel strategy (one rank runs diffusers' own attention)",
-        lambda s: s.strategy != "none",
+        lambda s: s.strategy.runtime is not None,
     ),
     Rule(
         SLURM_JOB,

@@ -150,10 +150,10 @@ def build_run_config(
             raise ConfigError(problem)
         warn(f"warning: {problem}")
     placement = placement_on(torch.device(device), None if m.dtype is None else m.dtype.value)
-    ditango = ditango_options(d) if layout.strategy == "ditango" else None
+    ditango = ditango_options(d) if layout.strategy.reuses else None
     if ditango is not None:  # fail now, not inside the ranks
         check_cache_limit(ditango, items, layout, spec.heads, spec.head_dim, spec.layers, placement.device)
-    if layout.strategy != "none":
+    if layout.strategy.runtime is not None:
         resolve_backend(p.attention_backend.value, placement.device, placement.dtype, where == "local")
     cfg = RunConfig(
         model=m.model, model_path=None,

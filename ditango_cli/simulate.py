@@ -15,6 +15,7 @@ from ditango_cli.requires import SIMULATE_RULES, Given, SimulateSetting, check_g
 from ditango_cli.tables import plain_console, print_tables
 from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS
 from planner.errors import ConfigError
+from planner.strategy import STRATEGIES
 
 NodesOpt = Annotated[int, typer.Option("--nodes", help="Nodes of the cluster to price.")]
 GpusOpt = Annotated[int, typer.Option("--gpus-per-node", "--gpus", help="GPUs per node.")]
@@ -107,10 +108,11 @@ def simulate(
         raise ConfigError(f"unknown model {model!r} for simulate: use one of {', '.join(REGISTRY)}")
     strategies = [s.strip() for s in parallel.split(",") if s.strip()]
     if not strategies:
-        raise ConfigError(f"--parallel {parallel!r} names no strategy; give some of ring, ulysses, usp, tp, ditango")
+        known = ", ".join(n for n, s in STRATEGIES.items() if s.runtime is not None)
+        raise ConfigError(f"--parallel {parallel!r} names no strategy; give some of {known}")
     ranking = batch is not None or objective is not None
-    priced = SimulateSetting(ranking, allow_reuse if ranking else "ditango" in strategies, plan is not None,
-                             hardware_file is not None)  # fmt: skip
+    reuse = allow_reuse if ranking else any(s in STRATEGIES and STRATEGIES[s].reuses for s in strategies)
+    priced = SimulateSetting(ranking, reuse, plan is not None, hardware_file is not None)
     check_given(SIMULATE_RULES, Given.of(ctx), priced)  # no run file: every rule broken is refused
     spec = REGISTRY[model]  # one expert runs at a time: per-step costs are one transformer's (memory: all)
     hw = with_overrides(load_hardware(str(hardware_file) if hardware_file else hardware), inter_node_gbps, overlap)

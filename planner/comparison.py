@@ -14,6 +14,7 @@ from planner.memory import MemoryOptions, cfg_branches, estimate_memory
 from planner.models import ModelShape, VideoSize
 from planner.plan_shape import PlanReplay, PlanSource, recorded_source
 from planner.preflight import fit_to_memory, usable_bytes
+from planner.strategy import STRATEGIES, strategy_named
 
 
 def simulate_assumptions(hw: Hardware, model: str, tokens: int, steps: int, source: PlanSource,
@@ -57,9 +58,10 @@ def compare_layouts(
     shapes of the run defaults' planner and cache ratio); its row's `ditango` says what the replay computed, with
     notes where the recording did not cover the layout or ratio.
     `gpu_memory_bytes` (default: the profile's) decides `fits`."""
+    priced = [n for n, s in STRATEGIES.items() if s.runtime is not None]
     for s in strategies:
-        if s not in ("ring", "ulysses", "usp", "tp", "ditango"):
-            raise ConfigError(f"--parallel {s!r}: simulate knows ring, ulysses, usp, tp, ditango")
+        if s not in priced:
+            raise ConfigError(f"--parallel {s!r}: simulate knows {', '.join(priced)}")
     source = source or recorded_source(RUN_DEFAULTS.planner, RUN_DEFAULTS.cache_ratio)
     gpu_memory_bytes = gpu_memory_bytes or hw.memory_bytes or None
     rows, notes = [], []
@@ -67,10 +69,11 @@ def compare_layouts(
         found = []
         for s in strategies:
             try:
+                strategy = strategy_named(s)
                 group = None  # generate's default (ParallelLayout.group_size)
-                if s == "ditango" and group_size is not None:
+                if "group_size" in strategy.options and group_size is not None:
                     group = parse_group_size(group_size, gpus_per_node)
-                layout = ParallelLayout(n, gpus_per_node, 1, s, None, group).with_default_ulysses(shape.heads)
+                layout = ParallelLayout(n, gpus_per_node, 1, strategy, None, group).with_defaults(shape.heads)
                 layout.check_model(shape.heads, shape.ffn, shape.joint_text)
             except (ConfigError, ValueError) as exc:
                 notes.append(f"{s} on {n} node(s): {exc}")
@@ -78,10 +81,10 @@ def compare_layouts(
             est, plan = _priced(hw, layout, shape, size, steps, source, memory.shard_weights)
             mem = memory_row(shape, layout, size, memory, vae_parallel, gpu_memory_bytes)
             summary = _plan_summary(plan)
-            found.append((est, mem, summary and {**summary, "group_size": layout.group}))
-        exact = [e.e2e_s for e, _, _ in found if e.strategy != "ditango"]
+            found.append((est, mem, summary and {**summary, "group_size": layout.group}, layout.strategy))
+        exact = [e.e2e_s for e, _, _, strategy in found if not strategy.reuses]
         best = min(exact) if exact else None
-        for e, mem, plan in found:
+        for e, mem, plan, _ in found:
             rows.append(
                 {"strategy": e.strategy, "nodes": e.nodes, "gpus_per_node": e.gpus_per_node,
                  "attention_s": round(e.attention_s, 6), "step_s": round(e.step_s, 6), "e2e_s": round(e.e2e_s, 4),
@@ -96,8 +99,8 @@ def _priced(hw: Hardware, layout: ParallelLayout, shape: ModelShape, size: Video
             steps: int, source: PlanSource, shard: bool = False) -> tuple[Estimate, PlanReplay | float | None]:  # fmt: skip
     """One layout's estimate; for DiTango, with the plan replayed on it; `shard`: --shard-weights
     (its weight gathers counted in the bytes)."""
-    shard = shard and layout.strategy != "tp"
-    if layout.strategy != "ditango":
+    shard = shard and not layout.strategy.splits_weights
+    if not layout.strategy.reuses:
         return estimate(hw, layout, shape, size, steps, shard_weights=shard), None
     plan = source.replay(layout, shape.layers, steps)
     if not isinstance(plan, PlanReplay):  # a flat fraction: no step kinds, no control bytes

@@ -17,7 +17,7 @@ from planner.errors import ConfigError
 from planner.layout import ParallelLayout, chunk_sizes
 from planner.memory import GIB
 from planner.models import ModelShape, VideoSize
-from planner.traffic import Topology, ditango_units, predict_traffic, tp_all_reduces
+from planner.traffic import Topology, predict_traffic, unit_fractions
 from planner.user_files import read_json_file, user_path
 
 # -- hardware -----------------------------------------------------------------------------
@@ -163,24 +163,24 @@ class Estimate:
     note: str = ""
 
 
-def _bw(hw: Hardware, link: str) -> float:
+def bandwidth(hw: Hardware, link: str) -> float:
     gbps = hw.intra_gbps if link == "intra_node" else hw.inter_gbps
     return gbps * 1e9 * ASSUMPTIONS["link_efficiency"]
 
 
-def _lat(hw: Hardware, link: str) -> float:
+def latency(hw: Hardware, link: str) -> float:
     return hw.latency_us * 1e-6 / (3 if link == "intra_node" else 1)
 
 
-def _hop(hw: Hardware, compute: float, transfer: float) -> float:
+def hop_seconds(hw: Hardware, compute: float, transfer: float) -> float:
     return max(compute, transfer) + (1 - hw.overlap) * min(compute, transfer)
 
 
-def _attn_s(hw: Hardware, q: int, k: int, heads: int, d: int) -> float:
+def attention_seconds(hw: Hardware, q: int, k: int, heads: int, d: int) -> float:
     return 4.0 * q * k * heads * d / (hw.bf16_tflops * 1e12 * hw.attention_efficiency)
 
 
-def _ring_time(hw, topo: Topology, ranks, q: int, blocks: list[int], heads: int, d: int, e: int,
+def ring_seconds(hw, topo: Topology, ranks, q: int, blocks: list[int], heads: int, d: int, e: int,
                hops: float = 1.0) -> float:  # fmt: skip
     """Slowest member of a ring: own block, then P-1 hops of max(compute, transfer) + latency,
     the hops weighted by `hops` (the share of forwards that make them)."""
@@ -188,11 +188,12 @@ def _ring_time(hw, topo: Topology, ranks, q: int, blocks: list[int], heads: int,
     P = len(ranks)
     for me in range(P):
         link = topo.link(ranks[me], ranks[(me - 1) % P])
-        total = _attn_s(hw, q, blocks[me], heads, d)
+        total = attention_seconds(hw, q, blocks[me], heads, d)
         for k in range(P - 1):
             s = blocks[(me - k - 1) % P]
             total += hops * (
-                _hop(hw, _attn_s(hw, q, s, heads, d), 2 * s * heads * d * e / _bw(hw, link)) + _lat(hw, link)
+                hop_seconds(hw, attention_seconds(hw, q, s, heads, d), 2 * s * heads * d * e / bandwidth(hw, link))
+                + latency(hw, link)
             )
         worst = max(worst, total)
     return worst
@@ -203,9 +204,9 @@ def attention_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: int,
     """One layer's self-attention for one forward on the slowest rank. DiTango computes
     `compute_fraction` of each decision unit (a scalar: of every unit; a list: per unit of
     `traffic.ditango_units(layout, own_group)`)."""
-    return _video_attention_time(hw, topo, shape, tokens, e, compute_fraction, own_group) + _joint_text_time(
-        hw, topo, shape, tokens
-    )
+    sizes = chunk_sizes(tokens, topo.layout.cp_degree)
+    video = topo.layout.strategy.attention_time(hw, topo, shape, sizes, e, compute_fraction, own_group)
+    return video + _joint_text_time(hw, topo, shape, tokens)
 
 
 def _joint_text_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: int) -> float:
@@ -217,89 +218,12 @@ def _joint_text_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: in
     H, D, n = shape.heads, shape.head_dim, shape.text_len
     P = topo.layout.cp_degree
     q = max(chunk_sizes(tokens, P))
-    t = _attn_s(hw, q, n, H, D) + _attn_s(hw, n, q, H, D) + _attn_s(hw, n, n, H, D)
+    t = attention_seconds(hw, q, n, H, D) + attention_seconds(hw, n, q, H, D) + attention_seconds(hw, n, n, H, D)
     if P > 1:
         cp_ranks = topo.groups["cp"][0]
         link = "inter_node" if len({topo.node_of[r] for r in cp_ranks}) > 1 else "intra_node"
-        t += (P - 1) * n * H * (D + 1) * 4 / _bw(hw, link) + _lat(hw, link)
+        t += (P - 1) * n * H * (D + 1) * 4 / bandwidth(hw, link) + latency(hw, link)
     return t
-
-
-def _video_attention_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: int, e: int,
-                          compute_fraction: float | list[float], own_group: str = "decide") -> float:  # fmt: skip
-    layout = topo.layout
-    H, D = shape.heads, shape.head_dim
-    sizes = chunk_sizes(tokens, layout.cp_degree)
-    q = max(sizes)
-    if layout.strategy == "none":
-        return _attn_s(hw, tokens, tokens, H, D)
-    if layout.strategy == "tp":  # the local heads over the whole sequence; its all-reduces: tp_time
-        return _attn_s(hw, tokens, tokens, H // layout.tp, D)
-    if layout.strategy in ("ring", "ulysses", "usp"):
-        u, h = layout.ulysses, H // layout.ulysses
-        t = 0.0
-        if u > 1:
-            uly = topo.groups["ulysses"][0]
-            link = "inter_node" if len({topo.node_of[r] for r in uly}) > 1 else "intra_node"
-            a2a = (3 + 1) * q * h * D * e * (u - 1)
-            t += a2a / _bw(hw, link) + 2 * (u - 1) * _lat(hw, link)
-        spans = [sum(sizes[i * u : (i + 1) * u]) for i in range(layout.ring)]
-        ring = topo.groups["ring"][0]
-        return t + _ring_time(hw, topo, ring, max(spans), spans, h, D, e)
-    fractions = unit_fractions(compute_fraction, layout, own_group)
-    return ditango_attention_time(hw, topo, H, D, sizes, e, fractions, own_group)
-
-
-def ditango_attention_time(hw: Hardware, topo: Topology, heads: int, head_dim: int, sizes: list[int], e: int,
-                           fractions: list[float], own_group: str) -> float:  # fmt: skip
-    """DiTango on the slowest rank: each rank's own chunk, the ring over its group's other
-    members (every forward, or as unit 0 decides), and per remote offset d, computed with
-    its unit's fraction, the direct fetch from I*d ahead (the slowest rank's link: ranks at
-    a group boundary may cross a node where rank 0 does not) overlapped with the ring of the
-    remote group's chunks around the own group. A reused unit is merged from the cache (its
-    bookkeeping: planner/reuse.py)."""
-    layout = topo.layout
-    cp_ranks = topo.groups["cp"][0]
-    H, D, size, G, P = heads, head_dim, layout.group, layout.groups, layout.cp_degree
-    q = max(sizes)
-    units = ditango_units(layout, own_group)
-    per_offset = {d: f for f, offs in zip(fractions, units, strict=True) for d in offs}
-    groups = [cp_ranks[g * size : (g + 1) * size] for g in range(G)]
-
-    def group_ring(d: int, hops: float = 1.0) -> float:  # every group rotating the chunks of the group d ahead
-        return max(_ring_time(hw, topo, groups[g], q, sizes[((g + d) % G) * size :][:size], H, D, e, hops)
-                   for g in range(G))  # fmt: skip
-
-    def fetch(c: int, d: int) -> float:  # rank c's direct fetch of its source's K, V
-        src = (c + size * d) % P
-        link = topo.link(cp_ranks[c], cp_ranks[src])
-        return 2 * sizes[src] * H * D * e / _bw(hw, link) + _lat(hw, link)
-
-    total = group_ring(0, per_offset.get(0, 1.0))
-    for d in range(1, G):
-        total += per_offset[d] * _hop(hw, group_ring(d), max(fetch(c, d) for c in range(P)))
-    return total
-
-
-def unit_fractions(compute_fraction: float | list[float], layout: ParallelLayout, own_group: str) -> list[float]:
-    """Computed fraction per decision unit of `layout` (a scalar applies to every unit)."""
-    units = ditango_units(layout, own_group)
-    if isinstance(compute_fraction, (int, float)):
-        return [float(compute_fraction)] * len(units)
-    assert len(compute_fraction) == len(units), (len(compute_fraction), units)
-    return [float(f) for f in compute_fraction]
-
-
-def tp_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: int, e: int) -> float:
-    """One block's tensor-parallel all-reduces for one forward (planner/traffic.py
-    `tp_all_reduces`), each a ring of 2(n-1) steps of 1/n of the tensor over the ring's
-    slowest link, one after another (each result is needed before the block goes on)."""
-    n = topo.layout.tp
-    if n == 1:
-        return 0.0
-    ranks = topo.groups["cp"][0]
-    link = "inter_node" if len({topo.node_of[r] for r in ranks}) > 1 else "intra_node"
-    return sum(2 * (n - 1) * (b / n / _bw(hw, link) + _lat(hw, link)) for b in tp_all_reduces(shape, tokens, e))
 
 
 def rest_of_block_time(hw: Hardware, shape: ModelShape, local_tokens: int) -> float:
@@ -314,7 +238,7 @@ def rest_of_block_time(hw: Hardware, shape: ModelShape, local_tokens: int) -> fl
     flops += 2 * n * 2 * hid * hid + 2 * shape.text_len * 2 * shape.text_dim * hid  # cross-attn q, o; k, v of text
     flops += 2 * n * 2 * hid * shape.ffn  # FFN up and down
     matmul = flops / (hw.bf16_tflops * 1e12 * hw.matmul_efficiency)
-    return matmul + _attn_s(hw, n, shape.text_len, shape.heads, shape.head_dim)
+    return matmul + attention_seconds(hw, n, shape.text_len, shape.heads, shape.head_dim)
 
 
 def estimate(
@@ -340,36 +264,36 @@ def estimate(
     sizes = chunk_sizes(tokens, layout.cp_degree)
     forwards = 1 if layout.cfg_degree == 2 else 2
     attn = attention_time(hw, topo, shape, tokens, element_bytes, compute_fraction, own_group)
-    rest = rest_of_block_time(hw, shape, max(sizes))
-    if layout.strategy == "tp":  # whole sequence, 1/n of every matmul; then the all-reduces
-        rest = rest_of_block_time(hw, shape, tokens) / layout.tp + tp_time(hw, topo, shape, tokens, element_bytes)
+    strategy = layout.strategy  # a weight-splitting one: 1/tp of every matmul, then its collectives
+    rest = rest_of_block_time(hw, shape, strategy.block_tokens(tokens, sizes)) / layout.tp
+    rest += strategy.weight_time(hw, topo, shape, tokens, element_bytes)
     gather = 0.0
-    if layout.cp_degree > 1 and layout.strategy != "tp":
+    if layout.cp_degree > 1 and not strategy.splits_weights:
         cp_ranks = topo.groups["cp"][0]
         link = "inter_node" if len({topo.node_of[r] for r in cp_ranks}) > 1 else "intra_node"
-        gather = (layout.cp_degree - 1) * max(sizes) * shape.out_channels * element_bytes / _bw(hw, link)
+        gather = (layout.cp_degree - 1) * max(sizes) * shape.out_channels * element_bytes / bandwidth(hw, link)
     step = forwards * (shape.layers * (attn + rest) + gather)
     if shard_weights and layout.cp_degree > 1:  # FSDP gathers every block each forward, prefetched beside compute
         cp_ranks = topo.groups["cp"][0]
         link = "inter_node" if len({topo.node_of[r] for r in cp_ranks}) > 1 else "intra_node"
         n = layout.cp_degree
-        weights = (n - 1) * (shape.fsdp_gathered_params // n) * element_bytes / _bw(hw, link)
+        weights = (n - 1) * (shape.fsdp_gathered_params // n) * element_bytes / bandwidth(hw, link)
         step = max(step, forwards * weights)
     if layout.cfg_degree == 2:
         pair = topo.groups["cfg"][0]
         link = topo.link(pair[0], pair[1])
         f, h, w = shape.latent_shape(size)
-        step += f * h * w * shape.latent_channels * element_bytes / _bw(hw, link) + _lat(hw, link)
+        step += f * h * w * shape.latent_channels * element_bytes / bandwidth(hw, link) + latency(hw, link)
     traffic = predict_traffic(layout, shape, size, steps, element_bytes=element_bytes,
                               plan_bits=plan_bits, plan_kinds=plan_kinds, own_group=own_group, planner=planner,
                               shard_weights=shard_weights)  # fmt: skip
-    if layout.strategy == "ditango" and plan_bits is None:
+    if strategy.reuses and plan_bits is None:
         fractions = unit_fractions(compute_fraction, layout, own_group)
         for key, n in _fractional_attention_bytes(layout, shape, size, element_bytes, fractions,
                                                   own_group).items():  # fmt: skip
             traffic[key] -= round(steps * forwards * shape.layers * n)
     return Estimate(
-        layout.strategy, layout.nodes, layout.gpus_per_node, forwards * shape.layers * attn, step, steps * step,
+        layout.strategy.name, layout.nodes, layout.gpus_per_node, forwards * shape.layers * attn, step, steps * step,
         traffic["inter_node_bytes"], traffic["intra_node_bytes"],
     )  # fmt: skip
 

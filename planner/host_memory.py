@@ -94,7 +94,7 @@ def host_memory(
         return HostEstimate(parts, ranks_per_node)
     if layout.world_size > 1 and options.shard_weights:
         parts["load"] = transformer + text
-    elif layout.world_size > 1 and layout.strategy == "tp":
+    elif layout.world_size > 1 and layout.strategy.splits_weights:
         parts["load"] = transformer
     if not options.shard_weights:  # sharded modules stay where FSDP put them
         parts["run"] = text * options.offload_text_encoder + transformer * options.offload_transformer

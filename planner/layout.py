@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 from planner.errors import ConfigError
-
-Strategy = Literal["none", "ring", "ulysses", "usp", "ditango", "tp"]
-STRATEGIES = ("none", "ring", "ulysses", "usp", "ditango", "tp")
+from planner.strategy import DEFAULT_CP, LAYOUT_OPTIONS, STRATEGIES, Strategy, strategy_named
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -39,11 +36,10 @@ class ParallelLayout:
     nodes: int = 1
     gpus_per_node: int = 1
     cfg_degree: int = 1
-    strategy: Strategy = "none"
+    strategy: Strategy = "none"  # a registered Strategy (planner/strategy.py), or its name
     ulysses_degree: int | None = None  # usp only; None: the largest legal degree within a node
-    # ditango only: adjacent cp ranks per group; None: on several nodes a node's ranks (the
-    # largest divisor of the cp degree up to them: a smaller group moves more bytes between
-    # nodes than the ring), on one node 2 (1 if odd)
+    # ditango only: adjacent cp ranks per group; None: the strategy's default (on several
+    # nodes a node's ranks, on one node 2)
     group_size: int | None = None
     # Derived once from the fields above (a value, not a computation: read everywhere).
     world_size: int = field(init=False, repr=False, compare=False)
@@ -54,58 +50,34 @@ class ParallelLayout:
     ring: int = field(init=False, repr=False, compare=False)  # ring degree in the cp axis (1 under tp)
     tp: int = field(init=False, repr=False, compare=False)  # tensor-parallel degree: the cp axis under tp, else 1
 
-    def _derive(self) -> None:
-        def put(name: str, value: int) -> None:
+    def __post_init__(self) -> None:
+        def put(name: str, value) -> None:
             object.__setattr__(self, name, value)
 
-        put("world_size", self.nodes * self.gpus_per_node)
-        put("cp_degree", self.world_size // self.cfg_degree if self.cfg_degree else 0)
-        group = 1
-        if self.strategy == "ditango":
-            group = self.group_size if self.group_size is not None else default_group(self)
-        put("group", group)
-        put("groups", self.cp_degree // group if group else 0)
-        ulysses = {"ulysses": self.cp_degree, "usp": self.ulysses_degree or 1}.get(self.strategy, 1)
-        put("ulysses", ulysses)
-        put("ring", 1 if self.strategy == "tp" else self.cp_degree // max(1, ulysses))
-        put("tp", self.cp_degree if self.strategy == "tp" else 1)
-
-    def __post_init__(self) -> None:
-        self._derive()
+        if not isinstance(self.strategy, Strategy):
+            put("strategy", strategy_named(self.strategy))
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ConfigError(f"--nodes and --gpus-per-node must be >= 1, got {self.nodes} and {self.gpus_per_node}")
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"--parallel must be one of {', '.join(STRATEGIES[1:])}, got {self.strategy!r}")
+        put("world_size", self.nodes * self.gpus_per_node)
         if self.cfg_degree not in (1, 2) or self.world_size % self.cfg_degree:
             raise ConfigError(f"cfg degree must be 1 or 2 and divide the world size {self.world_size}")
-        if self.strategy == "none" and self.cp_degree > 1:
-            raise ConfigError(
-                f"{self.world_size} ranks need a context-parallel strategy: add --parallel ring, ulysses or usp"
-            )
-        if self.ulysses_degree is not None:
-            if self.strategy != "usp":
-                raise ConfigError("--ulysses-degree only applies to --parallel usp")
-            if self.ulysses_degree < 1 or self.cp_degree % self.ulysses_degree:
-                legal = ", ".join(map(str, _divisors(self.cp_degree)))
-                raise ConfigError(
-                    f"--ulysses-degree {self.ulysses_degree} must divide the cp degree {self.cp_degree} (try {legal})"
-                )
-
-        if self.group_size is not None:
-            if self.strategy != "ditango":
-                raise ConfigError("--group-size only applies to --parallel ditango")
-            if self.group_size < 1 or self.cp_degree % self.group_size:
-                legal = ", ".join(map(str, _divisors(self.cp_degree)))
-                raise ConfigError(
-                    f"--group-size {self.group_size} must divide the cp degree {self.cp_degree} (try {legal})"
-                )
+        put("cp_degree", self.world_size // self.cfg_degree)
+        for option, flag in LAYOUT_OPTIONS.items():
+            if getattr(self, option) is not None and option not in self.strategy.options:
+                takers = " or ".join(f"--parallel {s}" for s in STRATEGIES.values() if option in s.options)
+                raise ConfigError(f"{flag} only applies to {takers}")
+        self.strategy.check(self)
+        degrees = self.strategy.degrees(self)
+        for name, value in degrees._asdict().items():
+            put(name, value)
+        put("groups", self.cp_degree // degrees.group)
 
     def check_model(self, heads: int, ffn: int | None = None, joint_text: bool = False) -> None:
         """Errors that depend on the model: Ulysses splits heads, so its degree must divide them;
         tp splits heads and the FFN width (`ffn`, when known); tp has no joint text-video
         (HunyuanVideo-style) blocks yet."""
         if self.ulysses > 1 and heads % self.ulysses:
-            best = max(d for d in _divisors(self.cp_degree) if heads % d == 0)
+            best = max(d for d in divisors(self.cp_degree) if heads % d == 0)
             hint = "use --parallel ring" + (f", or --parallel usp --ulysses-degree {best}" if best > 1 else "")
             raise ConfigError(f"Ulysses degree {self.ulysses} must divide the model's {heads} attention heads; {hint}")
         if self.tp == 1:
@@ -116,29 +88,17 @@ class ParallelLayout:
             )
         for what, n in (("attention heads", heads), ("FFN width", ffn)):
             if n is not None and n % self.tp:
-                best = max(d for d in _divisors(self.tp) if heads % d == 0 and (ffn is None or ffn % d == 0))
+                best = max(d for d in divisors(self.tp) if heads % d == 0 and (ffn is None or ffn % d == 0))
                 hint = f", or tp over {best} ranks per cp group" if best > 1 else ""
                 raise ConfigError(f"tp degree {self.tp} must divide the model's {n} {what}; use --parallel ring{hint}")
 
-    def with_default_ulysses(self, heads: int) -> ParallelLayout:
-        """USP without --ulysses-degree: the largest degree dividing heads that stays inside a node."""
-        if self.strategy != "usp" or self.ulysses_degree is not None:
-            return self
-        per_node = self.cp_degree if self.nodes == 1 else self.gpus_per_node
-        best = max(d for d in _divisors(self.cp_degree) if heads % d == 0 and per_node % d == 0)
-        return ParallelLayout(self.nodes, self.gpus_per_node, self.cfg_degree, self.strategy, best, self.group_size)
+    def with_defaults(self, heads: int) -> ParallelLayout:
+        """This layout with the options its strategy leaves to a model of `heads` heads."""
+        return self.strategy.with_defaults(self, heads)
 
     def idle(self) -> str | None:
         """A note when the strategy asked for changes nothing here (None: it does its work)."""
-        if self.strategy == "none":
-            return None
-        if self.cp_degree == 1:
-            return (f"--parallel {self.strategy} on {self.world_size} rank(s) splits no sequence (one rank per CFG "
-                    "branch): every step is one process's")  # fmt: skip
-        if self.strategy == "ditango" and self.groups == 1:
-            return (f"--parallel ditango with one group of {self.group} ranks computes every partition fresh (nothing "
-                    "is reused): the exact ring's work; a smaller --group-size reuses")  # fmt: skip
-        return None
+        return self.strategy.idle(self)
 
     def to_json(self) -> dict:
         return {
@@ -147,7 +107,7 @@ class ParallelLayout:
             "gpus_per_node": self.gpus_per_node,
             "cfg_degree": self.cfg_degree,
             "cp_degree": self.cp_degree,
-            "strategy": self.strategy,
+            "strategy": self.strategy.name,
             "ulysses_degree": self.ulysses,
             "ring_degree": self.ring,
             "group_size": self.group,
@@ -205,13 +165,6 @@ def replica_shape(nodes: int, gpus_per_node: int, replicas: int) -> tuple[int, i
     )
 
 
-def default_group(layout: ParallelLayout) -> int:
-    """DiTango's group when --group-size is not given (ParallelLayout.group_size)."""
-    if layout.nodes > 1:
-        return max(d for d in _divisors(layout.cp_degree) if d <= layout.gpus_per_node)
-    return 2 if layout.cp_degree % 2 == 0 else 1
-
-
 def parse_group_size(text: str, gpus_per_node: int) -> int:
     """--group-size: a number of ranks (ASCII digits), or 'node' (a node's ranks)."""
     if text != "node" and not (text.isascii() and text.isdigit()):
@@ -242,10 +195,10 @@ def replica_layout(
     if cfg_degree == 2 and world % 2:
         raise ConfigError(f"--cfg-parallel needs an even number of ranks, got {world}")
     cp = world // cfg_degree
-    strategy = strategy or ("ring" if cp > 1 else "none")
+    strategy = strategy or (DEFAULT_CP if cp > 1 else "none")
     if isinstance(group_size, str):
         group_size = parse_group_size(group_size, gpus_per_node)
-    layout = ParallelLayout(nodes, gpus_per_node, cfg_degree, strategy, ulysses_degree, group_size)  # type: ignore[arg-type]
-    layout = layout.with_default_ulysses(heads)
+    layout = ParallelLayout(nodes, gpus_per_node, cfg_degree, strategy, ulysses_degree, group_size)
+    layout = layout.with_defaults(heads)
     layout.check_model(heads, ffn, joint_text)
     return layout

@@ -25,7 +25,7 @@ transformer forwards within 4.2% (mean 2.2%) in float32 and bfloat16, VAE decode
 Not modelled: the text encoders' own activations (under 1% of their weights at 512 tokens),
 allocator fragmentation and the CUDA context (`HEADROOM_*` keeps room for them). Estimated,
 not measured: NCCL's buffers (`NCCL_COMM_BYTES` per communicator). `ditango rehearse` traces
-the rest at real shapes (README: its table).
+the rest at real shapes (docs/memory.md: its table).
 
 Legend: S tokens (a rank's largest chunk), C transformer width, F FFN width, T text tokens,
 e bytes per element of the transformer dtype; B batch (1), H heads, D head dim.
@@ -105,7 +105,7 @@ def ditango_cache_bytes(
     factor 1: a --cache-memory-limit or the CUDA free-memory limit can compose it smaller),
     one more for the own group's other members (own_group "decide"), and the compressed local
     state kept per (branch, layer): the anchor's (hpdc), the previous step's (budget)."""
-    if layout.strategy != "ditango":
+    if not layout.strategy.reuses:
         return 0
     S, H, D = max(chunk_sizes(tokens, layout.cp_degree)), shape.heads, shape.head_dim
     units = layout.groups - 1 + int(own_group == "decide" and layout.group > 1)
@@ -260,10 +260,10 @@ def block_bytes(shape: ModelShape, layout: ParallelLayout, tokens: int, options:
     e, C, F = options.dtype_bytes, shape.hidden, shape.ffn
     # tp: every rank runs the whole sequence (counted at full width: an upper bound, as its
     # q, k, v and FFN tensors are 1/n wide)
-    s = tokens if layout.strategy == "tp" else max(chunk_sizes(tokens, layout.cp_degree))
+    s = layout.strategy.block_tokens(tokens, chunk_sizes(tokens, layout.cp_degree))
     # Rotary temporaries per element of C: diffusers' processor (strategy none, and HunyuanVideo)
     # multiplies by float64/float32 tables (three [S, C/2] float64 at once); ours by float32.
-    rot = 12 if layout.strategy == "none" or shape.joint_text else 8
+    rot = 12 if layout.strategy.runtime is None or shape.joint_text else 8
     if shape.joint_text:  # HunyuanVideo: the text rows run with the video ones in every block
         s += shape.text_len
         attention = C * (6 * e + rot)  # hidden, normed, q, k, v, rotated copy + temporaries
@@ -281,7 +281,7 @@ def block_bytes(shape: ModelShape, layout: ParallelLayout, tokens: int, options:
     if layout.ulysses > 1:
         attention += 6 * C * e  # all-to-all send and receive buffers of q, k, v and the output
     states = 0
-    if layout.ring > 1 or (layout.strategy == "ditango" and layout.cp_degree > 1):
+    if layout.strategy.merges_states(layout):
         # running and partial out fp32 and the merge's result, their lse; two KV blocks [2, S, H, D]
         states = s * (3 * C * F32 + 3 * shape.heads * F32 + 4 * C * e)
     full = forward_inputs_bytes(shape, tokens, e)

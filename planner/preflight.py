@@ -10,6 +10,7 @@ from planner.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.memory import GIB, HEADROOM_BYTES, HEADROOM_FRACTION, MemoryOptions, estimate_memory
 from planner.models import VideoSize
+from planner.strategy import DEFAULT_CP
 
 MAX_SUGGESTED_GPUS = 64
 GPUS_PER_NODE_MAX = 8  # more ranks fill a node to this before adding nodes
@@ -43,10 +44,10 @@ def scaled_layout(layout: ParallelLayout, factor: int, heads: int) -> ParallelLa
         else:
             nodes *= 2
         factor //= 2
-    strategy = "ring" if layout.strategy == "none" else layout.strategy
+    strategy = layout.strategy if layout.strategy.runtime is not None else DEFAULT_CP
     cp = nodes * gpus // layout.cfg_degree
     group = layout.group_size if layout.group_size and cp % layout.group_size == 0 else None
-    scaled = ParallelLayout(nodes, gpus, layout.cfg_degree, strategy, None, group).with_default_ulysses(heads)
+    scaled = ParallelLayout(nodes, gpus, layout.cfg_degree, strategy, None, group).with_defaults(heads)
     scaled.check_model(heads)
     return scaled
 
@@ -54,13 +55,13 @@ def scaled_layout(layout: ParallelLayout, factor: int, heads: int) -> ParallelLa
 def _fixes(layout: ParallelLayout, o: MemoryOptions) -> list[tuple[str, dict]]:
     """The options that can lower the peak, as (flag, options change)."""
     fixes = []
-    if not o.shard_weights and not o.hybrid and layout.cp_degree > 1 and layout.strategy != "tp":
+    if not o.shard_weights and not o.hybrid and layout.cp_degree > 1 and not layout.strategy.splits_weights:
         fixes.append(("--shard-weights", {"shard_weights": True}))
     if not o.vae_parallel and layout.world_size > 1:
         fixes.append(("--vae-parallel", {"vae_parallel": True}))
     elif not o.vae_tiling and not o.vae_parallel:
         fixes.append(("--vae-tiling", {"vae_tiling": True}))
-    if layout.strategy == "ditango" and o.cache_bytes == 4:
+    if layout.strategy.reuses and o.cache_bytes == 4:
         fixes.append(("--cache-dtype bfloat16", {"cache_bytes": 2}))
     return fixes
 

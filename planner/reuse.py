@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from planner.cost_model import ASSUMPTIONS, HARDWARE, Hardware, ditango_attention_time, unit_fractions
+from planner.cost_model import ASSUMPTIONS, HARDWARE, Hardware
 from planner.layout import ParallelLayout, chunk_sizes
 from planner.schedule import PlannerConfig
-from planner.traffic import Topology
+from planner.strategies.ditango import ditango_attention_time
+from planner.traffic import Topology, unit_fractions
 
 # The balance of a CPU run (a few cores and their memory): what the rule prices there. Never a
 # layout's hardware (simulate and --layout auto price GPUs).

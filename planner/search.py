@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from planner.cost_model import ASSUMPTIONS, Hardware, estimate
 from planner.decode_memory import chunks, level_frames, output_frames, tile_grid
 from planner.errors import ConfigError
-from planner.layout import ParallelLayout, _divisors, replica_shape
+from planner.layout import ParallelLayout, replica_shape
 from planner.memory import MemoryOptions, cfg_branches, estimate_memory
 from planner.models import ModelShape, VideoSize
 from planner.plan_shape import PlanReplay, PlanSource
 from planner.preflight import fit_to_memory, usable_bytes
+from planner.strategy import STRATEGIES
 
 OBJECTIVES = ("throughput", "latency")
 TIE = 0.01  # layouts within 1% of the best by the objective rank as equals (see `rank`)
@@ -59,10 +60,7 @@ class Choice:
     @property
     def label(self) -> str:
         lay = self.layout
-        parts = {"none": "one GPU", "ring": f"ring {lay.cp_degree}", "ulysses": f"ulysses {lay.cp_degree}",
-                 "usp": f"usp {lay.ulysses}x{lay.ring}", "tp": f"tp {lay.tp}",
-                 "ditango": f"ditango {lay.cp_degree}, group {lay.group}"}  # fmt: skip
-        text = parts[lay.strategy] if lay.cp_degree > 1 or lay.strategy == "none" else "one GPU a branch"
+        text = lay.strategy.label(lay) if lay.cp_degree > 1 or lay.strategy.runtime is None else "one GPU a branch"
         text += ", cfg-parallel" if lay.cfg_degree == 2 else ""
         text += ", sharded" if self.shard_weights else ""
         gpus = lay.world_size
@@ -74,11 +72,7 @@ class Choice:
         if self.replicas > 1:
             out += ["--replicas", str(self.replicas)]
         if lay.cp_degree > 1:
-            out += ["--parallel", lay.strategy]
-        if lay.strategy == "usp":
-            out += ["--ulysses-degree", str(lay.ulysses)]
-        if lay.strategy == "ditango":
-            out += ["--group-size", str(lay.group)]
+            out += lay.strategy.flags(lay)
         if lay.cfg_degree == 2:
             out.append("--cfg-parallel")
         if self.shard_weights:
@@ -139,18 +133,16 @@ def layouts(p: Problem, nodes: int, gpus: int) -> list[ParallelLayout]:
         if cp == 1:
             out.append(ParallelLayout(nodes, gpus, cfg, "none"))
             continue
-        wanted: list[tuple[str, int | None, int | None]] = [("ring", None, None), ("ulysses", None, None),
-                                                            ("tp", None, None)]  # fmt: skip
-        wanted += [("usp", u, None) for u in _divisors(cp) if 1 < u < cp]
-        if p.allow_reuse:
-            wanted += [("ditango", None, g) for g in _divisors(cp) if g < cp]
-        for strategy, ulysses, group in wanted:
-            try:
-                layout = ParallelLayout(nodes, gpus, cfg, strategy, ulysses, group)  # type: ignore[arg-type]
-                layout.check_model(p.shape.heads, p.shape.ffn, p.shape.joint_text)
-            except ConfigError:
+        for strategy in STRATEGIES.values():
+            if strategy.reuses and not p.allow_reuse:
                 continue
-            out.append(layout)
+            for options in strategy.variants(cp):
+                try:
+                    layout = ParallelLayout(nodes, gpus, cfg, strategy, **options)
+                    layout.check_model(p.shape.heads, p.shape.ffn, p.shape.joint_text)
+                except ConfigError:
+                    continue
+                out.append(layout)
     return out
 
 
@@ -184,7 +176,7 @@ def _price(hw: Hardware, p: Problem, replicas: int, layout: ParallelLayout, shar
     if memory and peak > usable_bytes(memory):
         return None
     kwargs: dict = {"shard_weights": shard}
-    if layout.strategy == "ditango" and p.source is not None:
+    if layout.strategy.reuses and p.source is not None:
         plan = p.source.replay(layout, p.shape.layers, p.steps)
         if isinstance(plan, PlanReplay):
             kwargs.update(compute_fraction=plan.unit_fractions, own_group=p.source.own_group, plan_kinds=plan.kinds,
@@ -211,7 +203,7 @@ def search(hw: Hardware, p: Problem) -> tuple[list[Choice], list[str]]:
         nodes, gpus = replica_shape(p.nodes, p.gpus_per_node, replicas)
         for layout in layouts(p, nodes, gpus):
             choice = _price(hw, p, replicas, layout, False)
-            if choice is None and layout.cp_degree > 1 and layout.strategy != "tp":
+            if choice is None and layout.cp_degree > 1 and not layout.strategy.splits_weights:
                 choice = _price(hw, p, replicas, layout, True)  # sharded only when whole weights do not fit
             if choice is None:
                 unfit += 1

@@ -80,19 +80,7 @@ def tp_all_reduces(shape: ModelShape, tokens: int, e: int) -> list[int]:
     return [tokens * C * e] * 3 + [4 * n for n in stats]
 
 
-def tp_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int) -> None:
-    """Tensor parallelism: every all-reduce of every block, as a ring over each cp group."""
-    per_block = tp_all_reduces(shape, tokens, e)
-    for ranks in topo.groups["cp"]:
-        n = len(ranks)
-        if n == 1:
-            continue
-        received = forwards * shape.layers * sum(ring_all_reduce_bytes(b, n) for b in per_block)
-        for i, rank in enumerate(ranks):
-            t.add("tp", topo.link(rank, ranks[(i - 1) % n]), received, rank)
-
-
-def _ring_hops(t: Traffic, topo: Topology, ranks, block_bytes: list[int], purpose: str, times: int) -> None:
+def ring_hops(t: Traffic, topo: Topology, ranks, block_bytes: list[int], purpose: str, times: int) -> None:
     """Ring over `ranks` where member j holds a block of block_bytes[j]: P-1 hops, each rank
     receiving from its predecessor the block that started (k+1) positions behind it."""
     P = len(ranks)
@@ -111,26 +99,9 @@ def attention_traffic(
     `plan_bits` (DiTango only): list over forwards of [layers][units] compute booleans, the
     units as `planner.ditango.unit_offsets` lists them for `own_group`.
     """
-    layout = topo.layout
-    H, D, L = shape.heads, shape.head_dim, shape.layers
-    sizes = chunk_sizes(tokens, layout.cp_degree)
+    sizes = chunk_sizes(tokens, topo.layout.cp_degree)
     for cp_ranks in topo.groups["cp"]:
-        if layout.strategy in ("ring", "ulysses", "usp"):
-            u = layout.ulysses
-            h = H // u
-            for uly in [g for g in topo.groups["ulysses"] if g[0] in cp_ranks]:
-                idx = [cp_ranks.index(r) for r in uly]
-                for a, ra in zip(idx, uly, strict=True):
-                    for b, rb in zip(idx, uly, strict=True):
-                        if ra != rb:  # q, k, v in; our chunk's output back
-                            t.add("attention", topo.link(ra, rb), forwards * L * (3 * sizes[b] + sizes[a]) * h * D * e,
-                                  ra)  # fmt: skip
-            if layout.ring > 1:
-                for ring in [g for g in topo.groups["ring"] if g[0] in cp_ranks]:
-                    spans = [sum(sizes[(cp_ranks.index(r) // u) * u : (cp_ranks.index(r) // u + 1) * u]) for r in ring]
-                    _ring_hops(t, topo, ring, [2 * s * h * D * e for s in spans], "attention", forwards * L)
-        elif layout.strategy == "ditango":
-            _ditango_traffic(t, topo, cp_ranks, sizes, shape, e, forwards, plan_bits, own_group)
+        topo.layout.strategy.attention_traffic(t, topo, cp_ranks, sizes, shape, e, forwards, plan_bits, own_group)
 
 
 def ditango_units(layout: ParallelLayout, own_group: str, plan_units: int | None = None) -> list[tuple[int, ...]]:
@@ -141,50 +112,19 @@ def ditango_units(layout: ParallelLayout, own_group: str, plan_units: int | None
     return unit_offsets(layout.groups, layout.group, own_group, k)
 
 
-def _ditango_traffic(
-    t, topo: Topology, cp_ranks, sizes, shape: ModelShape, e: int, forwards: int, plan_bits, own_group: str
-) -> None:
-    layout = topo.layout
-    size, G, P = layout.group, layout.groups, layout.cp_degree
-    H, D, L = shape.heads, shape.head_dim, shape.layers
-    kv = [2 * s * H * D * e for s in sizes]
-    groups = [cp_ranks[g * size : (g + 1) * size] for g in range(G)]
-    units = ditango_units(layout, own_group, len(plan_bits[0][0]) if plan_bits else None)
-    own_unit = bool(units) and units[0] == (0,)
-
-    def own_ring(into: Traffic, times: int) -> None:  # a ring inside each group over its own chunks
-        for g in range(G):
-            _ring_hops(into, topo, groups[g], kv[g * size : (g + 1) * size], "attention", times)
-
-    if not own_unit:
-        own_ring(t, forwards * L)  # the whole own group is computed every forward and layer
-    # What one unit's computation moves is the same in every forward and layer: price it once,
-    # then count the (forward, layer) pairs that compute it.
-    for u, offsets in enumerate(units):
-        if plan_bits is None:
-            times = forwards * L
-        else:
-            times = sum(bool(plan_bits[f][layer][u]) for f in range(forwards) for layer in range(L))
-        if times == 0:
-            continue  # always reused: nothing moves
-        once = Traffic()
-        for d in offsets:
-            if d == 0:
-                own_ring(once, 1)
-                continue
-            for c in range(P):  # direct fetch from I*d ahead
-                src = (c + size * d) % P
-                once.add("attention", topo.link(cp_ranks[c], cp_ranks[src]), kv[src], cp_ranks[c])
-            for g in range(G):  # then around the group ring: the remote group's other chunks
-                remote = ((g + d) % G) * size
-                _ring_hops(once, topo, groups[g], kv[remote : remote + size], "attention", 1)
-        t.add_times(once, times)
+def unit_fractions(compute_fraction: float | list[float], layout, own_group: str) -> list[float]:
+    """Computed fraction per decision unit of `layout` (a scalar applies to every unit)."""
+    units = ditango_units(layout, own_group)
+    if isinstance(compute_fraction, (int, float)):
+        return [float(compute_fraction)] * len(units)
+    assert len(compute_fraction) == len(units), (len(compute_fraction), units)
+    return [float(f) for f in compute_fraction]
 
 
 def gather_traffic(t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int) -> None:
     """proj_out all-gather: every rank receives each peer's (padded) chunk of the output
     (nothing under tp: every rank computes the whole output)."""
-    if topo.layout.strategy == "tp":
+    if topo.layout.strategy.splits_weights:
         return
     sizes = chunk_sizes(tokens, topo.layout.cp_degree)
     block = max(sizes) * shape.out_channels * e
@@ -295,8 +235,7 @@ def predict_traffic(
     forwards = steps * (1 if layout.cfg_degree == 2 else branches)
     t = Traffic()
     attention_traffic(t, topo, shape, tokens, element_bytes, forwards, plan_bits, own_group)
-    if layout.strategy == "tp":
-        tp_traffic(t, topo, shape, tokens, element_bytes, forwards)
+    layout.strategy.weight_traffic(t, topo, shape, tokens, element_bytes, forwards)
     gather_traffic(t, topo, shape, tokens, element_bytes, forwards)
     joint_traffic(t, topo, shape, forwards)
     if shard_weights:  # `roots` None: each transformer's root once (the item is a run's first)
@@ -307,7 +246,7 @@ def predict_traffic(
     if layout.cfg_degree == 2:
         cfg_traffic(t, topo, math.prod(shape.latent_shape(size)) * shape.latent_channels,
                     element_bytes, steps)  # fmt: skip
-    if layout.strategy == "ditango" and plan_kinds is not None:  # the plan check runs with one group too
+    if layout.strategy.reuses and plan_kinds is not None:  # the plan check runs with one group too
         units = len(plan_bits[0][0]) if plan_bits else len(ditango_units(layout, own_group))
         control_traffic(t, topo, shape.layers, units, plan_kinds, planner)
     return t.totals() if rank is None else t.rank_totals(rank)

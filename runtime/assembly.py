@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from planner.ditango import DiTangoOptions
 from planner.hybrid import HybridConfig
+from planner.strategy import Strategy
 from runtime.comm import Comm
 from runtime.denoiser import Denoiser
 from runtime.guidance import CfgParallel, Hybrid
@@ -20,7 +21,7 @@ from runtime.weights import SHARDED, move_unsplit
 TP_SPLIT = ("transformer", "transformer_2")
 
 
-def host_loaded(strategy: str, shard_weights: bool, distributed: bool) -> tuple[str, ...]:
+def host_loaded(strategy: Strategy, shard_weights: bool, distributed: bool) -> tuple[str, ...]:
     """Components loaded onto the CPU first, so that no GPU ever holds them whole: those
     --shard-weights shards (runtime/weights.py moves the shards), and the transformers tensor
     parallelism splits (each rank's slices go to its GPU as they are cut; the rest follows)."""
@@ -28,7 +29,7 @@ def host_loaded(strategy: str, shard_weights: bool, distributed: bool) -> tuple[
         return ()
     if shard_weights:
         return SHARDED
-    return TP_SPLIT if strategy == "tp" else ()
+    return TP_SPLIT if strategy.splits_weights else ()
 
 
 def build_denoiser(
@@ -59,7 +60,7 @@ def build_denoiser(
     denoiser = Denoiser(components, placement, max_text_len, variant, **options)
     if mesh is None:
         return denoiser
-    if mesh.layout.strategy != "none":
+    if mesh.layout.strategy.runtime is not None:
         denoiser.parallel = parallelize(denoiser.transformers, mesh, comm, backend, ditango)
         denoiser.listener = denoiser.parallel.ditango
     if split_on_host:

@@ -16,6 +16,7 @@ from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import ParallelLayout, token_count
 from planner.models import VideoSize
+from planner.strategy import STRATEGIES, Strategy
 from runtime.models.adapters import Adapter, check_sets
 from runtime.models.schedulers import Sampler
 from runtime.step_cache_options import StepCacheSpec
@@ -86,14 +87,17 @@ def check_timeouts(step_s: float, setup_s: float | None) -> None:
             )
 
 
-def check_combination(strategy: str, hybrid: bool, shard_weights: bool, step_cache) -> None:
+def check_combination(strategy: Strategy, hybrid: bool, shard_weights: bool, step_cache) -> None:
     """The settings that do not run together, each refused with what would."""
     if hybrid and shard_weights:
         raise ConfigError("--shard-weights does not combine with --hybrid (its segments run different blocks)")
-    if hybrid and strategy in ("ditango", "tp"):
-        raise ConfigError(f"--hybrid does not combine with --parallel {strategy}; use ring, ulysses or usp")
-    if shard_weights and strategy == "tp":
-        raise ConfigError("--shard-weights does not combine with --parallel tp (tp already splits the block weights)")
+    if hybrid and not strategy.with_hybrid:
+        takers = ", ".join(n for n, s in STRATEGIES.items() if s.with_hybrid and s.runtime is not None)
+        raise ConfigError(f"--hybrid does not combine with --parallel {strategy}; use {takers}")
+    if shard_weights and strategy.splits_weights:
+        raise ConfigError(
+            f"--shard-weights does not combine with --parallel {strategy} ({strategy} already splits the block weights)"
+        )
     if step_cache is not None and hybrid:
         raise ConfigError("--step-cache does not combine with --hybrid (its segments run different blocks)")
     if step_cache is not None and step_cache.name in ("first-block", "magcache") and shard_weights:

@@ -189,7 +189,7 @@ def video_method(cfg: RunConfig) -> dict:
     `decode` says how it was decoded."""
     method: dict = {}
     d = cfg.ditango
-    if cfg.layout.strategy == "ditango" and d is not None and (d.planner.cache_ratio > 0 or d.target_psnr is not None):
+    if cfg.layout.strategy.reuses and d is not None and (d.planner.cache_ratio > 0 or d.target_psnr is not None):
         options = asdict(d)
         # --reuse is not: where reuse pays it changes nothing, and where it does not the item's
         # record says the ring ran (attention.reuse); folders made before the option resume.

@@ -203,7 +203,7 @@ def execute(
     observer = observer or SilentObserver()
     ctx = ctx or RankContext.single(cfg)
     placement = placement_on(ctx.device, cfg.dtype)
-    if cfg.layout.strategy == "none":
+    if cfg.layout.strategy.runtime is None:
         backend = "diffusers"  # diffusers' own attention processor, untouched
     else:
         backend = resolve_backend(cfg.attention_backend, placement.device, placement.dtype)

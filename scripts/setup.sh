@@ -15,7 +15,7 @@
 # The CPU wheel: https://download.pytorch.org/whl/cpu by default, as an extra index (PyPI's
 # Linux torch is a CUDA build); empty: none (a CPU wheel on local disk, as in CI).
 # DITANGO_CONSTRAINTS=FILE replaces constraints/cpu.txt on the CPU path (empty: none).
-# Air-gapped: pip's own PIP_FIND_LINKS / PIP_NO_INDEX apply (README: "Set-up on a cluster").
+# Air-gapped: pip's own PIP_FIND_LINKS / PIP_NO_INDEX apply (docs/setup.md: "Set-up on a GPU machine or cluster").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Set up .venv/ if needed, then lint and run the test suite. Extra args go to pytest.
+# Set up .venv/ if needed, then lint, build the manual (docs/, strict: a broken link or a
+# page left out of it fails) and run the test suite. Extra args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -61,7 +61,7 @@ def rank_slots(cfg: RunConfig, local: bool = False) -> list[RankSlot]:
                 gpu=local_rank if cfg.device == "cuda" else None,
                 replica=replica, replica_rank=r, cfg_index=cfg_index, cp_index=cp_index,
                 ulysses_index=ulysses_index, ring_index=ring_index,
-                group_index=cp_index // layout.group if layout.strategy == "ditango" else None,
+                group_index=cp_index // layout.group if "group_size" in layout.strategy.options else None,
             )
         )  # fmt: skip
     return slots
@@ -105,7 +105,7 @@ def ranks_device(where: str, device: str, world: int, gpus_per_node: int) -> str
     return placement.device.type
 
 
-# How to get a torch that computes on NVIDIA GPUs (the README's set-up section says more).
+# How to get a torch that computes on NVIDIA GPUs (docs/setup.md says more).
 INSTALL_CUDA_TORCH = "./scripts/setup.sh --cuda (in the checkout), or pip install torch --index-url https://download.pytorch.org/whl/cu128"
 
 

@@ -10,6 +10,7 @@ import torch
 from planner.ditango import DiTangoOptions, PlannerConfig
 from planner.hybrid import HybridConfig
 from planner.layout import ParallelLayout, virtual_node_map
+from planner.strategy import strategy_named
 from runtime.assembly import build_denoiser
 from runtime.comm import Comm
 from runtime.denoiser import Denoiser
@@ -36,7 +37,7 @@ def _target(rank, world, events, runs):
     components = build_tiny_wan(CP_MODEL)
     out = {}
     for name, strategy, hybrid, ditango in runs:
-        group = 1 if strategy == "ditango" else None  # 2 cp ranks, 2 groups: one remote unit to plan
+        group = 1 if strategy_named(strategy).reuses else None  # 2 cp ranks, 2 groups: one remote unit to plan
         layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, cfg_degree=2, strategy=strategy, group_size=group)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
         comm = Comm(mesh)

@@ -58,15 +58,15 @@ def kv_bytes(tokens: int) -> int:
 @pytest.mark.parametrize("world,nodes", [(2, 1), (3, 1), (4, 2)])
 def test_exact_attention_and_byte_counts(world, nodes):
     per_rank = run_ranks(_target, world, (nodes,), timeout_s=TIMEOUT_S)
-    for case, (strategy, _, S) in enumerate(cases(world)):
+    for case, (parallel, _, S) in enumerate(cases(world)):
         sizes = chunk_sizes(S, world)
         totals = [per_rank[rank][case][2] for rank in range(world)]
         for rank, t in enumerate(totals):
             got = t["intra_node_bytes"] + t["inter_node_bytes"]
-            if strategy == "ring":
+            if parallel == "ring":
                 # Each rank receives K and V of every other chunk once.
                 assert got == sum(kv_bytes(n) for j, n in enumerate(sizes) if j != rank)
-            elif strategy == "ulysses":
+            elif parallel == "ulysses":
                 # In: q, k, v of the other ranks' chunks for our heads; back: our chunk, their heads.
                 h = H // world
                 qkv_in = sum(3 * B * n * h * D * 4 for j, n in enumerate(sizes) if j != rank)
@@ -80,7 +80,7 @@ def test_exact_attention_and_byte_counts(world, nodes):
         inter = [t["inter_node_bytes"] for t in totals]
         if nodes == 1:
             assert sum(inter) == 0
-        elif strategy == "ring":
+        elif parallel == "ring":
             # Ring 0->1->2->3->0 over nodes {0,1} | {2,3}: ranks 0 and 2 receive across nodes.
             assert [n > 0 for n in inter] == [True, False, True, False]
 
@@ -166,8 +166,8 @@ def test_joint_attention_with_whole_held_tokens(world, nodes):
             assert torch.equal(whole, per_rank[0][case][4]), (strategy, S, rank)
 
 
-@pytest.mark.parametrize("strategy,cfg", [("ring", 1), ("ditango", 2), ("usp", 1), ("tp", 1)])
-def test_one_communicator_per_distinct_rank_set_warmed_once(monkeypatch, strategy, cfg):
+@pytest.mark.parametrize("parallel,cfg", [("ring", 1), ("ditango", 2), ("usp", 1), ("tp", 1)])
+def test_one_communicator_per_distinct_rank_set_warmed_once(monkeypatch, parallel, cfg):
     """Bug: kinds with the same members (cp, ring and world for a ring without CFG) were each
     their own communicator, each warmed: under NCCL every one holds its own GPU buffers."""
     import runtime.mesh as mesh_mod
@@ -185,8 +185,8 @@ def test_one_communicator_per_distinct_rank_set_warmed_once(monkeypatch, strateg
 
     monkeypatch.setattr(mesh_mod.dist, "all_reduce", all_reduce)
     monkeypatch.setattr(mesh_mod.dist, "get_world_size", lambda group: sizes.get(id(group), 8))
-    extra = {"ulysses_degree": 2} if strategy == "usp" else {}
-    layout = ParallelLayout(nodes=2, gpus_per_node=4, cfg_degree=cfg, strategy=strategy, **extra)
+    extra = {"ulysses_degree": 2} if parallel == "usp" else {}
+    layout = ParallelLayout(nodes=2, gpus_per_node=4, cfg_degree=cfg, strategy=parallel, **extra)
     for rank in range(layout.world_size):
         created.clear(), reduced.clear()
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
@@ -200,5 +200,5 @@ def test_one_communicator_per_distinct_rank_set_warmed_once(monkeypatch, strateg
                 assert mine[a] is mine[b], (rank, a, b)
         warmed = [g for g in reduced if g is not mesh.control_group]
         assert len(warmed) == len({id(g) for g in warmed}) == len({id(g) for g in mine.values() if g is not None})
-    if strategy == "ring":
+    if parallel == "ring":
         assert mesh.cp_group is mesh.ring_group is mesh.world_group

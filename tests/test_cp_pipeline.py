@@ -68,19 +68,19 @@ def test_pipeline_latents_equal_single_process(reference, world, nodes, strategi
     tokens = 30
     sizes = chunk_sizes(tokens, world)
     forwards = GEN["steps"] * 2  # two CFG branches per step
-    for strategy, _ in strategies:
+    for parallel, _ in strategies:
         for rank in range(world):
-            latents, totals = per_rank[rank][strategy]
+            latents, totals = per_rank[rank][parallel]
             err = (latents - reference).abs().max().item()
-            assert err <= LATENT_ATOL, (strategy, rank, err)
+            assert err <= LATENT_ATOL, (parallel, rank, err)
             # Every rank steps its own scheduler on the gathered prediction: identical latents.
-            assert torch.equal(latents, per_rank[0][strategy][0])
-            if strategy == "ring":
+            assert torch.equal(latents, per_rank[0][parallel][0])
+            if parallel == "ring":
                 # Per self-attention layer per forward: K and V of the other P-1 chunks.
                 kv = sum(2 * n * CP_MODEL.heads * CP_MODEL.head_dim * 4 for j, n in enumerate(sizes) if j != rank)
                 got = totals["by_purpose"]["attention"]
                 assert sum(got.values()) == kv * CP_MODEL.layers * forwards
-        inter = sum(per_rank[r][strategy][1]["inter_node_bytes"] for r in range(world))
+        inter = sum(per_rank[r][parallel][1]["inter_node_bytes"] for r in range(world))
         assert (inter > 0) == (nodes > 1)
     assert (reference - torch.randn(reference.shape, generator=torch.Generator().manual_seed(5))).abs().max() > 1e-2
 

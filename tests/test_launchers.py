@@ -130,7 +130,7 @@ def torchrun(out: Path, *extra: str, env: dict | None = None, prompts=PROMPTS, r
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts), str(DITANGO), "generate", "--prompts", str(batch),
            "--out", str(out), "--parallel", "ring", "--save-latents", *FAST_ARGV, *extra]  # fmt: skip
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DITANGO_FAULT", "SLURM_"))}
-    if restarts:  # as the README says: torchrun's shared store does not survive its restarts
+    if restarts:  # as docs/clusters.md says: torchrun's shared store does not survive its restarts
         clean["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TORCHRUN_S, env={**clean, **(env or {})})
 

@@ -4,6 +4,7 @@ never back up, and no module imports itself through others (function-level impor
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,6 +109,21 @@ def test_no_family_is_named_outside_its_package():
                     for leaf in (n for o in operands for n in ast.walk(o)):
                         if isinstance(leaf, ast.Constant) and leaf.value in names:
                             found.append(f"{path.relative_to(ROOT)}:{node.lineno} {leaf.value!r}")
+    assert found == [], found
+
+
+def test_no_strategy_is_compared_by_name():
+    """A strategy is an object (planner/strategy.py) that the planner, the runtime and the CLI
+    ask: no module outside the strategies' own packages compares a strategy with a name."""
+    own = (ROOT / "planner" / "strategies", ROOT / "runtime" / "strategies")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for folder in (*PACKAGES, "tests", "benchmarks")
+        for path in (ROOT / folder).rglob("*.py")
+        if not any(path.is_relative_to(o) for o in own)
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"\bstrategy\s*(==|!=)", line)
+    ]
     assert found == [], found
 
 

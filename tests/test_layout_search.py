@@ -55,7 +55,7 @@ def test_every_layout_returned_is_legal_and_fits(model, nodes, gpus, memory_gib,
                                lay.group_size)  # fmt: skip
         again.check_model(spec.shape.heads, spec.shape.ffn, spec.shape.joint_text)  # raises when illegal
         assert lay.cfg_degree == 1 or d.cfg_scale > 1
-        seen_ditango |= lay.strategy == "ditango"
+        seen_ditango |= lay.strategy.reuses
         memory = (memory_gib * GIB) or hw.memory_bytes
         options = MemoryOptions(shard_weights=c.shard_weights, cfg_branches_per_rank=cfg_branches(d.cfg_scale, lay.cfg_degree),
                                 vae_parallel=lay.world_size > 1)  # fmt: skip

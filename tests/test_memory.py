@@ -289,10 +289,10 @@ def test_each_distinct_communicator_is_budgeted():
     # ring without CFG: cp, ring and world are one set; near/ulysses/cfg groups have one member
     assert communicators(ParallelLayout(4, 8, strategy="ring")) == 1
     # usp 4x8 (ulysses 8): the node's Ulysses group, the ring across nodes, the world
-    assert communicators(ParallelLayout(4, 8, strategy="usp").with_default_ulysses(40)) == 3
+    assert communicators(ParallelLayout(4, 8, strategy="usp").with_defaults(40)) == 3
     # ditango, group = node: the near group (the node) and the world
     assert communicators(ParallelLayout(4, 8, strategy="ditango", group_size=8)) == 2
     # cfg-parallel: each branch's cp group, the CFG pair and the world
     assert communicators(ParallelLayout(1, 8, cfg_degree=2, strategy="ring")) == 3
-    usp = estimate_memory(WAN14, ParallelLayout(4, 8, strategy="usp").with_default_ulysses(40), P720)
+    usp = estimate_memory(WAN14, ParallelLayout(4, 8, strategy="usp").with_defaults(40), P720)
     assert usp.stages["nccl"] == 3 * NCCL_COMM_BYTES and all(usp.resident[p]["nccl"] for p in usp.resident)

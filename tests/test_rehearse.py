@@ -97,7 +97,7 @@ def test_small_rehearsal_agrees_with_the_models(parallel):
         )
         for name, phase in rank["phases"].items():
             # FSDP's initialisation on rank 0 holds one more copy of the text encoder's root than the
-            # model counts (README: the open discrepancy); load is not the peak phase
+            # model counts (docs/rehearse.md: the open discrepancy); load is not the peak phase
             slack = 0.5 if "--shard-weights" in parallel and name == "load" and rank["rank"] == 0 else 0.15
             assert phase["traced_bytes"] > 0 and abs(phase["traced_bytes"] / phase["modelled_bytes"] - 1) <= slack
         assert rank["bytes_per_step"] == rank["modelled_bytes_per_step"]

@@ -13,6 +13,7 @@ from ditango_cli.app import app
 from planner.ditango import DiTangoOptions, PlannerConfig
 from planner.errors import ConfigError
 from planner.layout import ParallelLayout, virtual_node_map
+from planner.strategy import strategy_named
 from runtime.assembly import build_denoiser
 from runtime.comm import Comm
 from runtime.denoiser import Denoiser
@@ -91,12 +92,16 @@ def test_caching_on_skips_work_and_changes_the_result(one_process):
     assert pab["cond"] == pab["uncond"]
 
 
+def reuses(name: str) -> bool:
+    return strategy_named(name).reuses
+
+
 def _ranks_target(rank, world, events, strategy, texts):
     components = build_tiny_wan(MODEL)
     layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, strategy=strategy)
     mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
     comm = Comm(mesh)
-    ditango = DiTangoOptions(PlannerConfig(warmup=2, cooldown=1, cache_ratio=0.5)) if strategy == "ditango" else None
+    ditango = DiTangoOptions(PlannerConfig(warmup=2, cooldown=1, cache_ratio=0.5)) if reuses(strategy) else None
     out = {}
     for text in texts:
         spec = parse_step_cache(text)
@@ -122,13 +127,13 @@ def test_every_rank_takes_the_same_decisions(one_process, world, strategy):
     up. Agreed, every rank evaluates the same blocks and attention layers at every step; under
     the exact strategies those are one process's decisions and the latents are one process's."""
     _, runs = one_process
-    texts = ON if strategy != "ditango" else ON + OFF[:1]
+    texts = ON + OFF[:1] if reuses(strategy) else ON
     per_rank = run_ranks(_ranks_target, world, (strategy, texts), timeout_s=TIMEOUT_S)
     for text in texts:
         records = [per_rank[r][text][1] for r in range(world)]
         for r in range(1, world):
             assert records[r]["per_step"] == records[0]["per_step"], (text, r)
-        if strategy == "ditango":
+        if reuses(strategy):
             plans = [per_rank[r][text][2] for r in range(world)]
             assert all(p == plans[0] for p in plans), text
             continue
@@ -136,7 +141,7 @@ def test_every_rank_takes_the_same_decisions(one_process, world, strategy):
         for r in range(world):
             err = (per_rank[r][text][0] - runs[text][0]).abs().max().item()
             assert err <= LATENT_ATOL, (text, r, err)
-    if strategy == "ditango":
+    if reuses(strategy):
         # A step whose blocks after the first were skipped in both branches computed no cell of
         # those layers, and the plan says so; an anchor that skipped is followed by another.
         record, (_, kinds, compute_map) = per_rank[0][ON[0]][1], per_rank[0][ON[0]][2]

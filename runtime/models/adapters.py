@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from planner.errors import ConfigError
+from planner.strategy import Strategy
 from planner.user_files import Unreadable, user_path
 from runtime.models import hub
 from runtime.models.adapter_checks import check_against
@@ -194,11 +195,11 @@ def adapter_sets(items) -> list[tuple[Adapter, ...]]:
     return list(dict.fromkeys(item.loras for item in items))
 
 
-def check_sets(items, strategy: str, shard_weights: bool) -> None:
+def check_sets(items, strategy: Strategy, shard_weights: bool) -> None:
     """Several sets stay unfused (peft's layers wrap the base ones), which a split of the
     weights does not take: TP splits the base layers themselves, FSDP2 shards them."""
     n = len(adapter_sets(items))
-    split = "--parallel tp" if strategy == "tp" else "--shard-weights" if shard_weights else None
+    split = f"--parallel {strategy}" if strategy.splits_weights else "--shard-weights" if shard_weights else None
     if n > 1 and split:
         raise ConfigError(f"the items use {n} adapter sets, which stay unfused and {split} cannot split; with "
                           f"{split} run one set per run (a batch file per set, or the same loras on every item)")  # fmt: skip

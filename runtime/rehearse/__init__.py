@@ -188,7 +188,7 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
                     for name, module in components.items():
                         if isinstance(module, torch.nn.Module):
                             materialize(module, torch.device("cpu") if name in on_cpu else device)
-                    backend = "diffusers" if layout.strategy == "none" else resolve_backend(
+                    backend = "diffusers" if layout.strategy.runtime is None else resolve_backend(
                         cfg.attention_backend, device, dtype)  # fmt: skip
                     # modules moved to the GPU as for fake tensors (see move_fake_states)
                     with mock.patch.object(torch.nn.Module, "to", fake_module_to), \

@@ -97,7 +97,7 @@ def rehearsed_ranks(cfg: RunConfig, all_ranks: bool) -> list[int]:
     if all_ranks:
         return list(range(layout.world_size))
     tokens = cfg.items[0].tokens()
-    sizes = chunk_sizes(tokens, layout.cp_degree) if layout.strategy != "tp" else [tokens]
+    sizes = [tokens] if layout.strategy.splits_weights else chunk_sizes(tokens, layout.cp_degree)
     first_of_size = {size: c for c, size in reversed(list(enumerate(sizes)))}
     ranks = {0, layout.world_size - 1, *first_of_size.values()}
     if layout.cfg_degree == 2:

@@ -68,3 +68,8 @@ class ExactAttention:
 
 
 EXACT = ExactAttention()
+
+
+def build(ctx, transformers, options) -> ExactAttention:
+    """Ring, Ulysses and USP (planner/strategies/exact.py): the composition the mesh's degrees set."""
+    return EXACT

@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from importlib import import_module
 
 import torch
 
 from planner.ditango import DiTangoOptions
 from planner.layout import chunk_bounds, chunk_sizes
-from runtime.cache import CACHE_DTYPES
 from runtime.comm import Comm
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
 from runtime.models.families import family_of
 from runtime.state import AttentionState, merge, merge_all
 from runtime.strategies.exact import EXACT
-from runtime.strategies.selective import SelectiveRuntime
-from runtime.strategies.tensor import TensorParallel, check_unsharded
 
 
 @dataclass
@@ -119,7 +117,7 @@ class Parallelized:
     ctx: ShardContext
     transformers: list
     installed: list  # per transformer: (the adapter's uninstall, handles, what it replaced)
-    ditango: SelectiveRuntime | None = None
+    ditango: object | None = None  # a reusing strategy's runtime (runtime/strategies/selective.py)
 
     @contextlib.contextmanager
     def exact(self):
@@ -140,30 +138,21 @@ def parallelize(
     transformers, mesh: Mesh, comm: Comm, backend: Backend, ditango: DiTangoOptions | None = None
 ) -> Parallelized:
     """Install the layout's strategy on a transformer, or on several that take turns (experts)
-    and share one context (and one DiTango runtime: the same attention shape is required)."""
+    and share one context (and one runtime: the same attention shape is required). The
+    strategy's runtime module (planner/strategy.py `runtime`) builds what does its work: the
+    attention the context routes to, or for a weight-splitting strategy what the families'
+    `install_tp` splits the blocks with."""
     transformers = list(transformers) if isinstance(transformers, (list, tuple)) else [transformers]
     families = [family_of(t) for t in transformers]
     shapes = {f.attention_shape(t) for f, t in zip(families, transformers, strict=True)}
     patches = {f.patch_size(t) for f, t in zip(families, transformers, strict=True)}
     assert len(shapes) == 1 and len(patches) == 1, f"experts differ in attention shape or patch: {shapes}, {patches}"
     ctx = ShardContext(mesh, comm, backend)
-    if mesh.layout.strategy == "tp":
-        tp = TensorParallel(mesh, comm, backend)
-        installed = []
-        for f, t in zip(families, transformers, strict=True):
-            check_unsharded(t)
-            handles, undo = f.install_tp(t, tp)
-            installed.append((f.uninstall_tp, handles, undo))
+    strategy = mesh.layout.strategy
+    built = import_module(strategy.runtime).build(ctx, transformers, ditango)
+    if strategy.splits_weights:
+        installed = [(f.uninstall_tp, *f.install_tp(t, built)) for f, t in zip(families, transformers, strict=True)]
         return Parallelized(ctx, transformers, installed)
-    runtime = None
-    if mesh.layout.strategy == "ditango":
-        opts = ditango or DiTangoOptions()
-        layers, heads, head_dim = shapes.pop()
-        ctx.strategy = runtime = SelectiveRuntime(
-            mesh, comm, backend, opts.planner, layers=layers, heads=heads, head_dim=head_dim,
-            cache_dtype=None if opts.cache_dtype is None else CACHE_DTYPES[opts.cache_dtype],
-            cache_limit_bytes=opts.cache_limit_bytes, patch=patches.pop(),
-            element_bytes=next(transformers[0].parameters()).element_size(),
-        )  # fmt: skip
+    ctx.strategy = built
     installed = [(f.uninstall, *f.install(t, ctx)) for f, t in zip(families, transformers, strict=True)]
-    return Parallelized(ctx, transformers, installed, runtime)
+    return Parallelized(ctx, transformers, installed, built if strategy.reuses else None)

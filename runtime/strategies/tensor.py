@@ -208,3 +208,10 @@ def _gathered(split: nn.Linear) -> nn.Linear:
         return nn.Parameter(full.clone(), requires_grad=p.requires_grad)
 
     return _linear_from(whole(split.weight), whole(split.bias))
+
+
+def build(ctx, transformers, options) -> TensorParallel:
+    """Tensor parallelism over the cp group (planner/strategies/tensor.py); the families' `install_tp` splits."""
+    for transformer in transformers:
+        check_unsharded(transformer)
+    return TensorParallel(ctx.mesh, ctx.comm, ctx.backend)
