@@ -15,8 +15,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from runtime.assembly import build_denoiser, host_loaded
-from runtime.calibrate import hold_target, step_cache_ratios, target_quality
+from runtime.bring_up import Running, bring_up
+from runtime.calibrate import hold_target
 from runtime.config import DecodeOptions, Item, RunConfig
 from runtime.context import Observer, RankContext, SilentObserver
 from runtime.denoiser import Denoiser, synchronize
@@ -24,17 +24,14 @@ from runtime.inputs import exact_reference, item_inputs
 from runtime.item_records import check_finite, gathered_records
 from runtime.kernels import resolve_backend
 from runtime.loop_types import DenoiseResult, NonFiniteLatents
-from runtime.memory_plan import plan_memory
-from runtime.models.adapters import adapter_sets, same_weights
-from runtime.models.loading import load_components, placement_on
-from runtime.models.resolve import resolve_model
+from runtime.models.loading import placement_on
 from runtime.outputs import mark_running, plan_resume, record_failure
 from runtime.profiling import StepProfiler, trace_name
 from runtime.progress import ProgressFile, progress_path
 from runtime.quality import quality_record
 from runtime.report import ItemTiming, ReportWriter, RunTiming, claim_bring_up_start, peak_memory, run_report
 from runtime.video import write_json
-from runtime.weights import SHARDED, local_param_bytes, place, shard_weights
+from runtime.weights import place
 from runtime.writer import write_item
 
 
@@ -49,7 +46,6 @@ def generate_item(
 ) -> dict:
     """One item on this rank; `reference`: its exact final latents when already computed."""
     timing = ItemTiming()
-    device = denoiser.device
     ctx.comm.reset()
     if ctx.is_writer:
         mark_running(cfg, item)
@@ -66,6 +62,26 @@ def generate_item(
     timing.denoise_s = time.perf_counter() - start
     timing.step_s = result.step_s
     check_finite(result, item, ctx)
+    records = item_records(denoiser, item, cfg, ctx, observer, profile)
+    exact_trace = None if trace is None else []
+    if not measured:
+        reference = None
+    elif reference is None:
+        start = time.perf_counter()
+        reference = exact_reference(denoiser, latents, text, item, condition, exact_trace)
+        timing.reference_s = time.perf_counter() - start
+    options = before_decode(denoiser, cfg, ctx)
+    if options is None:
+        return {}
+    traces = (trace, exact_trace)
+    return decode_and_write(denoiser, item, cfg, ctx, observer, result, reference, traces, timing, options, records)
+
+
+def item_records(
+    denoiser: Denoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer, profile: dict | None
+) -> dict:
+    """What the ranks gather after the item's steps (runtime/item_records.py), with --profile
+    every rank's table; says so when DiTango's reuse did not pay and the exact ring ran."""
     records = gathered_records(denoiser, ctx)
     reuse = (records["attention"] or {}).get("reuse")
     if ctx.is_writer and reuse is not None and not reuse["pays"]:
@@ -77,17 +93,26 @@ def generate_item(
     if cfg.profile:  # every rank's table, and where its trace is
         traces = [trace_name(item.id, r) for r in range(ctx.mesh.world_size)]
         records["profile"] = {"per_rank": ctx.gather(profile), "traces": traces}
-    exact_trace = None if trace is None else []
-    if not measured:
-        reference = None
-    elif reference is None:
-        start = time.perf_counter()
-        reference = exact_reference(denoiser, latents, text, item, condition, exact_trace)
-        timing.reference_s = time.perf_counter() - start
-    options = before_decode(denoiser, cfg, ctx)
-    if options is None:
-        return {}
+    return records
 
+
+def decode_and_write(
+    denoiser: Denoiser,
+    item: Item,
+    cfg: RunConfig,
+    ctx: RankContext,
+    observer: Observer,
+    result: DenoiseResult,
+    reference: torch.Tensor | None,
+    traces: tuple,
+    timing: ItemTiming,
+    options: DecodeOptions,
+    records: dict,
+) -> dict:
+    """Decode the item's latents (every rank with tiles over them, else the writer), measure
+    them against `reference` (the exact latents, or None), and on the writer write its files."""
+    trace, exact_trace = traces
+    device = denoiser.device
     observer.phase("decode")
     start = time.perf_counter()
     frames, decode = denoiser.decode_with(result.latents_BCFHW, options, ctx)  # every rank decodes tiles
@@ -140,20 +165,6 @@ def denoise_item(
     return result, None if profiler is None else profiler.finish(len(result.step_s))
 
 
-def denoiser_for_run(cfg: RunConfig, ctx: RankContext, spec, components: dict, placement, backend: str) -> Denoiser:
-    """The rank's denoiser over loaded `components`, as `cfg` asks (runtime/assembly.py)."""
-    split = "transformer" in run_host_loaded(cfg, ctx) and not cfg.shard_weights
-    return build_denoiser(
-        components, placement, cfg.max_text_len, variant=spec.variant, mesh=ctx.mesh, comm=ctx.comm, backend=backend,
-        ditango=cfg.ditango, step_cache=cfg.step_cache, hybrid=cfg.hybrid, split_on_host=split,
-    )  # fmt: skip
-
-
-def run_host_loaded(cfg: RunConfig, ctx: RankContext) -> tuple[str, ...]:
-    """What `cfg` loads onto the CPU first on this rank (runtime/assembly.py's `host_loaded`)."""
-    return host_loaded(cfg.layout.strategy, cfg.shard_weights, ctx.distributed)
-
-
 def before_decode(denoiser: Denoiser, cfg: RunConfig, ctx: RankContext) -> DecodeOptions | None:
     """Make room for the decode (the transformer offloaded where the pre-flight chose so, what
     the denoising held returned to the device) and say how this rank decodes: the options, or
@@ -196,95 +207,28 @@ def execute(
     A failure raises, on one rank as on many (the peers are inside collectives of the same
     item): the supervisor (slurm/supervise.py) blames the item whose sidecar says it was
     running, and relaunches for what is left, retrying it up to `cfg.retries` times.
-    Non-finite latents are the exception: every rank sees them at the same point, so the
-    item is recorded failed for good (no retry: it would happen again) and all ranks go on.
     """
     bring_up_start = claim_bring_up_start(time.perf_counter())
     observer = observer or SilentObserver()
     ctx = ctx or RankContext.single(cfg)
     placement = placement_on(ctx.device, cfg.dtype)
-    if cfg.layout.strategy.runtime is None:
-        backend = "diffusers"  # diffusers' own attention processor, untouched
-    else:
+    backend = "diffusers"  # one rank a branch: diffusers' own attention processor, untouched
+    if cfg.layout.strategy.runtime is not None:
         backend = resolve_backend(cfg.attention_backend, placement.device, placement.dtype)
-
     skipped = plan_resume(cfg) if skipped is None else skipped
     records: dict[str, dict] = {**skipped, **(decided or {})}
     report = ReportWriter(cfg, cfg.out_dir / report_name, placement.device, placement.dtype_name, backend, records)
-    report.timing = timing = RunTiming()
+    report.timing = RunTiming()
     heartbeat = None
-    if ctx.is_writer:
-        cfg.out_dir.mkdir(parents=True, exist_ok=True)
-        # The writer's heartbeat file (`ditango status`), whatever launched this rank.
-        observer = heartbeat = ProgressFile(observer, progress_path(cfg.out_dir, report_name))
-        for item_id in skipped:
-            if item_id not in (decided or {}):  # not those this command already made in an earlier launch
-                observer.message(f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)")
+    if ctx.is_writer:  # the writer's heartbeat file (`ditango status`), whatever launched this rank
+        observer = heartbeat = writer_observer(cfg, observer, report_name, skipped, decided or {})
     todo = [item for item in cfg.items if item.id not in records]
-
     observer.run_started(len(todo))
     try:
         if todo:
-            started = time.perf_counter()
-            timing.bring_up_s = started - bring_up_start
-            resolved = resolve_model(cfg.model if cfg.model_path is None else str(cfg.model_path))
-            if placement.device.type == "cuda" and cfg.gpu_memory is None:  # submitted without a GPU to ask
-                total = torch.cuda.get_device_properties(placement.device).total_memory
-                cfg = plan_memory(cfg, resolved.spec.shape, total, placement.dtype.itemsize, cfg.model)
-            shard = cfg.shard_weights and ctx.distributed
-            sets = adapter_sets(todo)
-            todo.sort(key=lambda item: sets.index(item.loras))  # a set at a time: the model loaded once
-            components = load_components(resolved, placement, on_cpu=run_host_loaded(cfg, ctx), adapter_sets=sets)
-            bank = components.pop("adapters", None)
-            if bank is not None:
-                same_weights(components, ctx)
-                report.weights.update(model_loads=1, adapter_sets=len(sets), adapters_fused=bank.fused)
-            if shard:
-                report.weights["shard_degree"] = shard_weights(components, ctx.mesh, placement.device)
-            denoiser = denoiser_for_run(cfg, ctx, resolved.spec, components, placement, backend)
-            report.weights["param_bytes_per_rank"] = sum(
-                local_param_bytes(components[n]) for n in SHARDED if n in components
-            )
-            calibrating = time.perf_counter()
-            timing.model_load_s = calibrating - started
-            first_reference = None
-            if denoiser.step_cache is not None and denoiser.step_cache.needs_calibration:
-                report.step_cache_calibration, first_reference = step_cache_ratios(
-                    denoiser, todo[0], cfg, ctx, observer.message, report_name
-                )
-            if cfg.ditango is not None and cfg.ditango.target_psnr is not None:
-                cfg, report.calibration, first_reference = target_quality(
-                    denoiser, todo[0], cfg, ctx, observer.message, report_name
-                )
-            items_start = time.perf_counter()
-            timing.calibration_s = items_start - calibrating
-            for item in todo:
-                observer.item_started(item)
-                reference, first_reference = first_reference, None
-                if bank is not None:
-                    bank.use(item.loras)
-                try:
-                    record = generate_item(denoiser, item, cfg, ctx, observer, reference)
-                    if report.calibration is not None and cfg.reference == "exact":  # below the target: recalibrate
-                        cfg, redo = hold_target(
-                            denoiser, item, cfg, ctx, observer.message, report_name, report.calibration, record
-                        )
-                        if redo is not None:
-                            record = generate_item(denoiser, item, cfg, ctx, observer, redo)
-                except NonFiniteLatents as exc:
-                    # Deterministic, so final at once. Every rank raised it at the same point
-                    # (check_finite agrees first), so the ranks go on to the next item together.
-                    # Recorded `final`: the supervisor and later launches of this command
-                    # (`settled_since`) count it as given up and never run it again.
-                    record = {}
-                    if ctx.is_writer:
-                        record = record_failure(cfg, item, f"{type(exc).__name__}: {exc}", 1, final=True)
-                timing.items_s = time.perf_counter() - items_start
-                if ctx.is_writer:
-                    records[item.id] = record
-                    timing.generated.append(item.id)
-                    observer.item_finished(record)
-                    report.write()
+            report.timing.bring_up_s = time.perf_counter() - bring_up_start
+            running = bring_up(cfg, ctx, placement, backend, todo, report, observer.message, report_name)
+            generate_all(running, ctx, observer, report, records, report_name)
     except BaseException:
         if heartbeat is not None:  # `ditango status` must not show a run that ended as running
             heartbeat.write("stopped")
@@ -293,3 +237,49 @@ def execute(
         heartbeat.finish()
     rank_peaks = [p for p, _ in ctx.gather(peak_memory(placement.device))]
     return report.write(rank_peaks) if ctx.is_writer else None
+
+
+def writer_observer(cfg: RunConfig, observer: Observer, report_name: str, skipped: dict, decided: dict):
+    """The writer's observer, which keeps its heartbeat file, once it said what it skips."""
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    heartbeat = ProgressFile(observer, progress_path(cfg.out_dir, report_name))
+    for item_id in skipped:
+        if item_id not in decided:  # not those this command already made in an earlier launch
+            heartbeat.message(f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)")
+    return heartbeat
+
+
+def generate_all(
+    running: Running, ctx: RankContext, observer: Observer, report: ReportWriter, records: dict, report_name: str
+) -> None:
+    """Every item of `running`, in its order; the writer records each and rewrites the report.
+
+    Non-finite latents are final at once: deterministic, every rank raised them at the same
+    point (check_finite agrees first), so the ranks go on to the next item together; recorded
+    `final`, the supervisor and later launches of this command (`settled_since`) never run it
+    again. Under --target-psnr an item measured below the target recalibrates and runs again."""
+    items_start = time.perf_counter()
+    reference = running.first_reference
+    for item in running.todo:
+        observer.item_started(item)
+        if running.bank is not None:
+            running.bank.use(item.loras)
+        try:
+            record = generate_item(running.denoiser, item, running.cfg, ctx, observer, reference)
+            if report.calibration is not None and running.cfg.reference == "exact":
+                running.cfg, redo = hold_target(
+                    running.denoiser, item, running.cfg, ctx, observer.message, report_name, report.calibration, record
+                )
+                if redo is not None:
+                    record = generate_item(running.denoiser, item, running.cfg, ctx, observer, redo)
+        except NonFiniteLatents as exc:
+            record = {}
+            if ctx.is_writer:
+                record = record_failure(running.cfg, item, f"{type(exc).__name__}: {exc}", 1, final=True)
+        reference = None
+        report.timing.items_s = time.perf_counter() - items_start
+        if ctx.is_writer:
+            records[item.id] = record
+            report.timing.generated.append(item.id)
+            observer.item_finished(record)
+            report.write()

@@ -101,7 +101,9 @@ def test_every_command_example_parses():
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     out = tmp_path_factory.mktemp("manual") / "out"
-    result = CliRunner().invoke(app, ["generate", "--prompt", "a red circle moving left", "--out", str(out), *FAST_ARGV])
+    result = CliRunner().invoke(
+        app, ["generate", "--prompt", "a red circle moving left", "--out", str(out), *FAST_ARGV]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     return report, json.loads((out / f"{report['items'][0]['id']}.json").read_text())

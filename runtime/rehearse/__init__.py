@@ -117,6 +117,7 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
     import runtime.assembly as assembly
     import runtime.denoiser as denoiser_module
     import runtime.vae as vae_module
+    from runtime.bring_up import denoiser_for_run, run_host_loaded
     from runtime.comm import Comm
     from runtime.context import RankContext
     from runtime.inputs import item_inputs
@@ -125,7 +126,7 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
     from runtime.models.families import FAMILIES
     from runtime.models.loading import placement_on
     from runtime.models.meta import materialize, meta_components
-    from runtime.run import before_decode, denoiser_for_run, run_host_loaded
+    from runtime.run import before_decode
     from runtime.vae import decode_video
     from runtime.weights import shard_weights
 
