@@ -43,20 +43,50 @@ def main() -> None:
     for strategy, gpus, nodes, extra in CONFIGS:
         out = root / f"{strategy}-{nodes}x{gpus}"
         cmd = [
-            str(exe), "generate", "--prompt", "a red circle moving left on a black background", "--out", str(out),
-            "--steps", str(args.steps), "--height", str(args.height), "--width", str(args.width),
-            "--frames", str(args.frames), "--device", "cpu", "--quiet", "--overwrite", "--executor", "local",
-            "--parallel", strategy, "--gpus-per-node", str(gpus), "--nodes", str(nodes), *extra,
-        ]  # fmt: skip
+            str(exe),
+            "generate",
+            "--prompt",
+            "a red circle moving left on a black background",
+            "--out",
+            str(out),
+            "--steps",
+            str(args.steps),
+            "--height",
+            str(args.height),
+            "--width",
+            str(args.width),
+            "--frames",
+            str(args.frames),
+            "--device",
+            "cpu",
+            "--quiet",
+            "--overwrite",
+            "--executor",
+            "local",
+            "--parallel",
+            strategy,
+            "--gpus-per-node",
+            str(gpus),
+            "--nodes",
+            str(nodes),
+            *extra,
+        ]
         subprocess.run(cmd, check=True)
         report = json.loads((out / "report.json").read_text())
         item = report["items"][0]
         steps = item["timing"]["step_s"][1:] or item["timing"]["step_s"]
         comm = item["comm"]
         rows.append(
-            (strategy, nodes * gpus, nodes, statistics.median(steps), item["tokens"],
-             comm["intra_node_bytes"], comm["inter_node_bytes"])
-        )  # fmt: skip
+            (
+                strategy,
+                nodes * gpus,
+                nodes,
+                statistics.median(steps),
+                item["tokens"],
+                comm["intra_node_bytes"],
+                comm["inter_node_bytes"],
+            )
+        )
     print(f"tiny-wan, {args.width}x{args.height}x{args.frames}, {args.steps} steps, CPU gloo; outputs in {root}\n")
     print("| strategy | ranks | nodes | step (s, median) | tokens | intra-node MB | inter-node MB |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -113,8 +113,27 @@ def configs(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[Confi
 def generate(exe: Path, prompts: Path, out: Path, steps: int, cfg: Config) -> tuple[dict | None, str | None]:
     """(report, None) when the run wrote one with at least one item done, else (None, why);
     the command and its stderr go to <out>.log beside the run's folder."""
-    cmd = [str(exe), "generate", "--model", MODEL, "--prompts", str(prompts), "--out", str(out), "--steps", str(steps),
-           "--device", "cpu", "--executor", "local", "--save-latents", "--quiet", "--overwrite", *LAYOUT, *cfg.args]  # fmt: skip
+    cmd = [
+        str(exe),
+        "generate",
+        "--model",
+        MODEL,
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--device",
+        "cpu",
+        "--executor",
+        "local",
+        "--save-latents",
+        "--quiet",
+        "--overwrite",
+        *LAYOUT,
+        *cfg.args,
+    ]
     (out / "report.json").unlink(missing_ok=True)  # never read a report left by an earlier invocation
     log = out.parent / f"{out.name}.log"
     with log.open("w") as f:
@@ -194,8 +213,14 @@ def measure(cfg: Config, report: dict, frames: dict, ring: dict | None, specs: d
 
 
 def failed_row(cfg: Config, why: str) -> dict:
-    return {"run": cfg.name, "status": "failed", "planner": cfg.planner, "cache_ratio": cfg.ratio,
-            "args": cfg.args, "error": why}  # fmt: skip
+    return {
+        "run": cfg.name,
+        "status": "failed",
+        "planner": cfg.planner,
+        "cache_ratio": cfg.ratio,
+        "args": cfg.args,
+        "error": why,
+    }
 
 
 def fmt(value, spec: str) -> str:
@@ -328,8 +353,16 @@ def main() -> None:
     if args.table:
         args.table.write_text(text + "\n")
     if args.json:
-        doc = {"schema": 1, "model": MODEL, "steps": args.steps, "layout": "4 ranks on 4 virtual nodes, group size 1",
-               "prompts": args.prompts, "extra": args.extra, "out": str(root), "rows": rows}  # fmt: skip
+        doc = {
+            "schema": 1,
+            "model": MODEL,
+            "steps": args.steps,
+            "layout": "4 ranks on 4 virtual nodes, group size 1",
+            "prompts": args.prompts,
+            "extra": args.extra,
+            "out": str(root),
+            "rows": rows,
+        }
         args.json.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
     plot_path = args.plot or root / "bytes_vs_psnr.png"
     plot(plot_path, rows)

@@ -88,8 +88,27 @@ def run(exe: Path, prompts: Path, out: Path, steps: int, args: list[str], fresh:
         report = json.loads(report_path.read_text())
         if report["counts"]["done"] == len(report["items"]):
             return report, "reused"
-    cmd = [str(exe), "generate", "--model", MODEL, "--prompts", str(prompts), "--out", str(out), "--steps", str(steps),
-           "--device", "cpu", "--executor", "local", "--save-latents", "--quiet", "--overwrite", *LAYOUT, *args]  # fmt: skip
+    cmd = [
+        str(exe),
+        "generate",
+        "--model",
+        MODEL,
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--device",
+        "cpu",
+        "--executor",
+        "local",
+        "--save-latents",
+        "--quiet",
+        "--overwrite",
+        *LAYOUT,
+        *args,
+    ]
     report_path.unlink(missing_ok=True)
     log = out.parent / f"{out.name}.log"
     with log.open("w") as f:
@@ -157,8 +176,19 @@ def measure(name: str, family: str, report: dict, frames: dict, latents: dict, r
 def simulate(exe: Path, row: dict, args: list[str], steps: int) -> dict | None:
     """The row priced for Wan2.1-14B, 720p, 4 x 8 H20 (`ditango simulate`'s defaults)."""
     strategy = args[args.index("--parallel") + 1]
-    cmd = [str(exe), "simulate", "--nodes", "4", "--gpus-per-node", "8", "--parallel", strategy, "--steps",
-           str(steps), "--json"]  # fmt: skip
+    cmd = [
+        str(exe),
+        "simulate",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--parallel",
+        strategy,
+        "--steps",
+        str(steps),
+        "--json",
+    ]
     if strategy_named(strategy).reuses:
         for flag in ("--cache-ratio", "--planner"):
             if flag in args:
@@ -175,8 +205,12 @@ def simulate(exe: Path, row: dict, args: list[str], steps: int) -> dict | None:
     r, blocks, evals = rows[0], row["blocks_run"], row["attention_evals"]
     step = (r["step_s"] - r["attention_s"]) * blocks + r["attention_s"] * evals
     moved = blocks if strategy_named(strategy).splits_weights else evals
-    return {"e2e_s": r["e2e_s"] - steps * (r["step_s"] - step), "step_s": step,
-            "inter_node_bytes": r["inter_node_bytes"] * moved, "intra_node_bytes": r["intra_node_bytes"] * moved}  # fmt: skip
+    return {
+        "e2e_s": r["e2e_s"] - steps * (r["step_s"] - step),
+        "step_s": step,
+        "inter_node_bytes": r["inter_node_bytes"] * moved,
+        "intra_node_bytes": r["intra_node_bytes"] * moved,
+    }
 
 
 def psnr_text(row: dict) -> list[str]:
@@ -191,11 +225,14 @@ def psnr_text(row: dict) -> list[str]:
 def table(rows: list[dict], header: str) -> str:
     ring_s = rows[0].get("denoise_s") or math.nan
     ring_sim = rows[0].get("sim") or {}
-    lines = [header, "",
-             "| run | family | PSNR mean (dB) | PSNR min (dB) | SSIM mean | latent err | colour | direction | background "
-             "| attention computed | blocks run | inter-node vs ring | intra-node vs ring | denoise time vs ring "
-             "| 14B 4x8 H20: e2e (s) | speed-up vs ring |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        header,
+        "",
+        "| run | family | PSNR mean (dB) | PSNR min (dB) | SSIM mean | latent err | colour | direction | background "
+        "| attention computed | blocks run | inter-node vs ring | intra-node vs ring | denoise time vs ring "
+        "| 14B 4x8 H20: e2e (s) | speed-up vs ring |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         if row.get("error"):
             lines.append(f"| {row['run']} | {row['family']} | failed: {row['error']} |" + " - |" * 14)
@@ -203,14 +240,19 @@ def table(rows: list[dict], header: str) -> str:
         sim = row.get("sim") or {}
         speedup = ring_sim["e2e_s"] / sim["e2e_s"] if sim and ring_sim else None
         cells = [
-            row["family"], *psnr_text(row),
+            row["family"],
+            *psnr_text(row),
             "ref" if row["run"] == "ring" else fmt(row["ssim_mean"], ".4f"),
             "ref" if row["run"] == "ring" else fmt(row["latent_err_mean"], ".4f"),
             *[f"{row['adherence'][a]:.0%}" for a in ASPECTS],
-            fmt(row["attention_computed"], ".3f"), fmt(row["blocks_run"], ".3f"),
-            fmt(row["inter_node_vs_ring"], ".3f"), fmt(row["intra_node_vs_ring"], ".3f"),
-            f"{row['denoise_s'] / ring_s:.2f}", fmt(sim.get("e2e_s"), ".1f"), fmt(speedup, ".2f"),
-        ]  # fmt: skip
+            fmt(row["attention_computed"], ".3f"),
+            fmt(row["blocks_run"], ".3f"),
+            fmt(row["inter_node_vs_ring"], ".3f"),
+            fmt(row["intra_node_vs_ring"], ".3f"),
+            f"{row['denoise_s'] / ring_s:.2f}",
+            fmt(sim.get("e2e_s"), ".1f"),
+            fmt(speedup, ".2f"),
+        ]
         lines.append(f"| {row['run']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -219,17 +261,29 @@ def plots(folder: Path, rows: list[dict]) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     done = [r for r in rows[1:] if not r.get("error")]
     written = []
-    for x_key, x_label, name in (("inter_node_vs_ring", "inter-node bytes vs ring", "fidelity_psnr_vs_bytes.png"),
-                                 ("attention_computed", "attention computed vs exact", "fidelity_psnr_vs_compute.png")):  # fmt: skip
+    for x_key, x_label, name in (
+        ("inter_node_vs_ring", "inter-node bytes vs ring", "fidelity_psnr_vs_bytes.png"),
+        ("attention_computed", "attention computed vs exact", "fidelity_psnr_vs_compute.png"),
+    ):
         series = []
         for family in ("exact", "ditango", "step cache", "ditango + step cache"):
-            pts = [(r[x_key], math.inf if r["psnr_mean"] is None else r["psnr_mean"], r["run"])
-                   for r in done if r["family"] == family and r[x_key] is not None]  # fmt: skip
+            pts = [
+                (r[x_key], math.inf if r["psnr_mean"] is None else r["psnr_mean"], r["run"])
+                for r in done
+                if r["family"] == family and r[x_key] is not None
+            ]
             if pts:
                 series.append(Series(family, pts, joined=False, marker="square" if family != "exact" else "cross"))
         path = folder / name
-        write_xy_plot(path, series, hline=40.0, x_range=(0.0, 1.05), x_label=x_label, y_label="mean PSNR (dB)",
-                      title=f"quality vs {x_label} (tiny-wan, 8 prompts; top: identical)")  # fmt: skip
+        write_xy_plot(
+            path,
+            series,
+            hline=40.0,
+            x_range=(0.0, 1.05),
+            x_label=x_label,
+            y_label="mean PSNR (dB)",
+            title=f"quality vs {x_label} (tiny-wan, 8 prompts; top: identical)",
+        )
         written.append(path)
     return written
 
@@ -287,8 +341,15 @@ def main() -> None:
     if args.table:
         args.table.write_text(text + "\n")
     if args.json:
-        args.json.write_text(json.dumps({"schema": 1, "steps": args.steps, "prompts": args.prompts, "rows": rows},
-                                        indent=2, allow_nan=False, default=float) + "\n")  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {"schema": 1, "steps": args.steps, "prompts": args.prompts, "rows": rows},
+                indent=2,
+                allow_nan=False,
+                default=float,
+            )
+            + "\n"
+        )
     for path in plots(args.plots or root, rows):
         print(f"plot {path}", file=sys.stderr)
     print(f"runs in {root}", file=sys.stderr)

@@ -32,9 +32,17 @@ def ditango_rows(folder: Path) -> list[dict]:
         run, planner, ratio, inter, psnr = cells[0], cells[1], cells[2], cells[3], cells[6]
         number = lambda text: None if text in ("-", "ref", "failed", "inf") else float(text.split()[0])  # noqa: E731
         sweep = planner if planner != "-" and run == f"{planner} {ratio}" else None
-        rows.append({"run": run, "status": "failed" if "failed" in cells else "done", "sweep": sweep,
-                     "cache_ratio": number(ratio), "inter_node_vs_ring": number(inter),
-                     "psnr_mean": number(psnr), "psnr_inf": psnr.startswith("inf")})  # fmt: skip
+        rows.append(
+            {
+                "run": run,
+                "status": "failed" if "failed" in cells else "done",
+                "sweep": sweep,
+                "cache_ratio": number(ratio),
+                "inter_node_vs_ring": number(inter),
+                "psnr_mean": number(psnr),
+                "psnr_inf": psnr.startswith("inf"),
+            }
+        )
     return rows
 
 

@@ -132,16 +132,26 @@ def _kernel_case(name, q, k, v, scale, backend, dtype) -> list[Row]:
             max(merge_err, merge_lse_err),
             f"<= {tol:g}",
             merge_err <= tol and merge_lse_err <= lse_tol,
-        ),  # fmt: skip
+        ),
     ]
 
 
 # -- 3. our processor against diffusers' --------------------------------------------------------
 WAN_1_3B = dict(
-    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-    eps=1e-6, rope_max_seq_len=1024,
-)  # fmt: skip
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=30,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
 
 
 def _cast_like_from_pretrained(model, dtype: torch.dtype):
@@ -214,16 +224,31 @@ def processor_rows(
     rel = ((ours - ref).norm() / ref.norm()).item()
     tokens = F * (Hl // 2) * (Wl // 2)
     rows = [
-        Row("processor", f"{tokens} tokens, ours ({backend}) vs diffusers: relative difference", rel,
-            f"<= {rel_tol:g}", rel <= rel_tol and installed and bool(torch.isfinite(ours).all())),
-    ]  # fmt: skip
+        Row(
+            "processor",
+            f"{tokens} tokens, ours ({backend}) vs diffusers: relative difference",
+            rel,
+            f"<= {rel_tol:g}",
+            rel <= rel_tol and installed and bool(torch.isfinite(ours).all()),
+        ),
+    ]
     if device == "cuda":
         rows += [
-            Row("processor", f"time per forward: diffusers {ref_s:.3f} s, ours {ours_s:.3f} s (ratio)",
-                ours_s / ref_s, "<= 1.5", ours_s / ref_s <= 1.5),
-            Row("processor", f"peak memory: diffusers {ref_peak / 2**30:.2f} GiB, ours {ours_peak / 2**30:.2f} GiB (ratio)",
-                ours_peak / max(1, ref_peak), "<= 1.5", ours_peak <= 1.5 * max(1, ref_peak)),
-        ]  # fmt: skip
+            Row(
+                "processor",
+                f"time per forward: diffusers {ref_s:.3f} s, ours {ours_s:.3f} s (ratio)",
+                ours_s / ref_s,
+                "<= 1.5",
+                ours_s / ref_s <= 1.5,
+            ),
+            Row(
+                "processor",
+                f"peak memory: diffusers {ref_peak / 2**30:.2f} GiB, ours {ours_peak / 2**30:.2f} GiB (ratio)",
+                ours_peak / max(1, ref_peak),
+                "<= 1.5",
+                ours_peak <= 1.5 * max(1, ref_peak),
+            ),
+        ]
     return rows
 
 
@@ -233,8 +258,15 @@ def generate_rows() -> list[Row]:
 
     exe = [sys.executable, "-c", "from ditango_cli.app import main; main()"]
     # --executor local: on a Slurm node `auto` would submit the two-rank run as a job
-    base = ["generate", "--prompt", "a red circle moving left on a black background", "--save-latents", "--quiet",
-            "--executor", "local"]  # fmt: skip
+    base = [
+        "generate",
+        "--prompt",
+        "a red circle moving left on a black background",
+        "--save-latents",
+        "--quiet",
+        "--executor",
+        "local",
+    ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
 
@@ -255,8 +287,15 @@ def generate_rows() -> list[Row]:
                     rows.append(Row("generate", f"--parallel {parallel} {dtype}: did not run", math.nan, "-", False))
                     continue
                 rel = ((got - cpu).norm() / cpu.norm()).item()
-                rows.append(Row("generate", f"--parallel {parallel} {dtype}: latents vs CPU float32 (relative)",
-                                rel, f"<= {tol:g}", rel <= tol))  # fmt: skip
+                rows.append(
+                    Row(
+                        "generate",
+                        f"--parallel {parallel} {dtype}: latents vs CPU float32 (relative)",
+                        rel,
+                        f"<= {tol:g}",
+                        rel <= tol,
+                    )
+                )
     return rows
 
 
@@ -288,8 +327,15 @@ def main() -> int:
         try:
             rows += section()
         except Exception as exc:  # one broken section must not hide the others' numbers
-            rows.append(Row(name, f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                            math.nan, "-", False))  # fmt: skip
+            rows.append(
+                Row(
+                    name,
+                    f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                    math.nan,
+                    "-",
+                    False,
+                )
+            )
         print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     print("| section | check | value | limit | ok |")
     print("|---|---|---:|---|---|")

@@ -133,10 +133,19 @@ def measure(case: str, dtype: str, loader: str, device: str) -> dict:
     base = status_kib("VmRSS")
     parts = (load_before if loader == "before" else load_components)(resolved, placement)
     peak, after = status_kib("VmHWM"), status_kib("VmRSS")
-    dtypes = {n: sorted({str(p.dtype).removeprefix("torch.") for p in parts[n].parameters()})
-              for n in ("transformer", "text_encoder", "vae")}  # fmt: skip
-    return {"case": case, "dtype": dtype, "loader": loader, "device": device, "peak_mib": (peak - base) / 1024,
-            "kept_mib": (after - base) / 1024, "dtypes": dtypes}  # fmt: skip
+    dtypes = {
+        n: sorted({str(p.dtype).removeprefix("torch.") for p in parts[n].parameters()})
+        for n in ("transformer", "text_encoder", "vae")
+    }
+    return {
+        "case": case,
+        "dtype": dtype,
+        "loader": loader,
+        "device": device,
+        "peak_mib": (peak - base) / 1024,
+        "kept_mib": (after - base) / 1024,
+        "dtypes": dtypes,
+    }
 
 
 def file_bytes(case: str) -> int:
@@ -146,8 +155,10 @@ def file_bytes(case: str) -> int:
 def table(device: str) -> str:
     for case in CASES[1:]:
         build(BIG / case, "float32" if case.endswith("f32") else "bfloat16")
-    lines = ["| model | load dtype | safetensors MiB | peak RSS MiB before | after | kept on host MiB before | after |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| model | load dtype | safetensors MiB | peak RSS MiB before | after | kept on host MiB before | after |",
+        "|---|---|---|---|---|---|---|",
+    ]
     # Every tensor above 64 KiB its own mapping, so that a freed one leaves the RSS (glibc's
     # dynamic threshold would otherwise keep freed temporaries in the heap), as benchmarks/memory.py.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -159,8 +170,10 @@ def table(device: str) -> str:
             got[loader] = json.loads(done.stdout)
         assert got["before"]["dtypes"] == got["after"]["dtypes"], got
         b, a = got["before"], got["after"]
-        lines.append(f"| {case} | {dtype} | {file_bytes(case) / MIB:.0f} | {b['peak_mib']:.0f} | {a['peak_mib']:.0f} "
-                     f"| {b['kept_mib']:.0f} | {a['kept_mib']:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {case} | {dtype} | {file_bytes(case) / MIB:.0f} | {b['peak_mib']:.0f} | {a['peak_mib']:.0f} "
+            f"| {b['kept_mib']:.0f} | {a['kept_mib']:.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -35,9 +35,23 @@ from runtime.quality import latent_rel_err, psnr
 
 def run(exe: Path, out: Path, steps: int, extra: list[str], env: dict | None = None) -> dict:
     cmd = [
-        str(exe), "generate", "--prompt", "a red circle moving left on a black background", "--out", str(out),
-        "--steps", str(steps), "--device", "cpu", "--quiet", "--overwrite", "--save-latents", "--executor", "local", *extra,
-    ]  # fmt: skip
+        str(exe),
+        "generate",
+        "--prompt",
+        "a red circle moving left on a black background",
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--device",
+        "cpu",
+        "--quiet",
+        "--overwrite",
+        "--save-latents",
+        "--executor",
+        "local",
+        *extra,
+    ]
     subprocess.run(cmd, check=True, env=None if env is None else {**os.environ, **env})
     return json.loads((out / "report.json").read_text())["items"][0]
 
@@ -60,9 +74,12 @@ def main() -> None:
             (f"hybrid k={k} (2)", f"k{k}", ["--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-k", str(k)])
         )
     configs.append(
-        ("hybrid k=5, uncond segment 1 (2)", "k5u",
-         ["--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-k", "5", "--hybrid-first-text", "uncond"])
-    )  # fmt: skip
+        (
+            "hybrid k=5, uncond segment 1 (2)",
+            "k5u",
+            ["--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-k", "5", "--hybrid-first-text", "uncond"],
+        )
+    )
     one_thread = {"OMP_NUM_THREADS": "1"}  # the per-rank share of a 2-rank run: one core each
     items = {
         name: (run(exe, root / tag, args.steps, extra, one_thread if tag == "one1" else None), root / tag)
@@ -71,8 +88,9 @@ def main() -> None:
     base, base_dir = items["1 process"]
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
-    decoder = Denoiser(load_components(resolve_model("tiny-wan"), resolve_placement("cpu")),
-                          resolve_placement("cpu"), 32)  # fmt: skip
+    decoder = Denoiser(
+        load_components(resolve_model("tiny-wan"), resolve_placement("cpu")), resolve_placement("cpu"), 32
+    )
     base_latents = load_file(base_dir / base["latents"])["latents"]
     base_video = decoder.decode(base_latents)
     print(f"tiny-wan 128x128x17, {args.steps} steps, guidance 5.0, CPU (2 cores); outputs in {root}\n")

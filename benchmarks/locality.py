@@ -53,8 +53,14 @@ class LocalityRecorder:
             onehot = torch.nn.functional.one_hot(part, self.partitions).to(probs.dtype)  # [S, P]
             per_query = probs @ onehot  # [B, H, S, P]: mass of each query on each key partition
             distance = (part.view(-1, 1) - torch.arange(self.partitions).view(1, -1)).abs()  # [S, P]
-            shares = torch.stack([(per_query * (distance == 0)).sum(-1), (per_query * (distance == 1)).sum(-1),
-                                  (per_query * (distance > 1)).sum(-1)], dim=-1)  # fmt: skip
+            shares = torch.stack(
+                [
+                    (per_query * (distance == 0)).sum(-1),
+                    (per_query * (distance == 1)).sum(-1),
+                    (per_query * (distance > 1)).sum(-1),
+                ],
+                dim=-1,
+            )
             mean = shares.mean(dim=(0, 1, 2))  # own, adjacent, far
             for phase in ("all", self.phase):
                 acc = self.stats.setdefault((phase, self.layer), [torch.zeros(3, dtype=torch.float64), 0])

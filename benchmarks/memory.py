@@ -96,8 +96,11 @@ def cpu_im2col_bytes(vae, latent: tuple[int, int, int], tile: int) -> int:
     f, h, w = latent
     th, tw = max(tile_grid(vae, h, w, tile)) if tile else (h, w)
     calls = chunks(vae, f)
-    return max(27 * 4 * c * fr * th * tw * 4**i for n in set(calls)
-               for i, (c, fr) in enumerate(zip(vae.widths, level_frames(vae, n), strict=True)))  # fmt: skip
+    return max(
+        27 * 4 * c * fr * th * tw * 4**i
+        for n in set(calls)
+        for i, (c, fr) in enumerate(zip(vae.widths, level_frames(vae, n), strict=True))
+    )
 
 
 def run_case(index: int) -> dict:
@@ -136,8 +139,13 @@ def run_case(index: int) -> dict:
             peak = _measure(lambda: model(x, t, text, return_dict=False))
         tokens = shape.tokens(VideoSize(H, W, F))
         _, _, predicted = block_bytes(shape, ParallelLayout(), tokens, MemoryOptions(dtype_bytes=e))
-        return {"weights": weights, "weights_predicted": params * e, "peak": peak, "predicted": predicted,
-                "tokens": tokens}  # fmt: skip
+        return {
+            "weights": weights,
+            "weights_predicted": params * e,
+            "peak": peak,
+            "predicted": predicted,
+            "tokens": tokens,
+        }
     from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLWan
 
     cls = AutoencoderKLHunyuanVideo if config == "hunyuanvideo" else AutoencoderKLWan
@@ -151,16 +159,26 @@ def run_case(index: int) -> dict:
     latent = ((F - 1) // shape.temporal + 1, H // shape.spatial, W // shape.spatial)
     z = torch.randn(1, shape.z_dim, *latent)
     if tile:
-        vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
-                          tile_sample_stride_height=tile * 3 // 4, tile_sample_stride_width=tile * 3 // 4)  # fmt: skip
+        vae.enable_tiling(
+            tile_sample_min_height=tile,
+            tile_sample_min_width=tile,
+            tile_sample_stride_height=tile * 3 // 4,
+            tile_sample_stride_width=tile * 3 // 4,
+        )
     # One convolution path on CPU: without oneDNN every 3x3x3 convolution unfolds its input
     # (im2col: 27 x C_in x output voxels x 4 bytes, freed after it), which cuDNN does not.
     with torch.inference_mode(), torch.backends.mkldnn.flags(enabled=False):
         peak = _measure(lambda: vae.decode(z, return_dict=False)[0])
     im2col = cpu_im2col_bytes(shape, latent, tile)
     predicted = decode_bytes(shape, latent, bool(tile), tile or 256) + im2col
-    return {"weights": weights, "weights_predicted": params * 4, "peak": peak, "predicted": predicted,
-            "cpu_only": im2col, "latent": list(latent)}  # fmt: skip
+    return {
+        "weights": weights,
+        "weights_predicted": params * 4,
+        "peak": peak,
+        "predicted": predicted,
+        "cpu_only": im2col,
+        "latent": list(latent),
+    }
 
 
 def main() -> None:
@@ -171,12 +189,15 @@ def main() -> None:
     rows = []
     for i, (kind, name, _, (H, W, F), dtype, _) in enumerate(CASES):
         start = time.perf_counter()
-        out = subprocess.run([sys.executable, __file__, "--case", str(i)], env=env, capture_output=True, text=True,
-                             check=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, __file__, "--case", str(i)], env=env, capture_output=True, text=True, check=True
+        )
         r = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append((kind, name, f"{W}x{H}x{F}", dtype, r, time.perf_counter() - start))
-    print("| kind | case | video WxHxF | dtype | weights MiB pred / meas | peak MiB pred / meas | error "
-          "| error without CPU im2col | s |")  # fmt: skip
+    print(
+        "| kind | case | video WxHxF | dtype | weights MiB pred / meas | peak MiB pred / meas | error "
+        "| error without CPU im2col | s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     errors: dict[str, list[float]] = {"transformer": [], "vae": []}
     mib = 2**20
@@ -186,12 +207,16 @@ def main() -> None:
         err_own = (r["predicted"] - r["peak"]) / (r["peak"] - own)
         if "tiny" not in name:  # the tiny cases are dominated by fixed allocations (thread pools, buffers)
             errors[kind].append(err_own)
-        print(f"| {kind} | {name} | {video} | {dtype} | {r['weights_predicted'] / mib:.1f} / {r['weights'] / mib:.1f} "
-              f"| {r['predicted'] / mib:.1f} / {r['peak'] / mib:.1f} | {err:+.1%} | "
-              f"{f'{err_own:+.1%}' if own else '-'} | {secs:.0f} |")  # fmt: skip
+        print(
+            f"| {kind} | {name} | {video} | {dtype} | {r['weights_predicted'] / mib:.1f} / {r['weights'] / mib:.1f} "
+            f"| {r['predicted'] / mib:.1f} / {r['peak'] / mib:.1f} | {err:+.1%} | "
+            f"{f'{err_own:+.1%}' if own else '-'} | {secs:.0f} |"
+        )
     for kind, errs in errors.items():
-        print(f"{kind}: mean |error| {sum(map(abs, errs)) / len(errs):.1%} over the scaled cases, "
-              f"worst {max(errs, key=abs):+.1%}")  # fmt: skip
+        print(
+            f"{kind}: mean |error| {sum(map(abs, errs)) / len(errs):.1%} over the scaled cases, "
+            f"worst {max(errs, key=abs):+.1%}"
+        )
 
 
 if __name__ == "__main__":

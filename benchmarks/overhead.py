@@ -68,9 +68,15 @@ def main() -> None:
         "bench", prompt, negative, seed, args.height, args.width, args.frames, args.steps, args.guidance, **geometry
     )
     cfg = RunConfig(
-        model=args.model, model_path=None if resolved.spec.builtin else resolved.path, items=(item,), out_dir=out, device=placement.device.type,
-        save_latents=True, overwrite=True, max_text_len=text_len,
-    )  # fmt: skip
+        model=args.model,
+        model_path=None if resolved.spec.builtin else resolved.path,
+        items=(item,),
+        out_dir=out,
+        device=placement.device.type,
+        save_latents=True,
+        overwrite=True,
+        max_text_len=text_len,
+    )
 
     def ours() -> tuple[float, float]:
         timing = execute(cfg)["items"][0]["timing"]
@@ -79,29 +85,43 @@ def main() -> None:
     def theirs_denoise() -> float:
         start = time.perf_counter()
         pipe(
-            prompt_embeds=text.cond_BLE, negative_prompt_embeds=text.uncond_BLE, num_inference_steps=args.steps,
-            guidance_scale=args.guidance, generator=torch.Generator("cpu").manual_seed(seed), output_type="latent",
+            prompt_embeds=text.cond_BLE,
+            negative_prompt_embeds=text.uncond_BLE,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            generator=torch.Generator("cpu").manual_seed(seed),
+            output_type="latent",
             **size,
-        )  # fmt: skip
+        )
         return time.perf_counter() - start
 
     def theirs_e2e() -> float:
         start = time.perf_counter()
         frames = pipe(
-            prompt=prompt, negative_prompt=negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
-            generator=torch.Generator("cpu").manual_seed(seed), output_type="np", max_sequence_length=text_len,
+            prompt=prompt,
+            negative_prompt=negative,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            generator=torch.Generator("cpu").manual_seed(seed),
+            output_type="np",
+            max_sequence_length=text_len,
             **size,
-        ).frames[0]  # fmt: skip
+        ).frames[0]
         export_to_video(list(frames), str(out / "theirs.mp4"), fps=16)
         return time.perf_counter() - start
 
     # Same answer first: a benchmark of two different computations means nothing.
     ours()
     reference = pipe(
-        prompt=prompt, negative_prompt=negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
-        generator=torch.Generator("cpu").manual_seed(seed), output_type="latent", max_sequence_length=text_len,
+        prompt=prompt,
+        negative_prompt=negative,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="latent",
+        max_sequence_length=text_len,
         **size,
-    ).frames  # fmt: skip
+    ).frames
     diff = (load_file(out / "bench.latents.safetensors")["latents"] - reference.cpu()).abs().max().item()
     if diff > 1e-5:
         raise SystemExit(f"outputs differ (max |latent diff| {diff:.2e}): not benchmarking different computations")

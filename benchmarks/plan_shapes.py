@@ -38,18 +38,51 @@ COMMAND = (
 def record(exe: Path, out: Path, planner: str, ratio: float) -> dict:
     """One run's shape, as the JSON stores it, checked against the report's own summary."""
     cmd = [
-        str(exe), "generate", "--model", "tiny-wan", "--prompt", "a red circle moving left on a black background",
-        "--steps", str(STEPS), "--device", "cpu", "--executor", "local", "--gpus-per-node", "1", "--nodes", "4",
-        "--parallel", "ditango", "--group-size", "1", "--reuse", "always", "--planner", planner, "--cache-ratio", str(ratio),
-        "--quiet", "--overwrite", "--out", str(out),
-    ]  # fmt: skip
+        str(exe),
+        "generate",
+        "--model",
+        "tiny-wan",
+        "--prompt",
+        "a red circle moving left on a black background",
+        "--steps",
+        str(STEPS),
+        "--device",
+        "cpu",
+        "--executor",
+        "local",
+        "--gpus-per-node",
+        "1",
+        "--nodes",
+        "4",
+        "--parallel",
+        "ditango",
+        "--group-size",
+        "1",
+        "--reuse",
+        "always",
+        "--planner",
+        planner,
+        "--cache-ratio",
+        str(ratio),
+        "--quiet",
+        "--overwrite",
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, check=True)
     attention = json.loads((out / "report.json").read_text(encoding="utf-8"))["items"][0]["attention"]
     shape = plan_shape(json.loads((out / attention["plan_file"]).read_text(encoding="utf-8")), planner, ratio)
     assert abs(shape.selective_fraction - attention["computed_fraction_selective"]) < 1e-5, (shape, attention)
-    return {"cache_ratio": ratio, "anchor_share": round(shape.anchor_share, 6), "own": shape.own,
-            "offsets": [round(f, 6) for f in shape.offsets], "warmup": shape.warmup, "cooldown": shape.cooldown,
-            "selective_fraction": round(shape.selective_fraction, 6), "steps": attention["steps"]}  # fmt: skip
+    return {
+        "cache_ratio": ratio,
+        "anchor_share": round(shape.anchor_share, 6),
+        "own": shape.own,
+        "offsets": [round(f, 6) for f in shape.offsets],
+        "warmup": shape.warmup,
+        "cooldown": shape.cooldown,
+        "selective_fraction": round(shape.selective_fraction, 6),
+        "steps": attention["steps"],
+    }
 
 
 def dumps(data: dict) -> str:
@@ -69,8 +102,10 @@ def main() -> None:
     args = ap.parse_args()
     root = args.work or Path(tempfile.mkdtemp(prefix="ditango-plan-shapes-"))
     exe = Path(sys.executable).with_name("ditango")
-    shapes = {planner: [record(exe, root / f"{planner}-{r:g}", planner, r) for r in ratios]
-              for planner, ratios in RATIOS.items()}  # fmt: skip
+    shapes = {
+        planner: [record(exe, root / f"{planner}-{r:g}", planner, r) for r in ratios]
+        for planner, ratios in RATIOS.items()
+    }
     data = {
         "format": SHAPES_FORMAT,
         "written_by": "benchmarks/plan_shapes.py",
@@ -86,8 +121,10 @@ def main() -> None:
     args.out.write_text(dumps(data), encoding="utf-8")
     for planner, runs in shapes.items():
         for s in runs:
-            print(f"{planner} {s['cache_ratio']:g}: anchors {s['anchor_share']:.3f} of non-exact steps, "
-                  f"selective {s['selective_fraction']:.3f}, per offset {s['offsets']}")  # fmt: skip
+            print(
+                f"{planner} {s['cache_ratio']:g}: anchors {s['anchor_share']:.3f} of non-exact steps, "
+                f"selective {s['selective_fraction']:.3f}, per offset {s['offsets']}"
+            )
     print(f"wrote {args.out}")
 
 

@@ -41,8 +41,21 @@ ASPECTS = ("colour", "direction", "background")
 
 
 def generate(exe: Path, prompts: Path, out: Path, steps: int | None, extra: list[str]) -> dict[str, Path]:
-    cmd = [str(exe), "generate", "--prompts", str(prompts), "--out", str(out), "--save-latents", "--quiet",
-           "--device", "cpu", "--overwrite", *(["--steps", str(steps)] if steps else []), *extra]  # fmt: skip
+    cmd = [
+        str(exe),
+        "generate",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--save-latents",
+        "--quiet",
+        "--device",
+        "cpu",
+        "--overwrite",
+        *(["--steps", str(steps)] if steps else []),
+        *extra,
+    ]
     subprocess.run(cmd, check=True)
     report = json.loads((out / "report.json").read_text())
     return {item["id"]: out / item["latents"] for item in report["items"] if item["status"] == "done"}

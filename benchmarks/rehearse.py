@@ -42,32 +42,60 @@ def case(model: str, layout: str, strategy: str) -> dict:
     size = ["--height", "720", "--width", "1280", "--frames", "81"]
     where = ["--nodes", nodes, "--gpus-per-node", gpus]
     extra = ["--group-size", "node"] if "group_size" in strategy_named(strategy).options else []
-    code, report, seconds = run(["ditango", "rehearse", "--model", model, *size, *where, "--parallel", strategy,
-                                 *extra, "--json"])  # fmt: skip
+    code, report, seconds = run(
+        ["ditango", "rehearse", "--model", model, *size, *where, "--parallel", strategy, *extra, "--json"]
+    )
     if not report or "ranks" not in report:
         return {"model": model, "layout": layout, "strategy": strategy, "error": (report or {}).get("error")}
     steps = report["item"]["steps"]
-    _, sim, _ = run(["ditango", "simulate", "--model", model, "--nodes", nodes, "--gpus-per-node", gpus, "--parallel",
-                     strategy, "--hardware", "h100", "--gpu-memory", "80GiB", "--steps", str(steps), "--json",
-                     *size[:6]])  # fmt: skip
+    _, sim, _ = run(
+        [
+            "ditango",
+            "simulate",
+            "--model",
+            model,
+            "--nodes",
+            nodes,
+            "--gpus-per-node",
+            gpus,
+            "--parallel",
+            strategy,
+            "--hardware",
+            "h100",
+            "--gpu-memory",
+            "80GiB",
+            "--steps",
+            str(steps),
+            "--json",
+            *size[:6],
+        ]
+    )
     row = next((r for r in (sim or {}).get("rows", []) if r["nodes"] == int(nodes)), None)
     writer = report["ranks"][0]
     return {
-        "model": model, "layout": layout, "strategy": strategy, "exit": code, "seconds": round(seconds),
+        "model": model,
+        "layout": layout,
+        "strategy": strategy,
+        "exit": code,
+        "seconds": round(seconds),
         "problems": report["problems"],
-        "writer_peak": writer["peak"], "writer_phase": max(writer["phases"], key=lambda p: writer["phases"][p]["traced_bytes"]),
+        "writer_peak": writer["peak"],
+        "writer_phase": max(writer["phases"], key=lambda p: writer["phases"][p]["traced_bytes"]),
         "worst_ratio": max((r["peak"]["ratio"] for r in report["ranks"]), key=lambda x: abs(x - 1)),
         "inter_traced": sum(r["bytes_per_step"]["inter_node_bytes"] for r in report["ranks"]),
         "inter_modelled": sum(r["modelled_bytes_per_step"]["inter_node_bytes"] for r in report["ranks"]),
         "simulate_peak": None if row is None else row["peak_memory_bytes"],
         "simulate_inter_per_step": None if row is None else row["inter_node_bytes"] / steps,
-    }  # fmt: skip
+    }
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | layout | strategy | time s | writer peak GiB traced / modelled (phase) | worst rank peak ratio "
-             "| inter-node GB/step, traced ranks: traced / traffic.py | simulate peak GiB | simulate inter-node GB/step "
-             "| problems |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| model | layout | strategy | time s | writer peak GiB traced / modelled (phase) | worst rank peak ratio "
+        "| inter-node GB/step, traced ranks: traced / traffic.py | simulate peak GiB | simulate inter-node GB/step "
+        "| problems |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['layout']} | {r['strategy']} | - | {r['error']} | | | | | |")

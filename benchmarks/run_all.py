@@ -65,25 +65,45 @@ def main() -> None:
     rows = []
     for label, extra in CONFIGS:
         folder = out / "runs" / label.replace(" ", "_").replace(",", "").replace("+", "and")
-        cmd = [str(exe), "generate", "--prompt", "a red circle moving left on a black background", "--out",
-               str(folder), "--steps", str(args.steps), "--device", "cpu", "--quiet", "--overwrite", "--save-latents", "--executor", "local",
-               *extra]  # fmt: skip
+        cmd = [
+            str(exe),
+            "generate",
+            "--prompt",
+            "a red circle moving left on a black background",
+            "--out",
+            str(folder),
+            "--steps",
+            str(args.steps),
+            "--device",
+            "cpu",
+            "--quiet",
+            "--overwrite",
+            "--save-latents",
+            "--executor",
+            "local",
+            *extra,
+        ]
         subprocess.run(cmd, check=True)
         report = json.loads((folder / "report.json").read_text())
         item = report["items"][0]
         per_step = item["attention"].get("per_step", [1.0])
-        rows.append({
-            "config": label, "ranks": report["layout"]["world_size"], "nodes": report["layout"]["nodes"],
-            "inter_node_mb": item["comm"]["inter_node_bytes"] / 1e6,
-            "intra_node_mb": item["comm"]["intra_node_bytes"] / 1e6,
-            "computed_fraction_all_steps": sum(per_step) / len(per_step),
-            "step_s": statistics.median(item["timing"]["step_s"][1:] or item["timing"]["step_s"]),
-            "latents": str(folder / item["latents"]),
-        })  # fmt: skip
+        rows.append(
+            {
+                "config": label,
+                "ranks": report["layout"]["world_size"],
+                "nodes": report["layout"]["nodes"],
+                "inter_node_mb": item["comm"]["inter_node_bytes"] / 1e6,
+                "intra_node_mb": item["comm"]["intra_node_bytes"] / 1e6,
+                "computed_fraction_all_steps": sum(per_step) / len(per_step),
+                "step_s": statistics.median(item["timing"]["step_s"][1:] or item["timing"]["step_s"]),
+                "latents": str(folder / item["latents"]),
+            }
+        )
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
-    decoder = Denoiser(load_components(resolve_model("tiny-wan"), resolve_placement("cpu")),
-                          resolve_placement("cpu"), 32)  # fmt: skip
+    decoder = Denoiser(
+        load_components(resolve_model("tiny-wan"), resolve_placement("cpu")), resolve_placement("cpu"), 32
+    )
 
     def frames(row):
         return decoder.decode(load_file(row["latents"])["latents"])
@@ -117,13 +137,21 @@ def figures(out: Path, rows: list[dict]) -> list[Path]:
     labels = [r["config"] for r in rows]
     identical = [100.0 if r["psnr_vs_1_process"] is None else r["psnr_vs_1_process"] for r in rows]
     charts = [
-        ("bytes.png", {"inter-node": [r["inter_node_mb"] for r in rows], "intra-node": [r["intra_node_mb"] for r in rows]},
-         "MB moved per item", "bytes moved between and inside (virtual) nodes"),
-        ("computed.png", {"computed": [r["computed_fraction_all_steps"] for r in rows]},
-         "attention computed (fraction)", "attention computed over all steps"),
+        (
+            "bytes.png",
+            {"inter-node": [r["inter_node_mb"] for r in rows], "intra-node": [r["intra_node_mb"] for r in rows]},
+            "MB moved per item",
+            "bytes moved between and inside (virtual) nodes",
+        ),
+        (
+            "computed.png",
+            {"computed": [r["computed_fraction_all_steps"] for r in rows]},
+            "attention computed (fraction)",
+            "attention computed over all steps",
+        ),
         ("psnr.png", {"PSNR": identical}, "PSNR vs 1 process (dB; 100: identical)", "quality against one process"),
         ("time.png", {"step": [r["step_s"] for r in rows]}, "step time (s, median)", "step time on a 2-core CPU"),
-    ]  # fmt: skip
+    ]
     for name, series, y_label, title in charts:
         write_bars(out / name, labels, series, y_label, title)
     return [out / name for name, *_ in charts]

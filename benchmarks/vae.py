@@ -32,7 +32,7 @@ from runtime.comm import Comm  # noqa: E402
 from runtime.config import DecodeOptions  # noqa: E402
 from runtime.mesh import build_mesh  # noqa: E402
 from runtime.vae import decode_video  # noqa: E402
-from slurm.local import run_ranks  # noqa: E402
+from slurm.launchers.processes import run_ranks  # noqa: E402
 
 
 def build_vae(kind: str):
@@ -103,21 +103,27 @@ def main() -> None:
     rows = []
     # Untiled first: its RSS peak, set in this process, would hide later ones (ru_maxrss only
     # grows), so each one-process row runs in a fresh process of its own via run_ranks(world 1).
-    for name, options, threads in (("untiled, 1 rank", DecodeOptions(), 1), ("tiled, 1 rank", tiled, 1),
-                                   ("tiled, 1 rank, 2 threads", tiled, 2)):  # fmt: skip
+    for name, options, threads in (
+        ("untiled, 1 rank", DecodeOptions(), 1),
+        ("tiled, 1 rank", tiled, 1),
+        ("tiled, 1 rank, 2 threads", tiled, 2),
+    ):
         (res,) = run_ranks(this._one, 1, (args.vae, z, options, threads), timeout_s=3600)
         rows.append((name, *res))
     reference = rows[1][4]
     for world in (2, 4):
-        per_rank = run_ranks(this._rank, world, (args.vae, z, DecodeOptions(parallel=True, tile_px=args.tile)),
-                             timeout_s=3600)  # fmt: skip
+        per_rank = run_ranks(
+            this._rank, world, (args.vae, z, DecodeOptions(parallel=True, tile_px=args.tile)), timeout_s=3600
+        )
         wall = max(r[0] for r in per_rank)
         others = max(r[1] for r in per_rank[1:])
         err = (per_rank[0][3] - reference).abs().max().item()
         rows.append((f"tiled, {world} ranks", wall, per_rank[0][1], per_rank[0][2], per_rank[0][3], others, err))
     base = rows[1][1]
-    print(f"{args.vae} VAE, {args.width}x{args.height}x{args.frames} (latent {list(z.shape)}), tiles of "
-          f"{args.tile} px; {os.cpu_count()} CPU cores, torch {torch.__version__}\n")  # fmt: skip
+    print(
+        f"{args.vae} VAE, {args.width}x{args.height}x{args.frames} (latent {list(z.shape)}), tiles of "
+        f"{args.tile} px; {os.cpu_count()} CPU cores, torch {torch.__version__}\n"
+    )
     print(
         "| decode | tiles | time (s) | vs tiled 1 rank | rank 0 peak RSS + (MB) | other ranks' peak + (MB) "
         "| max abs vs 1-rank tiled |"

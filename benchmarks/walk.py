@@ -24,7 +24,7 @@ from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's code, whatever else is installed
-PACKAGES = ("ditango_cli", "runtime", "planner", "slurm")
+PACKAGES = ("ditango_cli", "runtime", "planner", "slurm", "basics")
 
 
 def project_file(filename: str) -> str | None:
@@ -100,10 +100,10 @@ def carries_config(frame) -> bool:
 
 
 def in_process_ranks(target, world_size, args=(), **_):
-    """`slurm.local.run_ranks` for one rank, in this process (so the trace sees it)."""
+    """`slurm.launchers.processes.run_ranks` for one rank, in this process (so the trace sees it)."""
     import torch.distributed as dist
 
-    from slurm.launch import rank_main
+    from slurm.launchers.local import rank_main
 
     assert world_size == 1 and target is rank_main, "the walk traces a one-rank run"
     with tempfile.TemporaryDirectory() as rdzv:
@@ -125,7 +125,7 @@ def walk(strategy: str | None, out: Path, config_only: bool = False) -> Trace:
         argv += ["--parallel", strategy]
     FOLLOWED.clear()  # taken afresh from this run's config
     trace = Trace(config_only)
-    with mock.patch("slurm.launch.run_ranks", in_process_ranks):
+    with mock.patch("slurm.launchers.local.run_ranks", in_process_ranks):
         sys.setprofile(trace)
         try:
             result = CliRunner().invoke(app, argv)

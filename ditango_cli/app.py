@@ -11,9 +11,9 @@ import sys
 import typer
 from typer.core import TyperGroup
 
+from basics.errors import ConfigError
 from ditango_cli import generate, jobs, models, rehearse, simulate
 from ditango_cli.tables import say_error
-from planner.errors import ConfigError
 from runtime.errors import OutputWriteError
 
 EXIT_USAGE = 2
@@ -80,8 +80,17 @@ def _main(
     """Batch video generation with Diffusion Transformers."""
 
 
-for fn in (generate.generate, generate.check, models.models, models.download, jobs.status, jobs.cancel,
-           jobs.report, simulate.simulate, rehearse.rehearse):  # fmt: skip
+for fn in (
+    generate.generate,
+    generate.check,
+    models.models,
+    models.download,
+    jobs.status,
+    jobs.cancel,
+    jobs.report,
+    simulate.simulate,
+    rehearse.rehearse,
+):
     app.command(fn.__name__)(fn)
 
 

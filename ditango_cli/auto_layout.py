@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import typer
 
-from planner.errors import ConfigError
-from planner.user_files import printable
+from basics.errors import ConfigError
+from basics.user_files import printable
 
 
 def local_profile() -> str:
@@ -31,46 +31,84 @@ def local_profile() -> str:
     return device_hardware("cuda", torch.cuda.get_device_name(0)).name
 
 
-def choose_layout(p, g, d, mem, spec, items, array: int = 1):
-    """(p, g, d, mem) with the search's best layout filled in, and its record for the report;
-    as given, and None, without --layout auto."""
-    if p.layout is None:
-        return p, g, d, mem, None
-    from ditango_cli.options import ParallelChoice
+def choose_layout(args, spec, items, array: int = 1):
+    """`args` (RunOptions) with the search's best layout filled in, and its record for the
+    report; as given, and None, without --layout auto."""
+    parallel, guidance, ditango, memory = args.parallel, args.guidance, args.ditango, args.memory
+    if parallel.layout is None:
+        return args, None
+    from ditango_cli.choices import ParallelChoice
     from ditango_cli.simulate import plan_source
     from planner.cost_model import load_hardware
     from planner.ditango import RUN_DEFAULTS
     from planner.memory import parse_bytes
     from planner.search import Problem, search, why
 
-    given = [flag for flag, on in (("--parallel", p.parallel is not None), ("--replicas", p.replicas != 1),
-                                   ("--ulysses-degree", p.ulysses_degree is not None),
-                                   ("--group-size", d.group_size is not None), ("--cfg-parallel", g.cfg_parallel),
-                                   ("--shard-weights", mem.shard_weights), ("--hybrid", g.hybrid)) if on]  # fmt: skip
+    given = [
+        flag
+        for flag, on in (
+            ("--parallel", parallel.parallel is not None),
+            ("--replicas", parallel.replicas != 1),
+            ("--ulysses-degree", parallel.ulysses_degree is not None),
+            ("--group-size", ditango.group_size is not None),
+            ("--cfg-parallel", guidance.cfg_parallel),
+            ("--shard-weights", memory.shard_weights),
+            ("--hybrid", guidance.hybrid),
+        )
+        if on
+    ]
     if given:
         raise ConfigError(
             f"--layout auto chooses {', '.join(given)} itself: give --layout auto or {given[0]}, not both"
         )
-    hw = load_hardware(p.hardware or local_profile())
-    reuse = p.allow_reuse or any(f != "--reference" for f in d.given())
-    ratio = RUN_DEFAULTS.cache_ratio if d.cache_ratio is None else d.cache_ratio
-    source = plan_source(None, d.planner, d.own_group, ratio, d.warmup, d.cooldown) if reuse else None
+    hw = load_hardware(parallel.hardware or local_profile())
+    reuse = parallel.allow_reuse or any(f != "--reference" for f in ditango.given())
+    ratio = RUN_DEFAULTS.cache_ratio if ditango.cache_ratio is None else ditango.cache_ratio
+    source = (
+        plan_source(None, ditango.planner, ditango.own_group, ratio, ditango.warmup, ditango.cooldown)
+        if reuse
+        else None
+    )
     largest = max(items, key=lambda it: (it.tokens(), it.steps))
-    problem = Problem(spec.shape, largest.size, largest.steps, p.nodes, p.gpus_per_node, math.ceil(len(items) / array),
-                      max(it.cfg_scale for it in items), p.objective.value, reuse,
-                      parse_bytes(mem.gpu_memory, "--gpu-memory") if mem.gpu_memory else 0, source)  # fmt: skip
+    problem = Problem(
+        spec.shape,
+        largest.size,
+        largest.steps,
+        parallel.nodes,
+        parallel.gpus_per_node,
+        math.ceil(len(items) / array),
+        max(it.cfg_scale for it in items),
+        parallel.objective.value,
+        reuse,
+        parse_bytes(memory.gpu_memory, "--gpu-memory") if memory.gpu_memory else 0,
+        source,
+    )
     choices, notes = search(hw, problem)
     if not choices:
-        raise ConfigError(f"--layout auto: no layout of the model fits {p.nodes} x {p.gpus_per_node} GPUs: "
-                          + "; ".join(notes))  # fmt: skip
+        raise ConfigError(
+            f"--layout auto: no layout of the model fits {parallel.nodes} x {parallel.gpus_per_node} GPUs: "
+            + "; ".join(notes)
+        )
     best, reason = choices[0], why(choices, problem)
     lay = best.layout
-    parallel = ParallelChoice(lay.strategy.name) if lay.cp_degree > 1 else None
-    p = replace(p, parallel=parallel, replicas=best.replicas, ulysses_degree=lay.ulysses_degree)
-    g = replace(g, cfg_parallel=lay.cfg_degree == 2)
-    d = replace(d, group_size=None if lay.group_size is None else str(lay.group_size))
-    mem = replace(mem, shard_weights=best.shard_weights)
+    strategy = ParallelChoice(lay.strategy.name) if lay.cp_degree > 1 else None
+    args = replace(
+        args,
+        parallel=replace(parallel, parallel=strategy, replicas=best.replicas, ulysses_degree=lay.ulysses_degree),
+        guidance=replace(guidance, cfg_parallel=lay.cfg_degree == 2),
+        ditango=replace(ditango, group_size=None if lay.group_size is None else str(lay.group_size)),
+        memory=replace(memory, shard_weights=best.shard_weights),
+    )
     flags = " ".join(best.flags()) or "(one GPU, no flags)"
     typer.echo(printable(f"layout auto ({problem.objective}, {hw.name}): {flags}; {reason}"), err=True)  # a file's name
-    return p, g, d, mem, {"objective": problem.objective, "hardware": hw.name, "batch": problem.batch,
-                          "allow_reuse": reuse, **best.to_json(), "why": reason}  # fmt: skip
+    return (
+        args,
+        {
+            "objective": problem.objective,
+            "hardware": hw.name,
+            "batch": problem.batch,
+            "allow_reuse": reuse,
+            **best.to_json(),
+            "why": reason,
+        },
+    )

@@ -1,7 +1,7 @@
-"""A command from option groups (ditango_cli/options.py): `command(*groups)` gives a command
-the union of its groups' options, in one --help panel per group, and hands it one object per
-group, with the options the user set and where (ditango_cli/requires.py `Given`). A run file
-(`--config run.toml`, or a report.json's recorded `options`) fills in the options not given
+"""A run command from option groups (ditango_cli/options.py): `command(own)` gives a command
+the union of the run groups' options and its own, in one --help panel per group, and hands it
+the groups by name (RunOptions) and its own, with the options the user set and where
+(ditango_cli/requires.py `Given`). A run file (`--config run.toml`, or a report.json's recorded `options`) fills in the options not given
 on the command line: keys at the top level or in a group's section (`[ditango]`, `[slurm]`)."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import get_args, get_type_hints
 
 import typer
 
-from ditango_cli.options import SECTIONS
+from basics.errors import ConfigError
+from basics.user_files import user_path
+from ditango_cli.options import GROUPS, SECTIONS, RunOptions
 from ditango_cli.requires import Given
-from planner.errors import ConfigError
-from planner.user_files import user_path
 
 
 def section(group: type) -> str:
@@ -34,10 +34,12 @@ PANELS = {"model": "Model", "items": "Items", "output": "Output", "parallel": "P
 NOT_RECORDED = ("config", "json", "dry_run", "quiet", "wait_for_lock")
 
 
-def command(*groups: type):
-    """Decorate `fn(*group_objects, options=, given=)`: its command-line signature is every field
-    of `groups`, filled from the command line, then the run file, then the defaults; `options`:
-    what the report records, `given`: which options the user set, and where."""
+def command(own: type | None = None):
+    """Decorate `fn(args, [own_args], options=, given=)`, a run command: its command-line
+    signature is every field of the run groups (RunOptions, handed over as `args`) and of the
+    command's `own` group, filled from the command line, then the run file, then the defaults;
+    `options`: what the report records, `given`: which options the user set, and where."""
+    groups = (*GROUPS, *([own] if own else []))
 
     def wrap(fn):
         params = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
@@ -47,8 +49,9 @@ def command(*groups: type):
                 for info in get_args(hints[f.name])[1:]:
                     info.rich_help_panel = PANELS[section(group)]
                 default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-                params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
-                                                default=default))  # fmt: skip
+                params.append(
+                    inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name], default=default)
+                )
 
         defaults = {p.name: p.default for p in params}
 
@@ -59,7 +62,8 @@ def command(*groups: type):
             values.update(from_file)
             objects = [group(**{f.name: values[f.name] for f in fields(group)}) for group in groups]
             given = Given.of(ctx, defaults, from_file, str(config))
-            return fn(*objects, options=recorded(values), given=given)
+            args = RunOptions(*objects[: len(GROUPS)])
+            return fn(args, *objects[len(GROUPS) :], options=recorded(values), given=given)
 
         run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         run.__annotations__ = {p.name: p.annotation for p in params}
@@ -70,7 +74,7 @@ def command(*groups: type):
 
 def run_file_values(ctx: typer.Context, path: Path, groups: tuple[type, ...]) -> dict:
     """The options `path` sets that the command line did not: TOML, or a report's `options`."""
-    from planner.user_files import TEXT_LIMIT, check_text, parse_json, read_text
+    from basics.user_files import TEXT_LIMIT, check_text, parse_json, read_text
 
     try:  # a report (long: its items) or a run file
         text = read_text(path, "--config", TEXT_LIMIT)
@@ -191,8 +195,10 @@ def _python_type(param) -> type:
     if descriptor is not None and isinstance(descriptor.annotation, type):
         return descriptor.annotation
     names = {c.__name__ for c in type(getattr(param, "type", None)).__mro__}
-    return next((t for name, t in (("BoolParamType", bool), ("IntParamType", int), ("FloatParamType", float))
-                 if name in names), str)  # fmt: skip
+    return next(
+        (t for name, t in (("BoolParamType", bool), ("IntParamType", int), ("FloatParamType", float)) if name in names),
+        str,
+    )
 
 
 def _toml():

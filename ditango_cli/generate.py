@@ -14,54 +14,56 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from basics.errors import ConfigError
+from ditango_cli.choices import ExecutorChoice
 from ditango_cli.command import command
-from ditango_cli.options import (
-    GROUPS,
-    ExecutorChoice,
-    GenerateArgs,
-    ParallelArgs,
-)
+from ditango_cli.options import GenerateArgs, ParallelArgs, RunOptions
 from ditango_cli.requires import Given
 from ditango_cli.run_config import build_run_config, slurm_options
 from ditango_cli.tables import plain_console, print_tables, say_error
-from planner.errors import ConfigError
 from runtime.config import RunConfig
 from runtime.errors import ModelDirError
 from runtime.kernels import resolve_backend
 from runtime.models.loading import placement_on, quiet_loading_bars
-from slurm.env import launcher_layout
+from slurm.launchers.env import launcher_layout
 from slurm.options import SlurmOptions, choose_executor, host_request
 from slurm.rank import launched_rank
 
 EXIT_FAILED_ITEMS = 1
 
 
-@command(*GROUPS, GenerateArgs)
-def generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict, given: Given) -> int:
+@command(GenerateArgs)
+def generate(args: RunOptions, run: GenerateArgs, options: dict, given: Given) -> int:
     """Generate one MP4 per prompt, plus a sidecar JSON per item and report.json."""
     try:
-        return _generate(m, i, o, p, d, g, mem, s, r, run, options, given)
+        return _generate(args, run, options, given)
     except KeyboardInterrupt:  # typer then exits 130 without a word
         from runtime.outputs import status_counts
 
-        kept = status_counts(o.out, alive=False) if o.out.is_dir() else "nothing"
-        typer.echo(f"interrupted: {o.out} keeps what finished ({kept}); the same command resumes the rest", err=True)
+        kept = status_counts(args.output.out, alive=False) if args.output.out.is_dir() else "nothing"
+        typer.echo(
+            f"interrupted: {args.output.out} keeps what finished ({kept}); the same command resumes the rest", err=True
+        )
         raise
 
 
-def _generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict, given: Given) -> int:
-    from slurm.executors import executor_for, own_output_folder  # the runtime: only when work is asked for
+def _generate(args: RunOptions, run: GenerateArgs, options: dict, given: Given) -> int:
+    from slurm.launchers import executor_for  # the runtime: only when work is asked for
+    from slurm.ownership import own_output_folder
     from slurm.supervise import supervise
 
     quiet_loading_bars()
-    opts = slurm_options(s)
-    ranks = p.nodes * p.gpus_per_node
-    where = choose_executor(p.executor.value, p.nodes, opts, require_sbatch=not run.dry_run, ranks=ranks)
-    p, launched = launcher_args(p, where)
-    if launched is not None and m.download:  # every rank would fetch it, on nodes often offline
+    opts = slurm_options(args.slurm)
+    ranks = args.parallel.nodes * args.parallel.gpus_per_node
+    where = choose_executor(
+        args.parallel.executor.value, args.parallel.nodes, opts, require_sbatch=not run.dry_run, ranks=ranks
+    )
+    parallel, launched = launcher_args(args.parallel, where)
+    args = replace(args, parallel=parallel)
+    if launched is not None and args.model.download:  # every rank would fetch it, on nodes often offline
         raise ConfigError(
             f"--download under a launcher's ranks: fetch the model first, on a host that reaches the Hub "
-            f"(ditango download {m.model}), into a cache or --model-root the ranks read"
+            f"(ditango download {args.model.model}), into a cache or --model-root the ranks read"
         )
     if launched is not None and run.wait_for_lock:  # the other ranks would time out waiting for rank 0
         raise ConfigError(
@@ -73,34 +75,41 @@ def _generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict, giv
     quiet = run.quiet or (launched is not None and not launched.writer)
     say = (lambda text: None) if quiet else (lambda text: err.print(text, highlight=False, markup=False))
     cfg, _ = build_run_config(
-        m, i, o, p, d, g, mem, where=where, create_out=not run.dry_run, options=options, array=opts.array,
-        warn=say if run.dry_run else None, given=replace(given, say=say),
-    )  # fmt: skip
+        args,
+        where=where,
+        create_out=not run.dry_run,
+        options=options,
+        array=opts.array,
+        warn=say if run.dry_run else None,
+        given=replace(given, say=say),
+    )
     cfg = replace(cfg, retries=run.retries)
     if note := cfg.layout.idle():
         say(f"note: {note}")
     if cfg.hybrid is not None and cfg.hybrid.scaled():
         for n in sorted({item.steps for item in cfg.items} - {50}):
             h = cfg.hybrid.resolved(n)
-            say(f"note: --hybrid defaults are the paper's 50-step values scaled to {n} steps: k {h.k}, window "
+            say(
+                f"note: --hybrid defaults are the paper's 50-step values scaled to {n} steps: k {h.k}, window "
                 f"{h.window}, slope {h.slope:g}, tau cap {h.tau_cap}"
-                + (" (k 1: the pipeline window is only its fill step)" if h.k == 1 else ""))  # fmt: skip
+                + (" (k 1: the pipeline window is only its fill step)" if h.k == 1 else "")
+            )
     if where == "sbatch":  # a request cut to what the partition's nodes have is said
-        from slurm.submit import partition_node
+        from slurm.launchers.sbatch import partition_node
 
         if note := host_request(cfg, opts, partition_node(opts))[2]:
             say(f"note: {note}")
     if run.dry_run:
         from ditango_cli.dry_run import show_dry_run
 
-        return show_dry_run(cfg, opts, where, r.json)
+        return show_dry_run(cfg, opts, where, args.run.json)
     if launched is not None:
-        return run_as_launched(cfg, launched, opts, run, err, say, r.json)
-    if p.executor == ExecutorChoice.auto and where == "local" and cfg.nodes > 1:
+        return run_as_launched(cfg, launched, opts, run, err, say, args.run.json)
+    if args.parallel.executor == ExecutorChoice.auto and where == "local" and cfg.nodes > 1:
         say(f"executor: local ({cfg.nodes} virtual nodes; no sbatch on PATH)")
     progress = progress_view(err, run.quiet or where != "local")
     with own_output_folder(cfg.out_dir, run.wait_for_lock, say), progress as observer:
-        executor = executor_for(cfg, opts, where, s.wait, observer, say)
+        executor = executor_for(cfg, opts, where, args.slurm.wait, observer, say)
         outcome = supervise(cfg, executor, opts.array, observer.message if where == "local" else say)
     if outcome.submitted:
         typer.echo(
@@ -113,7 +122,7 @@ def _generate(m, i, o, p, d, g, mem, s, r, run: GenerateArgs, options: dict, giv
         if where != "local":
             executor.report()  # what finished is in report.json all the same
         return EXIT_FAILED_ITEMS
-    return report_summary(executor.report(), cfg.out_dir / "report.json", run.quiet, r.json, err)
+    return report_summary(executor.report(), cfg.out_dir / "report.json", run.quiet, args.run.json, err)
 
 
 def progress_view(err: Console, quiet: bool):
@@ -128,25 +137,26 @@ def progress_view(err: Console, quiet: bool):
     return RichObserver(err) if err.is_terminal else LogObserver()
 
 
-def launcher_args(p: ParallelArgs, where: str) -> tuple[ParallelArgs, object]:
+def launcher_args(parallel: ParallelArgs, where: str) -> tuple[ParallelArgs, object]:
     """Under a launcher's ranks (`where` env): --nodes and --gpus-per-node as its ranks make
     them, and this process's rank (slurm/rank.py LaunchedRank); else as they are, and None."""
     launched = launched_rank() if where == "env" else None
     if launched is None:
-        return p, None
-    if p.replicas > 1:
+        return parallel, None
+    if parallel.replicas > 1:
         raise ConfigError(
             "--replicas with a launcher's ranks: start one launcher job per replica (each its own --out), "
             "or use --executor local or slurm"
         )
-    nodes, per_node = launcher_layout(launched, p.nodes, p.gpus_per_node)
-    return replace(p, nodes=nodes, gpus_per_node=per_node), launched
+    nodes, per_node = launcher_layout(launched, parallel.nodes, parallel.gpus_per_node)
+    return replace(parallel, nodes=nodes, gpus_per_node=per_node), launched
 
 
-def run_as_launched(cfg: RunConfig, launched, opts: SlurmOptions, run: GenerateArgs, err: Console, say,
-                    as_json: bool) -> int:  # fmt: skip
-    """`generate` as one rank of a launcher's (slurm/env.py): rank 0 draws progress and sums up."""
-    from slurm.env import LaunchedRankFailed, run_launched
+def run_as_launched(
+    cfg: RunConfig, launched, opts: SlurmOptions, run: GenerateArgs, err: Console, say, as_json: bool
+) -> int:
+    """`generate` as one rank of a launcher's (slurm/launchers/env.py): rank 0 draws progress and sums up."""
+    from slurm.launchers.env import LaunchedRankFailed, run_launched
 
     progress = progress_view(err, run.quiet or not launched.writer)
     try:
@@ -160,40 +170,61 @@ def run_as_launched(cfg: RunConfig, launched, opts: SlurmOptions, run: GenerateA
     return report_summary(report, cfg.out_dir / "report.json", run.quiet, as_json, err)
 
 
-@command(*GROUPS)
-def check(m, i, o, p, d, g, mem, s, r, options: dict, given: Given) -> int:
+@command()
+def check(args: RunOptions, options: dict, given: Given) -> int:
     """Validate a would-be `generate` (model directory, prompts, sizes, output) without loading weights."""
-    from runtime.outputs import plan_resume
-    from slurm.executors import check_output_folder_free
+    from runtime.resume import plan_resume
+    from slurm.ownership import check_output_folder_free
 
-    opts = slurm_options(s)
-    where = choose_executor(p.executor.value, p.nodes, opts, ranks=p.nodes * p.gpus_per_node)
-    p, _ = launcher_args(p, where)
+    opts = slurm_options(args.slurm)
+    where = choose_executor(
+        args.parallel.executor.value, args.parallel.nodes, opts, ranks=args.parallel.nodes * args.parallel.gpus_per_node
+    )
+    parallel, _ = launcher_args(args.parallel, where)
     try:  # validation downloads nothing: --download is what generate would do
-        cfg, resolved = build_run_config(replace(m, download=False), i, o, p, d, g, mem, where=where, create_out=False,
-                                         array=opts.array, given=given)  # fmt: skip
+        quiet = replace(args, model=replace(args.model, download=False), parallel=parallel)
+        cfg, resolved = build_run_config(quiet, where=where, create_out=False, array=opts.array, given=given)
     except ModelDirError:
-        if not m.download:
+        if not args.model.download:
             raise
-        raise ConfigError(f"{m.model} is not here yet: generate --download would download it first, check does not; "
-                          f"fetch it with: ditango download {m.model}") from None  # fmt: skip
+        raise ConfigError(
+            f"{args.model.model} is not here yet: generate --download would download it first, check does not; "
+            f"fetch it with: ditango download {args.model.model}"
+        ) from None
     placement = placement_on(torch.device(cfg.device), cfg.dtype)
     check_output_folder_free(cfg.out_dir)  # generate would refuse an OUT that another run or live jobs own
     skipped = plan_resume(cfg) if cfg.out_dir.is_dir() else {}
     spec = resolved.spec
-    backend = "diffusers" if cfg.layout.strategy.runtime is None else resolve_backend(
-        cfg.attention_backend, placement.device, placement.dtype, where == "local")  # fmt: skip
+    backend = (
+        "diffusers"
+        if cfg.layout.strategy.runtime is None
+        else resolve_backend(cfg.attention_backend, placement.device, placement.dtype, where == "local")
+    )
     summary = {
-        "model": cfg.model, "model_path": None if resolved.path is None else str(resolved.path),
-        "transformer": {"params": spec.params, "heads": spec.heads, "layers": spec.layers, "head_dim": spec.head_dim,
-                        "task": spec.task, "experts": spec.variant.experts},
-        "device": str(placement.device), "dtype": placement.dtype_name, "out_dir": str(cfg.out_dir),
-        "layout": cfg.layout.to_json(), "replicas": cfg.replicas, "executor": where, "attention_backend": backend,
-        "gpu_memory": cfg.gpu_memory, "offload": list(cfg.offload), "layout_choice": cfg.layout_choice,
+        "model": cfg.model,
+        "model_path": None if resolved.path is None else str(resolved.path),
+        "transformer": {
+            "params": spec.params,
+            "heads": spec.heads,
+            "layers": spec.layers,
+            "head_dim": spec.head_dim,
+            "task": spec.task,
+            "experts": spec.variant.experts,
+        },
+        "device": str(placement.device),
+        "dtype": placement.dtype_name,
+        "out_dir": str(cfg.out_dir),
+        "layout": cfg.layout.to_json(),
+        "replicas": cfg.replicas,
+        "executor": where,
+        "attention_backend": backend,
+        "gpu_memory": cfg.gpu_memory,
+        "offload": list(cfg.offload),
+        "layout_choice": cfg.layout_choice,
         "skipped": sorted(skipped),
         "items": [it.to_json() for it in cfg.items],
-    }  # fmt: skip
-    if r.json:
+    }
+    if args.run.json:
         print(json.dumps(summary, indent=2, ensure_ascii=False))
         return 0
     console = plain_console()
@@ -210,8 +241,16 @@ def check(m, i, o, p, d, g, mem, s, r, options: dict, given: Given) -> int:
     table = Table("id", "prompt", "seed", "size", "frames", "steps", "guidance", "tokens")
     for it in summary["items"]:
         short = it["prompt"] if len(it["prompt"]) <= 48 else it["prompt"][:45] + "..."
-        table.add_row(it["id"], short, str(it["seed"]), f"{it['width']}x{it['height']}", str(it["frames"]),
-                      str(it["steps"]), f"{it['guidance']:g}", str(it["tokens"]))  # fmt: skip
+        table.add_row(
+            it["id"],
+            short,
+            str(it["seed"]),
+            f"{it['width']}x{it['height']}",
+            str(it["frames"]),
+            str(it["steps"]),
+            f"{it['guidance']:g}",
+            str(it["tokens"]),
+        )
     print_tables(console, table)
     todo = len(cfg.items) - len(skipped)
     console.print(f"ok: {todo} item(s) would be generated, {len(skipped)} skipped (outputs exist)", highlight=False)

@@ -8,10 +8,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from basics.user_files import printable
 from ditango_cli.options import PATH
 from ditango_cli.tables import plain_console, print_tables, say_error
 from planner.strategy import STRATEGIES
-from planner.user_files import printable
 
 OutArg = Annotated[Path, typer.Argument(**PATH, help="The --out folder of a batch.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
@@ -51,8 +51,11 @@ def status(out: OutArg) -> int:
     if report.is_file():
         console.print(f"report: {report}", highlight=False, soft_wrap=True)
     elif rows:
-        console.print(f"report: none yet; `ditango report {out}` merges what the jobs have written",
-                      highlight=False, soft_wrap=True)  # fmt: skip
+        console.print(
+            f"report: none yet; `ditango report {out}` merges what the jobs have written",
+            highlight=False,
+            soft_wrap=True,
+        )
     beats = read_progress(out)
     for name, beat in beats:
         label = f"progress ({name})" if len(beats) > 1 else "progress"
@@ -134,20 +137,30 @@ def report(out: OutArg, as_json: JsonOpt = False) -> int:
         cache = item.get("step_cache") or {}
         skipped = cache.get("skipped_steps", {}).get("cond")
         table.add_row(
-            item["id"], item["status"], f"{timing.get('total_s', 0):.2f}",
-            f"{comm.get('inter_node_bytes', 0) / 1e6:.2f}", f"{comm.get('intra_node_bytes', 0) / 1e6:.2f}",
+            item["id"],
+            item["status"],
+            f"{timing.get('total_s', 0):.2f}",
+            f"{comm.get('inter_node_bytes', 0) / 1e6:.2f}",
+            f"{comm.get('intra_node_bytes', 0) / 1e6:.2f}",
             "-" if computed is None else f"{computed:.3f}",
             "-" if not quality else ("identical" if quality.get("psnr") is None else f"{quality['psnr']:.2f}"),
-            *([f"{cache['block_fraction']:.3f}" if cache else "-", "-" if skipped is None else str(len(skipped))]
-              if cached else []),
-        )  # fmt: skip
+            *(
+                [f"{cache['block_fraction']:.3f}" if cache else "-", "-" if skipped is None else str(len(skipped))]
+                if cached
+                else []
+            ),
+        )
     console = plain_console()
     layout = merged.get("layout") or {}
     if layout:
         known = STRATEGIES.get(layout.get("strategy"))
         group = f", group size {layout.get('group_size')}" if known and "group_size" in known.options else ""
-        console.print(f"{merged.get('model')}: {layout.get('world_size')} rank(s) on {layout.get('nodes')} node(s), "
-                      f"strategy {layout.get('strategy')}{group}", highlight=False, soft_wrap=True)  # fmt: skip
+        console.print(
+            f"{merged.get('model')}: {layout.get('world_size')} rank(s) on {layout.get('nodes')} node(s), "
+            f"strategy {layout.get('strategy')}{group}",
+            highlight=False,
+            soft_wrap=True,
+        )
     print_tables(console, table)
     if merged.get("calibration"):
         console.print(calibration_line(merged["calibration"]))

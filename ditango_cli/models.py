@@ -10,9 +10,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ditango_cli.options import canonical_model
+from basics.errors import ConfigError
+from ditango_cli.choices import canonical_model
 from ditango_cli.tables import plain_console, print_tables
-from planner.errors import ConfigError
 from runtime.models.hub import model_root
 from runtime.models.loading import human_count
 from runtime.models.registry import REGISTRY
@@ -31,9 +31,16 @@ def models(
     for row in rows:
         d = row["defaults"]
         g = f"{d['guidance']:g}" + ("" if d["guidance_2"] is None else f"/{d['guidance_2']:g}")
-        table.add_row(row["name"], row["repo_id"] or "-", row["task"], human_count(row["params"]), str(row["heads"]),
-                      str(row["layers"]), f"{d['width']}x{d['height']}x{d['frames']}, {d['steps']} steps, cfg {g}",
-                      row["resolves_to"])  # fmt: skip
+        table.add_row(
+            row["name"],
+            row["repo_id"] or "-",
+            row["task"],
+            human_count(row["params"]),
+            str(row["heads"]),
+            str(row["layers"]),
+            f"{d['width']}x{d['height']}x{d['frames']}, {d['steps']} steps, cfg {g}",
+            row["resolves_to"],
+        )
     print_tables(plain_console(), table)
     return 0
 
@@ -57,8 +64,9 @@ def download(
         return 0
     repo_id = spec.repo_id if spec is not None else name if hub.is_repo_id(name) else None
     if repo_id is None:
-        raise ConfigError(f"ditango download {model}: not a registry name (`ditango models`) or a Hugging Face repo id "
-                          "(ORG/NAME)")  # fmt: skip
+        raise ConfigError(
+            f"ditango download {model}: not a registry name (`ditango models`) or a Hugging Face repo id (ORG/NAME)"
+        )
     path = checked_dir(spec, hub.download(repo_id, revision)).path
     typer.echo(f"{repo_id}{'@' + revision if revision else ''} is in the Hugging Face cache:", err=True)
     typer.echo(str(path))  # stdout: the snapshot folder alone, for scripts

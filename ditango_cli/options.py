@@ -8,77 +8,34 @@ ditango_cli/command.py turns groups into a command and reads run files.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from enum import Enum
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from basics.user_files import Unreadable, user_path
+from ditango_cli.choices import (
+    CACHE_DTYPES,
+    REFERENCES,
+    BackendChoice,
+    DeviceChoice,
+    DTypeChoice,
+    ExecutorChoice,
+    LayoutChoice,
+    ObjectiveChoice,
+    ParallelChoice,
+    SolverChoice,
+    _o,
+    canonical_model,
+    flag_choice,
+    planner_choice,
+)
 from planner.ditango import OWN_GROUP_MODES, PLANNERS, REUSE_MODES, RUN_DEFAULTS
-from planner.errors import ConfigError
 from planner.hybrid import FIRST_SEGMENT_TEXTS
-from planner.search import OBJECTIVES
 from planner.strategy import DEFAULT_CP, STRATEGIES
-from planner.user_files import Unreadable, user_path
 from runtime.config import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, setup_timeout
-from runtime.kernels import BACKENDS
 from runtime.models.hub import MODEL_ROOT_ENV
-from runtime.models.loading import DTYPES
-from runtime.models.registry import ALIASES, REGISTRY
-from runtime.models.schedulers import SOLVERS
-
-
-def canonical_model(name: str) -> str:
-    """A registry alias (wan2.2-a14b), or an entry's Hugging Face repo id without a revision, as
-    the entry's name."""
-    if not name.strip():
-        raise ConfigError("--model is empty; give a registry name (ditango models), a repo id or a folder")
-    return ALIASES.get(name) or next((s.name for s in REGISTRY.values() if s.repo_id == name), name)
-
-
-def _choices(name: str, values) -> type[Enum]:
-    return Enum(name, {v: v for v in values}, type=str)  # type: ignore[return-value]
-
-
-DeviceChoice = _choices("DeviceChoice", ("auto", "cpu", "cuda"))
-DTypeChoice = _choices("DTypeChoice", DTYPES)
-ParallelChoice = _choices("ParallelChoice", STRATEGIES)
-ExecutorChoice = _choices("ExecutorChoice", ("local", "slurm", "env", "auto"))
-BackendChoice = _choices("BackendChoice", BACKENDS)
-SolverChoice = _choices("SolverChoice", tuple(SOLVERS))
-LayoutChoice = _choices("LayoutChoice", ("auto",))
-ObjectiveChoice = _choices("ObjectiveChoice", OBJECTIVES)
-CACHE_DTYPES = ("float32", "bfloat16")  # DiTangoOptions.cache_dtype
-REFERENCES = ("exact",)
-
-
-def _o(*names: str, **kwargs) -> typer.models.OptionInfo:
-    return typer.Option(*names, **kwargs)
-
-
-def fixed_choice(choices, refuse) -> dict:
-    """typer.Option arguments of a fixed-choice option whose value stays a string: shown as
-    [a|b] in --help, and refused with the message its layer gives (`refuse(value)`), so that a
-    run file and the command line read the same words."""
-
-    def parse(value: str) -> str:
-        if value not in choices:
-            raise typer.BadParameter(refuse(value))
-        return value
-
-    return {"parser": parse, "metavar": f"[{'|'.join(choices)}]"}
-
-
-def flag_choice(flag: str, choices, quoted: bool = False) -> dict:
-    """Refused as "--flag must be a or b, got 'x'" (`quoted`: the choices in quotes)."""
-    legal = " or ".join(repr(c) if quoted else c for c in choices)
-    return fixed_choice(choices, lambda v: f"{flag} must be {legal}, got {v!r}")
-
-
-def planner_choice(name: str, choices) -> dict:
-    """A PlannerConfig field's choices, refused as PlannerConfig refuses them."""
-    return fixed_choice(choices, lambda v: f"planner {name}={v!r} is out of range; legal: {' or '.join(choices)}")
 
 
 @dataclass
@@ -235,10 +192,13 @@ class ParallelArgs:
     ] = BackendChoice.auto
     step_cache: Annotated[
         str | None,
-        _o("--step-cache", metavar="NAME[:KEY=VALUE,...]",
-           help="A diffusers step cache: first-block, pab, taylorseer or magcache, with its config's keys "
-                "(e.g. first-block:threshold=0.05)."),
-    ] = None  # fmt: skip
+        _o(
+            "--step-cache",
+            metavar="NAME[:KEY=VALUE,...]",
+            help="A diffusers step cache: first-block, pab, taylorseer or magcache, with its config's keys "
+            "(e.g. first-block:threshold=0.05).",
+        ),
+    ] = None
 
     @property
     def setup_timeout_s(self) -> float:
@@ -249,9 +209,12 @@ class ParallelArgs:
 class DiTangoArgs:
     planner: Annotated[
         str | None,
-        _o("--planner", **planner_choice("planner", PLANNERS),
-           help=f"DiTango: hpdc (the authors' threshold) or budget (a quota per step) [{RUN_DEFAULTS.planner}]."),
-    ] = None  # fmt: skip
+        _o(
+            "--planner",
+            **planner_choice("planner", PLANNERS),
+            help=f"DiTango: hpdc (the authors' threshold) or budget (a quota per step) [{RUN_DEFAULTS.planner}].",
+        ),
+    ] = None
     cache_ratio: Annotated[
         float | None,
         _o("--cache-ratio", help=f"DiTango: attention cells reused on selective steps [{RUN_DEFAULTS.cache_ratio}]."),
@@ -274,10 +237,13 @@ class DiTangoArgs:
     alpha: Annotated[bool | None, _o("--alpha/--no-alpha", help="DiTango: norm-ratio drift factor [off].")] = None
     own_group: Annotated[
         str | None,
-        _o("--own-group", **planner_choice("own_group", OWN_GROUP_MODES),
-           help=f"DiTango: the own group's other ranks decided like remote ones, or always fresh "
-                f"[{RUN_DEFAULTS.own_group}]."),
-    ] = None  # fmt: skip
+        _o(
+            "--own-group",
+            **planner_choice("own_group", OWN_GROUP_MODES),
+            help=f"DiTango: the own group's other ranks decided like remote ones, or always fresh "
+            f"[{RUN_DEFAULTS.own_group}].",
+        ),
+    ] = None
     anchor_when_all: Annotated[
         bool | None,
         _o("--anchor-when-all/--no-anchor-when-all", help="DiTango: all cells computed makes an anchor [off]."),
@@ -293,17 +259,23 @@ class DiTangoArgs:
     ] = None
     cache_dtype: Annotated[
         str | None,
-        _o("--cache-dtype", **flag_choice("--cache-dtype", CACHE_DTYPES),
-           help="DiTango: the cache's element type [bfloat16 on CUDA, float32 on CPU]."),
-    ] = None  # fmt: skip
+        _o(
+            "--cache-dtype",
+            **flag_choice("--cache-dtype", CACHE_DTYPES),
+            help="DiTango: the cache's element type [bfloat16 on CUDA, float32 on CPU].",
+        ),
+    ] = None
     cache_memory_limit: Annotated[
         str | None, _o("--cache-memory-limit", help="DiTango: cap per rank, e.g. 8GiB [CUDA: free memory].")
     ] = None
     reference: Annotated[
         str | None,
-        _o("--reference", **flag_choice("--reference", REFERENCES, quoted=True),
-           help="exact: also measure vs exact attention, untiled decode."),
-    ] = None  # fmt: skip
+        _o(
+            "--reference",
+            **flag_choice("--reference", REFERENCES, quoted=True),
+            help="exact: also measure vs exact attention, untiled decode.",
+        ),
+    ] = None
 
     def given(self) -> list[str]:
         return [f"--{f.name.replace('_', '-')}" for f in fields(self) if getattr(self, f.name) is not None]
@@ -321,7 +293,7 @@ class GuidanceArgs:
     hybrid_first_text: Annotated[
         str,
         _o("--hybrid-first-text", help="Segment 1's text.", **flag_choice("--hybrid-first-text", FIRST_SEGMENT_TEXTS)),
-    ] = FIRST_SEGMENT_TEXTS[0]  # fmt: skip
+    ] = FIRST_SEGMENT_TEXTS[0]
 
 
 @dataclass
@@ -367,6 +339,31 @@ class GenerateArgs:
     wait_for_lock: Annotated[
         bool, _o("--wait-for-lock", help="If another run owns --out, wait for it to end instead of refusing.")
     ] = False
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The option groups every run command (generate, check, rehearse) takes, by name."""
+
+    model: ModelArgs
+    items: ItemArgs
+    output: OutputArgs
+    parallel: ParallelArgs
+    ditango: DiTangoArgs
+    guidance: GuidanceArgs
+    memory: MemoryArgs
+    slurm: SlurmArgs
+    run: RunArgs
+
+    def without(self, names: set[str]) -> RunOptions:
+        """These options with the fields in `names` back at their defaults."""
+        return RunOptions(**{f.name: without(getattr(self, f.name), names) for f in fields(self)})
+
+
+def without(group, names: set[str]):
+    """`group` (an option group) with the fields in `names` back at their defaults."""
+    reset = {f.name: f.default for f in fields(group) if f.name in names}
+    return replace(group, **reset) if reset else group
 
 
 # The groups every run command takes, and each group's section in run files.

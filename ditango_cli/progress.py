@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from planner.user_files import printable
+from basics.user_files import printable
 from runtime.config import Item
 from runtime.pace import Pace, pace_text
 

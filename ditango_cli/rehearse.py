@@ -10,12 +10,13 @@ from typing import Annotated
 
 from rich.table import Table
 
+from basics.errors import ConfigError
+from ditango_cli.choices import _o
 from ditango_cli.command import command
-from ditango_cli.options import GROUPS, _o
+from ditango_cli.options import RunOptions
 from ditango_cli.requires import Given
 from ditango_cli.run_config import build_run_config
 from ditango_cli.tables import plain_console, print_tables
-from planner.errors import ConfigError
 from planner.memory import GIB, parse_bytes
 
 EXIT_PROBLEMS = 1
@@ -27,8 +28,8 @@ class RehearseArgs:
     all_ranks: Annotated[bool, _o("--all-ranks", help="Every rank, not only those whose shapes differ.")] = False
 
 
-@command(*GROUPS, RehearseArgs)
-def rehearse(m, i, o, p, d, g, mem, s, r, run: RehearseArgs, options: dict, given: Given) -> int:
+@command(RehearseArgs)
+def rehearse(args: RunOptions, run: RehearseArgs, options: dict, given: Given) -> int:
     """Run the first item's rank program at the real model's shapes on fake GPUs (no weights, no
     GPU): per rank the peak memory by phase against the memory model, the bytes each step
     receives by link against the cost model's count, and any problem found. Exit 1 on a problem."""
@@ -37,19 +38,21 @@ def rehearse(m, i, o, p, d, g, mem, s, r, run: RehearseArgs, options: dict, give
     from runtime.models.resolve import resolve_model
     from runtime.rehearse import rehearse as run_rehearsal
 
-    if m.device.value == "cpu":
+    if args.model.device.value == "cpu":
         raise ConfigError("--device cpu: a rehearsal runs the GPU program (fake CUDA); drop --device")
-    if i.prompt is None and i.prompts is None:
-        i = replace(i, prompt="a rehearsal")  # the text decides nothing: every prompt is the longest
-    gpu_bytes = parse_bytes(mem.gpu_memory or DEFAULT_GPU, "--gpu-memory")
-    memory = replace(mem, gpu_memory=mem.gpu_memory or DEFAULT_GPU)
+    items, memory = args.items, args.memory
+    if items.prompt is None and items.prompts is None:
+        items = replace(items, prompt="a rehearsal")  # the text decides nothing: every prompt is the longest
+    gpu_bytes = parse_bytes(memory.gpu_memory or DEFAULT_GPU, "--gpu-memory")
+    args = replace(args, items=items, memory=replace(memory, gpu_memory=memory.gpu_memory or DEFAULT_GPU))
     # No GPU job runs here: the torch build does not matter (`warn` silent), nothing downloads.
-    cfg, resolved = build_run_config(m, i, o, p, d, g, memory, where="sbatch", create_out=False, weights=False,
-                                     warn=lambda text: None, given=given)  # fmt: skip
+    cfg, resolved = build_run_config(
+        args, where="sbatch", create_out=False, weights=False, warn=lambda text: None, given=given
+    )
     spec = REGISTRY[cfg.model] if resolved is None else resolved.spec
     path = None if resolved is None or spec.builtin else resolved.path
-    if resolved is None and m.model not in REGISTRY:
-        path = resolve_model(m.model, m.model_root).path
+    if resolved is None and args.model.model not in REGISTRY:
+        path = resolve_model(args.model.model, args.model.model_root).path
     dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[cfg.dtype or "bfloat16"]
     cfg = plan_memory(cfg, spec.shape, gpu_bytes, dtype_bytes, cfg.model)  # what each rank's pre-flight decides
     if cfg.attention_backend in ("auto", "flash"):
@@ -63,7 +66,7 @@ def rehearse(m, i, o, p, d, g, mem, s, r, run: RehearseArgs, options: dict, give
         err.print(f"rank {report['rank']}/{world}: {len(report['problems'])} problem(s)", highlight=False)
 
     report = run_rehearsal(cfg, spec, path, gpu_bytes, run.all_ranks, progress)
-    if r.json:
+    if args.run.json:
         print(json.dumps(report, indent=2))
     else:
         show(report)
@@ -81,8 +84,18 @@ def show(report: dict) -> None:
         + (f"; offloaded: {', '.join(report['offload'])}" if report["offload"] else ""),
         highlight=False,
     )
-    table = Table("rank", "node", "load", "encode", "denoise", "decode", "inter GB", "intra GB", "problems",
-                  title="per step and phase: traced/modelled (GiB; GB received per step)")  # fmt: skip
+    table = Table(
+        "rank",
+        "node",
+        "load",
+        "encode",
+        "denoise",
+        "decode",
+        "inter GB",
+        "intra GB",
+        "problems",
+        title="per step and phase: traced/modelled (GiB; GB received per step)",
+    )
     for rank in report["ranks"]:
         cells = []
         for phase in ("load", "encode", "denoise", "decode"):

@@ -14,11 +14,11 @@ source, the layout after `--layout auto`, the decode; `SimulateSetting`: what si
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 
 import typer
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from planner.strategy import Strategy
 
 COMMAND_LINE = "the command line"
@@ -39,8 +39,13 @@ class Given:
         return self.typed.get(name) or "--" + name.replace("_", "-")
 
     @classmethod
-    def of(cls, ctx: typer.Context, defaults: Mapping[str, object] = {}, from_file: Mapping[str, object] = {},
-           run_file: str = "") -> Given:  # fmt: skip
+    def of(
+        cls,
+        ctx: typer.Context,
+        defaults: Mapping[str, object] = {},
+        from_file: Mapping[str, object] = {},
+        run_file: str = "",
+    ) -> Given:
         """The options `ctx`'s command line set, and those a run file set (`from_file`, its values)
         to other values than their `defaults`."""
         sources, typed = {}, {}
@@ -85,12 +90,6 @@ def check_given(rules: tuple[Rule, ...], given: Given, setting: object) -> set[s
         given.say(f"note: {shown} from {given.sources[named[0]]} only {verb} {rule.needs}: left out")
         moot.update(named)
     return moot
-
-
-def without(group, names: set[str]):
-    """`group` (an option group) with the fields in `names` back at their defaults."""
-    reset = {f.name: f.default for f in fields(group) if f.name in names}
-    return replace(group, **reset) if reset else group
 
 
 @dataclass(frozen=True)
@@ -143,7 +142,7 @@ GENERATE_RULES = (
         ("shard_weights",),
         "over a context-parallel group of several ranks (the weights are sharded over it)",
         lambda s: s.cp_degree > 1,
-    ),  # fmt: skip
+    ),
     Rule(
         ("vae_parallel",),
         "on more than one rank (one rank decodes alone)",

@@ -10,11 +10,12 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ditango_cli.options import PATH, ObjectiveChoice, canonical_model, planner_choice
+from basics.errors import ConfigError
+from ditango_cli.choices import ObjectiveChoice, canonical_model, planner_choice
+from ditango_cli.options import PATH
 from ditango_cli.requires import SIMULATE_RULES, Given, SimulateSetting, check_given
 from ditango_cli.tables import plain_console, print_tables
 from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS
-from planner.errors import ConfigError
 from planner.strategy import STRATEGIES
 
 NodesOpt = Annotated[int, typer.Option("--nodes", help="Nodes of the cluster to price.")]
@@ -32,8 +33,12 @@ PlannerOpt = Annotated[
         help=f"DiTango [{RUN_DEFAULTS.planner}; --plan: the run's].",
     ),
 ]
-OwnOpt = Annotated[str | None, typer.Option("--own-group", **planner_choice("own_group", OWN_GROUP_MODES),
-                                            help=f"DiTango [{RUN_DEFAULTS.own_group}].")]  # fmt: skip
+OwnOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--own-group", **planner_choice("own_group", OWN_GROUP_MODES), help=f"DiTango [{RUN_DEFAULTS.own_group}]."
+    ),
+]
 WarmOpt = Annotated[int | None, typer.Option("--warmup", help="DiTango: exact steps at the start [as recorded: 5].")]
 CoolOpt = Annotated[int | None, typer.Option("--cooldown", help="DiTango: exact steps at the end [as recorded].")]
 ShardOpt = Annotated[bool, typer.Option("--shard-weights", help="FSDP-shard the transformer over the ranks.")]
@@ -45,8 +50,9 @@ CacheOpt = Annotated[CacheDtype, typer.Option("--cache-dtype", help="DiTango cac
 MAX_RANKS = 1024
 GpuMemOpt = Annotated[str | None, typer.Option("--gpu-memory", help="Per GPU, e.g. 80GiB (default: the profile's).")]
 BatchOpt = Annotated[int | None, typer.Option("--batch", help="Rank every layout for a batch of N videos.")]
-ObjectiveOpt = Annotated[ObjectiveChoice | None, typer.Option("--objective", help="Ranking: throughput or latency "
-                                                        "[throughput].")]  # fmt: skip
+ObjectiveOpt = Annotated[
+    ObjectiveChoice | None, typer.Option("--objective", help="Ranking: throughput or latency [throughput].")
+]
 ReuseOpt = Annotated[bool, typer.Option("--allow-reuse", help="Ranking: DiTango's lossy reuse may be chosen.")]
 InterOpt = Annotated[float | None, typer.Option("--inter-node-gbps", help="Inter-node GB/s per GPU [the profile's].")]
 OverlapOpt = Annotated[float | None, typer.Option("--overlap", help="Transfer hidden behind compute, 0-1 [1].")]
@@ -117,13 +123,19 @@ def simulate(
     spec = REGISTRY[model]  # one expert runs at a time: per-step costs are one transformer's (memory: all)
     hw = with_overrides(load_hardware(str(hardware_file) if hardware_file else hardware), inter_node_gbps, overlap)
     d = spec.defaults  # one set of defaults: a run of generate with the same options is what is priced
-    height, width, frames, steps = (d.height if height is None else height, d.width if width is None else width,
-                                    d.frames if frames is None else frames, d.steps if steps is None else steps)  # fmt: skip
+    height, width, frames, steps = (
+        d.height if height is None else height,
+        d.width if width is None else width,
+        d.frames if frames is None else frames,
+        d.steps if steps is None else steps,
+    )
     cfg_scale = spec.defaults.cfg_scale if guidance is None else guidance
     check_size(spec.defaults, height, width, frames, steps, cfg_scale)
     if nodes < 1 or gpus_per_node < 1 or nodes * gpus_per_node > MAX_RANKS:
-        raise ConfigError(f"--nodes and --gpus-per-node must be >= 1 and price at most {MAX_RANKS} GPUs, got "
-                          f"{nodes} and {gpus_per_node}")  # fmt: skip
+        raise ConfigError(
+            f"--nodes and --gpus-per-node must be >= 1 and price at most {MAX_RANKS} GPUs, got "
+            f"{nodes} and {gpus_per_node}"
+        )
     if group_size is not None:
         parse_group_size(group_size, gpus_per_node)  # checked once here, not once per row
     source = plan_source(plan, planner, own_group, cache_ratio, warmup, cooldown, plan_item)
@@ -131,13 +143,35 @@ def simulate(
     if ranking:
         from planner.search import Problem
 
-        problem = Problem(spec.shape, size, steps, nodes, gpus_per_node, 1 if batch is None else batch, cfg_scale,
-                          (objective or ObjectiveChoice.throughput).value, allow_reuse,
-                          parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else 0, source)  # fmt: skip
+        problem = Problem(
+            spec.shape,
+            size,
+            steps,
+            nodes,
+            gpus_per_node,
+            1 if batch is None else batch,
+            cfg_scale,
+            (objective or ObjectiveChoice.throughput).value,
+            allow_reuse,
+            parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else 0,
+            source,
+        )
         return print_ranking(hw, problem, model, as_json)
     memory = memory_options(shard_weights, spec.defaults.cfg_scale, vae_tiling, cache_dtype.value)
-    rows, notes = compare_layouts(hw, spec.shape, nodes, gpus_per_node, strategies, group_size, size, steps, source, memory, vae_parallel,
-                                  parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None)  # fmt: skip
+    rows, notes = compare_layouts(
+        hw,
+        spec.shape,
+        nodes,
+        gpus_per_node,
+        strategies,
+        group_size,
+        size,
+        steps,
+        source,
+        memory,
+        vae_parallel,
+        parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None,
+    )
     if not rows:
         raise ConfigError("nothing to price: " + "; ".join(notes))
     assumptions = simulate_assumptions(hw, model, spec.shape.tokens(size), steps, source, notes)
@@ -146,21 +180,46 @@ def simulate(
         print(json.dumps({"schema": 1, "assumptions": assumptions, "rows": rows}, indent=2))
         return 0
     console = plain_console()
-    console.print(f"{model}, {width}x{height}x{frames} ({assumptions['tokens']} tokens), {steps} steps, {hw.name} x "
-                    f"{gpus_per_node} per node; DiTango from {source.description} (\"computed\": its share of "
-                    "attention units fetched, all steps). Bytes are exact counts; times and memory are modelled (see "
-                    "--json assumptions).", highlight=False)  # fmt: skip
-    table = Table("strategy", "nodes", "attention/step (s)", "step (s)", "e2e (s)", "inter-node GB", "intra-node GB",
-                  "vs best exact", "computed")  # fmt: skip
+    console.print(
+        f"{model}, {width}x{height}x{frames} ({assumptions['tokens']} tokens), {steps} steps, {hw.name} x "
+        f'{gpus_per_node} per node; DiTango from {source.description} ("computed": its share of '
+        "attention units fetched, all steps). Bytes are exact counts; times and memory are modelled (see "
+        "--json assumptions).",
+        highlight=False,
+    )
+    table = Table(
+        "strategy",
+        "nodes",
+        "attention/step (s)",
+        "step (s)",
+        "e2e (s)",
+        "inter-node GB",
+        "intra-node GB",
+        "vs best exact",
+        "computed",
+    )
     memory = Table("strategy", "nodes", "weights GiB/GPU", "peak GiB/GPU", "peak phase", "offloaded", "fits")
     for r in rows:
-        table.add_row(r["strategy"], str(r["nodes"]), f"{r['attention_s']:.3f}", f"{r['step_s']:.3f}",
-                      f"{r['e2e_s']:.1f}", f"{r['inter_node_bytes'] / 1e9:.1f}", f"{r['intra_node_bytes'] / 1e9:.1f}",
-                      "-" if r["speedup_vs_best_exact"] is None else f"{r['speedup_vs_best_exact']:.2f}x",
-                      f"{r['ditango']['computed_fraction_all_steps']:.0%}" if "ditango" in r else "-")  # fmt: skip
-        memory.add_row(r["strategy"], str(r["nodes"]), f"{r['weights_bytes'] / 2**30:.1f}",
-                       f"{r['peak_memory_bytes'] / 2**30:.1f}", r["peak_memory_stage"], ", ".join(r["offload"]) or "-",
-                       {None: "-", True: "yes", False: "no"}[r["fits"]])  # fmt: skip
+        table.add_row(
+            r["strategy"],
+            str(r["nodes"]),
+            f"{r['attention_s']:.3f}",
+            f"{r['step_s']:.3f}",
+            f"{r['e2e_s']:.1f}",
+            f"{r['inter_node_bytes'] / 1e9:.1f}",
+            f"{r['intra_node_bytes'] / 1e9:.1f}",
+            "-" if r["speedup_vs_best_exact"] is None else f"{r['speedup_vs_best_exact']:.2f}x",
+            f"{r['ditango']['computed_fraction_all_steps']:.0%}" if "ditango" in r else "-",
+        )
+        memory.add_row(
+            r["strategy"],
+            str(r["nodes"]),
+            f"{r['weights_bytes'] / 2**30:.1f}",
+            f"{r['peak_memory_bytes'] / 2**30:.1f}",
+            r["peak_memory_stage"],
+            ", ".join(r["offload"]) or "-",
+            {None: "-", True: "yes", False: "no"}[r["fits"]],
+        )
     plan_notes = dict.fromkeys(n for r in rows for n in r.get("ditango", {}).get("notes", []))
     print_tables(console, table, memory)
     for line in [*(f"skipped: {note}" for note in notes), *(f"note: {n}" for n in plan_notes)]:
@@ -178,19 +237,46 @@ def print_ranking(hw, p, model: str, as_json: bool) -> int:
         raise ConfigError(f"no layout of {model} fits {p.nodes} x {p.gpus_per_node} GPUs: " + "; ".join(notes))
     reason = why(choices, p)
     if as_json:
-        print(json.dumps({"schema": 1, "objective": p.objective, "batch": p.batch, "why": reason, "notes": notes,
-                          "assumptions": {**report_dict(hw), "model": model, "steps": p.steps, "height": p.size.height,
-                                          "width": p.size.width, "frames": p.size.frames},
-                          "ranking": [c.to_json() for c in choices]}, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "schema": 1,
+                    "objective": p.objective,
+                    "batch": p.batch,
+                    "why": reason,
+                    "notes": notes,
+                    "assumptions": {
+                        **report_dict(hw),
+                        "model": model,
+                        "steps": p.steps,
+                        "height": p.size.height,
+                        "width": p.size.width,
+                        "frames": p.size.frames,
+                    },
+                    "ranking": [c.to_json() for c in choices],
+                },
+                indent=2,
+            )
+        )
         return 0
     console = plain_console()
-    console.print(f"{model}, {p.size.width}x{p.size.height}x{p.size.frames}, {p.steps} steps, {p.batch} video(s) on "
-                  f"{p.nodes} x {p.gpus_per_node} {hw.name}; best {p.objective} first (modelled; see --json "
-                  "assumptions).", highlight=False)  # fmt: skip
+    console.print(
+        f"{model}, {p.size.width}x{p.size.height}x{p.size.frames}, {p.steps} steps, {p.batch} video(s) on "
+        f"{p.nodes} x {p.gpus_per_node} {hw.name}; best {p.objective} first (modelled; see --json "
+        "assumptions).",
+        highlight=False,
+    )
     table = Table("#", "layout", "s/video", "videos/h", "peak GiB/GPU", "inter-node GB", "generate flags")
     for i, c in enumerate(choices[:TOP], 1):
-        table.add_row(str(i), c.label, seconds(c.e2e_s).removesuffix(" s"), f"{c.videos_per_hour:.1f}", f"{c.peak_memory_bytes / 2**30:.1f}",
-                      f"{c.inter_node_bytes / 1e9:.1f}", " ".join(c.flags()) or "-")  # fmt: skip
+        table.add_row(
+            str(i),
+            c.label,
+            seconds(c.e2e_s).removesuffix(" s"),
+            f"{c.videos_per_hour:.1f}",
+            f"{c.peak_memory_bytes / 2**30:.1f}",
+            f"{c.inter_node_bytes / 1e9:.1f}",
+            " ".join(c.flags()) or "-",
+        )
     print_tables(console, table)
     console.print(f"why: {reason}")
     for note in notes:
@@ -204,14 +290,32 @@ def check_size(defaults, height: int, width: int, frames: int, steps: int, guida
     from runtime.config import Item
     from runtime.items import check_geometry
 
-    item = Item(id="simulate", prompt="simulate", negative_prompt="", seed=0, height=height, width=width,
-                frames=frames, steps=steps, guidance=guidance, source="simulate", vae_stride=defaults.vae_stride,
-                patch=defaults.patch)  # fmt: skip
+    item = Item(
+        id="simulate",
+        prompt="simulate",
+        negative_prompt="",
+        seed=0,
+        height=height,
+        width=width,
+        frames=frames,
+        steps=steps,
+        guidance=guidance,
+        source="simulate",
+        vae_stride=defaults.vae_stride,
+        patch=defaults.patch,
+    )
     check_geometry(item, defaults)
 
 
-def plan_source(plan: Path | None, planner: str | None, own_group: str | None, cache_ratio: float,
-                warmup: int | None, cooldown: int | None, plan_item: str | None = None):  # fmt: skip
+def plan_source(
+    plan: Path | None,
+    planner: str | None,
+    own_group: str | None,
+    cache_ratio: float,
+    warmup: int | None,
+    cooldown: int | None,
+    plan_item: str | None = None,
+):
     """DiTango's plan for simulate: the recorded shapes of --planner at --cache-ratio, or the
     --plan run's (its planner, own-group mode, warm-up and cool-down unless given; a different
     --planner is an error). Warm-up and cool-down default to the recorded runs' (generate's
@@ -220,8 +324,9 @@ def plan_source(plan: Path | None, planner: str | None, own_group: str | None, c
     from planner.plan_shape import recorded_source, report_source
 
     # validates (a one-line ConfigError); the recorded runs' warm-up and cool-down where not given
-    chosen = run_planner_config(cache_ratio=cache_ratio, warmup=warmup, cooldown=cooldown, planner=planner,
-                                own_group=own_group)  # fmt: skip
+    chosen = run_planner_config(
+        cache_ratio=cache_ratio, warmup=warmup, cooldown=cooldown, planner=planner, own_group=own_group
+    )
     if plan is None:
         return recorded_source(chosen.planner, cache_ratio, chosen.own_group, warmup, cooldown)
     recorded = report_source(plan, own_group, warmup, cooldown, plan_item)

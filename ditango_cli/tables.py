@@ -13,14 +13,14 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from planner.user_files import printable
+from basics.user_files import printable
 
 
 class PlainConsole(Console):
     """A console that prints text as it is: ids, prompts, paths and errors are the user's, and
     rich would read "[/b]" in a folder name as markup (and fail on it). Its text is shown, never
     acted on: a control character (an escape sequence in a heartbeat's host, a record's error)
-    is printed as its escape (planner/user_files.py `printable`), in lines and table cells alike
+    is printed as its escape (basics/user_files.py `printable`), in lines and table cells alike
     (rich makes both through `render_str`)."""
 
     def render_str(self, text: str, **kwargs):  # type: ignore[override]

@@ -65,8 +65,9 @@ class BudgetStatistics(StepStatistics):
         if plan.step in self.switches:
             self.rate_NLU.fill_(-1.0)  # the cached states are the other expert's: no rate to measure
 
-    def measure(self, n: int, layer: int, plan: StepPlan, local, units: list, compute_U: list[bool], total,
-                cached) -> None:  # fmt: skip
+    def measure(
+        self, n: int, layer: int, plan: StepPlan, local, units: list, compute_U: list[bool], total, cached
+    ) -> None:
         """Branch `n`, `layer`, before the cache takes this step's states: `cached(u)` is unit
         u's state as the cache holds it (what a reuse would have merged)."""
         self._measure_rates(n, layer, plan, units, compute_U, total, cached)

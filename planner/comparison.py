@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from basics.errors import ConfigError
 from planner.cost_model import Estimate, Hardware, estimate, report_dict
 from planner.ditango import RUN_DEFAULTS
-from planner.errors import ConfigError
 from planner.layout import ParallelLayout, parse_group_size
 from planner.memory import MemoryOptions, cfg_branches, estimate_memory
 from planner.models import ModelShape, VideoSize
@@ -17,41 +17,75 @@ from planner.preflight import fit_to_memory, usable_bytes
 from planner.strategy import STRATEGIES, strategy_named
 
 
-def simulate_assumptions(hw: Hardware, model: str, tokens: int, steps: int, source: PlanSource,
-                         notes: list[str]) -> dict:  # fmt: skip
+def simulate_assumptions(
+    hw: Hardware, model: str, tokens: int, steps: int, source: PlanSource, notes: list[str]
+) -> dict:
     """The `assumptions` of `ditango simulate --json`: the profile, ASSUMPTIONS and the run's inputs."""
     planner = source.shapes[0].planner if source.shapes else None
-    return {**report_dict(hw), "model": model, "tokens": tokens, "steps": steps, "ditango_plan": source.description,
-            "ditango_planner": planner, "ditango_cache_ratio": source.cache_ratio if source.shapes else None,
-            "ditango_own_group": source.own_group, "ditango_warmup": source.warmup,
-            "ditango_cooldown": source.cooldown, "skipped": notes}  # fmt: skip
+    return {
+        **report_dict(hw),
+        "model": model,
+        "tokens": tokens,
+        "steps": steps,
+        "ditango_plan": source.description,
+        "ditango_planner": planner,
+        "ditango_cache_ratio": source.cache_ratio if source.shapes else None,
+        "ditango_own_group": source.own_group,
+        "ditango_warmup": source.warmup,
+        "ditango_cooldown": source.cooldown,
+        "skipped": notes,
+    }
 
 
 def memory_options(shard_weights: bool, cfg_scale: float, vae_tiling: bool, cache_dtype: str) -> MemoryOptions:
     """simulate's memory options: bf16 weights, CFG branches in turn on each rank (no cfg-parallel)."""
-    return MemoryOptions(shard_weights=shard_weights, cfg_branches_per_rank=cfg_branches(cfg_scale, 1),
-                         vae_tiling=vae_tiling, cache_bytes=4 if cache_dtype == "float32" else 2)  # fmt: skip
+    return MemoryOptions(
+        shard_weights=shard_weights,
+        cfg_branches_per_rank=cfg_branches(cfg_scale, 1),
+        vae_tiling=vae_tiling,
+        cache_bytes=4 if cache_dtype == "float32" else 2,
+    )
 
 
-def memory_row(shape: ModelShape, layout: ParallelLayout, size: VideoSize,
-               options: MemoryOptions, vae_parallel: bool | None, gpu_memory_bytes: int | None) -> dict:  # fmt: skip
+def memory_row(
+    shape: ModelShape,
+    layout: ParallelLayout,
+    size: VideoSize,
+    options: MemoryOptions,
+    vae_parallel: bool | None,
+    gpu_memory_bytes: int | None,
+) -> dict:
     """`simulate`'s memory columns for one layout (planner/memory.py), with the offloads the
     runtime turns on when memory is short; `vae_parallel` None: on with more than one rank."""
     o = replace(options, vae_parallel=layout.world_size > 1 if vae_parallel is None else vae_parallel)
     if gpu_memory_bytes:
         o = fit_to_memory(shape, layout, size, o, gpu_memory_bytes)
     est = estimate_memory(shape, layout, size, o)
-    return {"peak_memory_bytes": est.peak_bytes, "peak_memory_stage": est.peak_stage,
-            "weights_bytes": est.stages["weights"],
-            "offload": [n for n, on in (("encoders", o.offload_text_encoder), ("transformer", o.offload_transformer)) if on],
-            "fits": est.peak_bytes <= usable_bytes(gpu_memory_bytes) if gpu_memory_bytes else None}  # fmt: skip
+    return {
+        "peak_memory_bytes": est.peak_bytes,
+        "peak_memory_stage": est.peak_stage,
+        "weights_bytes": est.stages["weights"],
+        "offload": [
+            n for n, on in (("encoders", o.offload_text_encoder), ("transformer", o.offload_transformer)) if on
+        ],
+        "fits": est.peak_bytes <= usable_bytes(gpu_memory_bytes) if gpu_memory_bytes else None,
+    }
 
 
 def compare_layouts(
-    hw: Hardware, shape: ModelShape, nodes: int, gpus_per_node: int, strategies: list[str], group_size: str | None,
-    size: VideoSize, steps: int, source: PlanSource | None = None,
-    memory: MemoryOptions = MemoryOptions(), vae_parallel: bool | None = None, gpu_memory_bytes: int | None = None,
-) -> tuple[list[dict], list[str]]:  # fmt: skip
+    hw: Hardware,
+    shape: ModelShape,
+    nodes: int,
+    gpus_per_node: int,
+    strategies: list[str],
+    group_size: str | None,
+    size: VideoSize,
+    steps: int,
+    source: PlanSource | None = None,
+    memory: MemoryOptions = MemoryOptions(),
+    vae_parallel: bool | None = None,
+    gpu_memory_bytes: int | None = None,
+) -> tuple[list[dict], list[str]]:
     """`ditango simulate`'s rows: every strategy on 1..`nodes` nodes, with the speedup over the
     best exact one and the predicted peak memory per GPU; and a note per illegal layout.
     DiTango replays `source`'s plan on each layout (default: the recorded
@@ -86,17 +120,32 @@ def compare_layouts(
         best = min(exact) if exact else None
         for e, mem, plan, _ in found:
             rows.append(
-                {"strategy": e.strategy, "nodes": e.nodes, "gpus_per_node": e.gpus_per_node,
-                 "attention_s": round(e.attention_s, 6), "step_s": round(e.step_s, 6), "e2e_s": round(e.e2e_s, 4),
-                 "inter_node_bytes": e.inter_node_bytes, "intra_node_bytes": e.intra_node_bytes,
-                 "speedup_vs_best_exact": None if best is None else round(best / e.e2e_s, 4), **mem,
-                 **({"ditango": plan} if plan else {})}
-            )  # fmt: skip
+                {
+                    "strategy": e.strategy,
+                    "nodes": e.nodes,
+                    "gpus_per_node": e.gpus_per_node,
+                    "attention_s": round(e.attention_s, 6),
+                    "step_s": round(e.step_s, 6),
+                    "e2e_s": round(e.e2e_s, 4),
+                    "inter_node_bytes": e.inter_node_bytes,
+                    "intra_node_bytes": e.intra_node_bytes,
+                    "speedup_vs_best_exact": None if best is None else round(best / e.e2e_s, 4),
+                    **mem,
+                    **({"ditango": plan} if plan else {}),
+                }
+            )
     return rows, notes
 
 
-def _priced(hw: Hardware, layout: ParallelLayout, shape: ModelShape, size: VideoSize,
-            steps: int, source: PlanSource, shard: bool = False) -> tuple[Estimate, PlanReplay | float | None]:  # fmt: skip
+def _priced(
+    hw: Hardware,
+    layout: ParallelLayout,
+    shape: ModelShape,
+    size: VideoSize,
+    steps: int,
+    source: PlanSource,
+    shard: bool = False,
+) -> tuple[Estimate, PlanReplay | float | None]:
     """One layout's estimate; for DiTango, with the plan replayed on it; `shard`: --shard-weights
     (its weight gathers counted in the bytes)."""
     shard = shard and not layout.strategy.splits_weights
@@ -104,11 +153,21 @@ def _priced(hw: Hardware, layout: ParallelLayout, shape: ModelShape, size: Video
         return estimate(hw, layout, shape, size, steps, shard_weights=shard), None
     plan = source.replay(layout, shape.layers, steps)
     if not isinstance(plan, PlanReplay):  # a flat fraction: no step kinds, no control bytes
-        return estimate(hw, layout, shape, size, steps, compute_fraction=plan,
-                        own_group=source.own_group, shard_weights=shard), plan  # fmt: skip
-    est = estimate(hw, layout, shape, size, steps, compute_fraction=plan.unit_fractions,
-                   own_group=source.own_group, plan_kinds=plan.kinds, planner=plan.planner,
-                   shard_weights=shard)  # fmt: skip
+        return estimate(
+            hw, layout, shape, size, steps, compute_fraction=plan, own_group=source.own_group, shard_weights=shard
+        ), plan
+    est = estimate(
+        hw,
+        layout,
+        shape,
+        size,
+        steps,
+        compute_fraction=plan.unit_fractions,
+        own_group=source.own_group,
+        plan_kinds=plan.kinds,
+        planner=plan.planner,
+        shard_weights=shard,
+    )
     return est, plan
 
 
@@ -117,5 +176,9 @@ def _plan_summary(plan: PlanReplay | float | None) -> dict | None:
         return None
     if isinstance(plan, PlanReplay):
         return {**plan.summary(), "notes": list(plan.notes)}
-    return {"computed_fraction_all_steps": round(plan, 4), "computed_fraction_selective": None, "steps": None,
-            "notes": []}  # fmt: skip
+    return {
+        "computed_fraction_all_steps": round(plan, 4),
+        "computed_fraction_selective": None,
+        "steps": None,
+        "notes": [],
+    }

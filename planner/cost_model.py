@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
+from basics.user_files import read_json_file, user_path
 from planner.layout import ParallelLayout, chunk_sizes
 from planner.memory import GIB
 from planner.models import ModelShape, VideoSize
 from planner.traffic import Topology, predict_traffic, unit_fractions
-from planner.user_files import read_json_file, user_path
 
 # -- hardware -----------------------------------------------------------------------------
 
@@ -180,8 +180,9 @@ def attention_seconds(hw: Hardware, q: int, k: int, heads: int, d: int) -> float
     return 4.0 * q * k * heads * d / (hw.bf16_tflops * 1e12 * hw.attention_efficiency)
 
 
-def ring_seconds(hw, topo: Topology, ranks, q: int, blocks: list[int], heads: int, d: int, e: int,
-               hops: float = 1.0) -> float:  # fmt: skip
+def ring_seconds(
+    hw, topo: Topology, ranks, q: int, blocks: list[int], heads: int, d: int, e: int, hops: float = 1.0
+) -> float:
     """Slowest member of a ring: own block, then P-1 hops of max(compute, transfer) + latency,
     the hops weighted by `hops` (the share of forwards that make them)."""
     worst = 0.0
@@ -199,8 +200,15 @@ def ring_seconds(hw, topo: Topology, ranks, q: int, blocks: list[int], heads: in
     return worst
 
 
-def attention_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: int, e: int,
-                   compute_fraction: float | list[float], own_group: str = "decide") -> float:  # fmt: skip
+def attention_time(
+    hw: Hardware,
+    topo: Topology,
+    shape: ModelShape,
+    tokens: int,
+    e: int,
+    compute_fraction: float | list[float],
+    own_group: str = "decide",
+) -> float:
     """One layer's self-attention for one forward on the slowest rank. DiTango computes
     `compute_fraction` of each decision unit (a scalar: of every unit; a list: per unit of
     `traffic.ditango_units(layout, own_group)`)."""
@@ -284,22 +292,37 @@ def estimate(
         link = topo.link(pair[0], pair[1])
         f, h, w = shape.latent_shape(size)
         step += f * h * w * shape.latent_channels * element_bytes / bandwidth(hw, link) + latency(hw, link)
-    traffic = predict_traffic(layout, shape, size, steps, element_bytes=element_bytes,
-                              plan_bits=plan_bits, plan_kinds=plan_kinds, own_group=own_group, planner=planner,
-                              shard_weights=shard_weights)  # fmt: skip
+    traffic = predict_traffic(
+        layout,
+        shape,
+        size,
+        steps,
+        element_bytes=element_bytes,
+        plan_bits=plan_bits,
+        plan_kinds=plan_kinds,
+        own_group=own_group,
+        planner=planner,
+        shard_weights=shard_weights,
+    )
     if strategy.reuses and plan_bits is None:
         fractions = unit_fractions(compute_fraction, layout, own_group)
-        for key, n in _fractional_attention_bytes(layout, shape, size, element_bytes, fractions,
-                                                  own_group).items():  # fmt: skip
+        for key, n in _fractional_attention_bytes(layout, shape, size, element_bytes, fractions, own_group).items():
             traffic[key] -= round(steps * forwards * shape.layers * n)
     return Estimate(
-        layout.strategy.name, layout.nodes, layout.gpus_per_node, forwards * shape.layers * attn, step, steps * step,
-        traffic["inter_node_bytes"], traffic["intra_node_bytes"],
-    )  # fmt: skip
+        layout.strategy.name,
+        layout.nodes,
+        layout.gpus_per_node,
+        forwards * shape.layers * attn,
+        step,
+        steps * step,
+        traffic["inter_node_bytes"],
+        traffic["intra_node_bytes"],
+    )
 
 
-def _fractional_attention_bytes(layout: ParallelLayout, shape: ModelShape, size: VideoSize,
-                                e: int, fractions: list[float], own_group: str) -> dict:  # fmt: skip
+def _fractional_attention_bytes(
+    layout: ParallelLayout, shape: ModelShape, size: VideoSize, e: int, fractions: list[float], own_group: str
+) -> dict:
     """Bytes per (forward, layer) that units computed only `fractions` of the time do not
     move, against computing all: each unit's bytes are those of a one-layer, one-forward
     plan computing only it, less those of a plan computing none (exact counts, weighted)."""
@@ -309,8 +332,9 @@ def _fractional_attention_bytes(layout: ParallelLayout, shape: ModelShape, size:
         return {"inter_node_bytes": 0, "intra_node_bytes": 0}
 
     def one_layer(bits: list[bool]) -> dict:
-        return predict_traffic(layout, one, size, 1, guidance=False, element_bytes=e,
-                               plan_bits=[[bits]], own_group=own_group)  # fmt: skip
+        return predict_traffic(
+            layout, one, size, 1, guidance=False, element_bytes=e, plan_bits=[[bits]], own_group=own_group
+        )
 
     local, full = one_layer([False] * n), one_layer([True] * n)
     only = [one_layer([u == v for u in range(n)]) for v in range(n)]

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from basics.errors import ConfigError
 from planner.budget import BudgetPlanner, budget_scores, softmax_mass
-from planner.errors import ConfigError
 from planner.hpdc import HpdcPlanner, alpha_factors, ase, compressed_state, drift, importance_weights, relative_drift
 from planner.plan import PlanLog, StepPlan
 from planner.schedule import OWN_GROUP_MODES, PLANNERS, REUSE_MODES, PlannerConfig, StepPlanner

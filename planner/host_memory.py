@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.memory import F32, GIB, MemoryOptions
 from planner.models import ModelShape
@@ -75,9 +75,13 @@ def mem_request(per_node: int) -> str:
 
 
 def host_memory(
-    shape: ModelShape, layout: ParallelLayout, options: MemoryOptions, ranks_per_node: int, on_gpu: bool,
+    shape: ModelShape,
+    layout: ParallelLayout,
+    options: MemoryOptions,
+    ranks_per_node: int,
+    on_gpu: bool,
     device_peak: int = 0,
-) -> HostEstimate:  # fmt: skip
+) -> HostEstimate:
     """The host memory of a rank of `layout` computing on a GPU (`on_gpu`) or on the CPU, whose
     peak on its device (`device_peak`: planner/memory.py's `estimate_memory`) is then host
     memory too. `options.dtype_bytes` is the run's dtype."""
@@ -87,8 +91,13 @@ def host_memory(
     transformer, text = shape.params * e, shape.text_encoder_params * e
     vae = shape.vae.params if shape.vae is not None else 0
     largest = max(shape.params, shape.text_encoder_params, vae, shape.image_encoder_params)
-    parts = {"base": RANK_BASE_GPU_BYTES if on_gpu else RANK_BASE_CPU_BYTES,
-             "file_transient": min(largest * F32, SHARD_BYTES), "load": 0, "run": 0, "device_peak": 0}  # fmt: skip
+    parts = {
+        "base": RANK_BASE_GPU_BYTES if on_gpu else RANK_BASE_CPU_BYTES,
+        "file_transient": min(largest * F32, SHARD_BYTES),
+        "load": 0,
+        "run": 0,
+        "device_peak": 0,
+    }
     if not on_gpu:
         parts["device_peak"] = device_peak
         return HostEstimate(parts, ranks_per_node)

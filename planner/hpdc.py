@@ -87,8 +87,9 @@ class HpdcStatistics(StepStatistics):
     def nbytes(self) -> int:
         return self.c_ref_NLUBSH.nbytes + self.c_anchor_NLBSH.nbytes
 
-    def measure(self, n: int, layer: int, plan: StepPlan, local, units: list, compute_U: list[bool], total,
-                cached) -> None:  # fmt: skip
+    def measure(
+        self, n: int, layer: int, plan: StepPlan, local, units: list, compute_U: list[bool], total, cached
+    ) -> None:
         """Branch `n`, `layer`: `local` the own chunk's state, `units` each unit's (fresh or
         cached), `total` the merged one."""
         if plan.kind == "exact":

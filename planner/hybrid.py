@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 
 Stage = Literal["cfg-parallel", "pipeline-fill", "pipeline"]
 REFERENCE_STEPS = 50

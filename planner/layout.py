@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from planner.strategy import DEFAULT_CP, LAYOUT_OPTIONS, STRATEGIES, Strategy, strategy_named
 
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from basics.errors import ConfigError
 from planner.decode_memory import decode_bytes
-from planner.errors import ConfigError
 from planner.layout import ParallelLayout, chunk_sizes, rank_groups
 from planner.models import ModelShape, VideoSize
 
@@ -98,9 +98,14 @@ def anchor_bytes(B: int, S: int, H: int) -> int:
 
 
 def ditango_cache_bytes(
-    shape: ModelShape, layout: ParallelLayout, tokens: int, branches: int, element_bytes: int,
-    own_group: str = "decide", planner: str = "hpdc",
-) -> int:  # fmt: skip
+    shape: ModelShape,
+    layout: ParallelLayout,
+    tokens: int,
+    branches: int,
+    element_bytes: int,
+    own_group: str = "decide",
+    planner: str = "hpdc",
+) -> int:
     """The whole cache of the rank with the largest chunk, one unit per remote group (compose
     factor 1: a --cache-memory-limit or the CUDA free-memory limit can compose it smaller),
     one more for the own group's other members (own_group "decide"), and the compressed local
@@ -188,8 +193,13 @@ class MemoryEstimate:
         return max(parts, key=lambda k: parts[k]) if parts else ""
 
     def to_json(self) -> dict:
-        return {"peak_bytes": self.peak_bytes, "peak_stage": self.peak_stage, "peak_component": self.peak_component,
-                "phases": dict(self.phases), "stages": dict(self.stages)}  # fmt: skip
+        return {
+            "peak_bytes": self.peak_bytes,
+            "peak_stage": self.peak_stage,
+            "peak_component": self.peak_component,
+            "phases": dict(self.phases),
+            "stages": dict(self.stages),
+        }
 
 
 def shard_degree(layout: ParallelLayout, options: MemoryOptions) -> int:
@@ -210,15 +220,26 @@ def weight_parts(shape: ModelShape, layout: ParallelLayout, options: MemoryOptio
     if n == 1:
         split = tp_split_params(shape) if layout.tp > 1 else 0  # tp: each rank keeps 1/n of these
         params = shape.params - split + -(-split // layout.tp)
-        return {"weights": params * e, "weights_root": 0, "weights_blocks": 0, "text_encoder": te * e,
-                "text_encoder_root": 0, "text_encoder_blocks": 0, "offload_text": te * e,
-                "offload_transformer": params * e}  # fmt: skip
+        return {
+            "weights": params * e,
+            "weights_root": 0,
+            "weights_blocks": 0,
+            "text_encoder": te * e,
+            "text_encoder_root": 0,
+            "text_encoder_blocks": 0,
+            "offload_text": te * e,
+            "offload_transformer": params * e,
+        }
     sharded_te = te - whole - shape.text_encoder_root_params
     return {
-        "weights": -(-(shape.params - shape.root_params) // n) * e, "weights_root": shape.root_params * e,
-        "weights_blocks": 2 * shape.block_params * e, "text_encoder": (-(-sharded_te // n) + whole) * e,
-        "text_encoder_root": shape.text_encoder_root_params * e, "text_encoder_blocks": 2 * shape.text_encoder_block_params * e,
-        "offload_text": whole * e, "offload_transformer": 0,  # sharded modules stay where FSDP put them
+        "weights": -(-(shape.params - shape.root_params) // n) * e,
+        "weights_root": shape.root_params * e,
+        "weights_blocks": 2 * shape.block_params * e,
+        "text_encoder": (-(-sharded_te // n) + whole) * e,
+        "text_encoder_root": shape.text_encoder_root_params * e,
+        "text_encoder_blocks": 2 * shape.text_encoder_block_params * e,
+        "offload_text": whole * e,
+        "offload_transformer": 0,  # sharded modules stay where FSDP put them
         # FSDP2 all-gathers a unit into one flat buffer and copies it out into the unit's
         # parameters: while a unit is gathered, its bytes are held twice (traced by `ditango
         # rehearse`); the largest unit of each forward, the text encoders' (their root) and
@@ -226,9 +247,11 @@ def weight_parts(shape: ModelShape, layout: ParallelLayout, options: MemoryOptio
         "gather_buffer_text": max(shape.text_encoder_root_params, shape.text_encoder_block_params) * e,
         "gather_buffer": max(shape.block_params, shape.root_params) * e,
         # at load each unit lies whole on the GPU while FSDP shards it: the largest one
-        "shard_transient": max(shape.block_params, shape.root_params, shape.text_encoder_block_params,
-                               shape.text_encoder_root_params) * e,
-    }  # fmt: skip
+        "shard_transient": max(
+            shape.block_params, shape.root_params, shape.text_encoder_block_params, shape.text_encoder_root_params
+        )
+        * e,
+    }
 
 
 def tp_split_params(shape: ModelShape) -> int:
@@ -292,9 +315,11 @@ def block_bytes(shape: ModelShape, layout: ParallelLayout, tokens: int, options:
 
 
 def estimate_memory(
-    shape: ModelShape, layout: ParallelLayout, size: VideoSize,
+    shape: ModelShape,
+    layout: ParallelLayout,
+    size: VideoSize,
     options: MemoryOptions = MemoryOptions(),
-) -> MemoryEstimate:  # fmt: skip
+) -> MemoryEstimate:
     """Peak bytes per GPU by phase and component for one item of this size on `layout` (one
     replica's layout)."""
     o = options
@@ -308,36 +333,65 @@ def estimate_memory(
     decode = 0
     if vae is not None:
         ranks = layout.world_size if o.vae_parallel else 1
-        decode = decode_bytes(vae, shape.latent_shape(size), o.vae_tiling or o.vae_parallel,
-                              o.tile_px, ranks)  # fmt: skip
+        decode = decode_bytes(vae, shape.latent_shape(size), o.vae_tiling or o.vae_parallel, o.tile_px, ranks)
     image = shape.image_encoder_params * F32  # CLIP stays on the GPU (the runtime offloads text encoders only)
     stages = {
-        "weights": w["weights"], "weights_gathered": w["weights_root"] + w["weights_blocks"],
-        "text_encoder": w["text_encoder"], "text_encoder_gathered": w["text_encoder_root"] + w["text_encoder_blocks"],
-        "image_encoder": image, "activations": activations, "attention_states": states, "ditango_cache": cache,
-        "vae_weights": vae_weights, "vae_decode": decode, "nccl": communicators(layout) * NCCL_COMM_BYTES,
-    }  # fmt: skip
+        "weights": w["weights"],
+        "weights_gathered": w["weights_root"] + w["weights_blocks"],
+        "text_encoder": w["text_encoder"],
+        "text_encoder_gathered": w["text_encoder_root"] + w["text_encoder_blocks"],
+        "image_encoder": image,
+        "activations": activations,
+        "attention_states": states,
+        "ditango_cache": cache,
+        "vae_weights": vae_weights,
+        "vae_decode": decode,
+        "nccl": communicators(layout) * NCCL_COMM_BYTES,
+    }
     # What stays between phases; the roots stay gathered once they have run (later items).
     text = w["text_encoder"] - (w["offload_text"] if o.offload_text_encoder else 0)
     transformer = w["weights"] - (w["offload_transformer"] if o.offload_transformer else 0)
-    base = {"image_encoder": image, "vae_weights": vae_weights, "text_encoder_root": w["text_encoder_root"],
-            "nccl": stages["nccl"]}  # fmt: skip
+    base = {
+        "image_encoder": image,
+        "vae_weights": vae_weights,
+        "text_encoder_root": w["text_encoder_root"],
+        "nccl": stages["nccl"],
+    }
     n = shard_degree(layout, o)
     resident = {
         # what the loader puts on the GPU before anything runs: every module's shard (FSDP2
         # shards the roots too until their first forward gathers them)
-        "load": {"weights": w["weights"] + -(-w["weights_root"] // n), "text_encoder": w["text_encoder"]
-                 + -(-w["text_encoder_root"] // n), "image_encoder": image, "vae_weights": vae_weights,
-                 "sharding": w.get("shard_transient", 0), "nccl": stages["nccl"]},
-        "text_encode": {"weights": w["weights"] + w["weights_root"], "text_encoder": w["text_encoder"],
-                        "text_encoder_blocks": w["text_encoder_blocks"], **base,
-                        "gather_buffer": w.get("gather_buffer_text", 0)},
-        "denoise": {"weights": w["weights"] + w["weights_root"], "weights_blocks": w["weights_blocks"],
-                    "text_encoder": text, **base, "ditango_cache": cache, "block_transient": transient,
-                    "gather_buffer": w.get("gather_buffer", 0)},
-        "decode": {"weights": transformer + (w["weights_root"] if transformer else 0), "text_encoder": text, **base,
-                   "vae_decode": decode},
-    }  # fmt: skip
+        "load": {
+            "weights": w["weights"] + -(-w["weights_root"] // n),
+            "text_encoder": w["text_encoder"] + -(-w["text_encoder_root"] // n),
+            "image_encoder": image,
+            "vae_weights": vae_weights,
+            "sharding": w.get("shard_transient", 0),
+            "nccl": stages["nccl"],
+        },
+        "text_encode": {
+            "weights": w["weights"] + w["weights_root"],
+            "text_encoder": w["text_encoder"],
+            "text_encoder_blocks": w["text_encoder_blocks"],
+            **base,
+            "gather_buffer": w.get("gather_buffer_text", 0),
+        },
+        "denoise": {
+            "weights": w["weights"] + w["weights_root"],
+            "weights_blocks": w["weights_blocks"],
+            "text_encoder": text,
+            **base,
+            "ditango_cache": cache,
+            "block_transient": transient,
+            "gather_buffer": w.get("gather_buffer", 0),
+        },
+        "decode": {
+            "weights": transformer + (w["weights_root"] if transformer else 0),
+            "text_encoder": text,
+            **base,
+            "vae_decode": decode,
+        },
+    }
     phases = {p: sum(resident[p].values()) for p in ("load", *PHASES)}
     peak = max(PHASES, key=lambda p: phases[p])
     return MemoryEstimate(stages, phases, phases[peak], peak, resident)

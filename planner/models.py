@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from planner.layout import token_count
 
 

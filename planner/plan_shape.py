@@ -19,11 +19,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from basics.errors import ConfigError
+from basics.user_files import TEXT_LIMIT, read_json_file
 from planner.ditango import OWN_GROUP_MODES, PLANNERS, RUN_DEFAULTS, DiTangoPlanner, PlannerConfig
-from planner.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.traffic import ditango_units
-from planner.user_files import TEXT_LIMIT, read_json_file
 
 PLAN_SHAPES_FILE = Path(__file__).with_name("plan_shapes.json")  # written by benchmarks/plan_shapes.py
 SHAPES_FORMAT = "ditango-plan-shapes/1"
@@ -141,13 +141,23 @@ class PlanReplay:
     def summary(self) -> dict:
         sel = self.selective_U
         every = self.unit_fractions
-        return {"computed_fraction_all_steps": round(sum(every) / len(every), 4) if every else 1.0,
-                "computed_fraction_selective": round(sum(sel) / len(sel), 4) if sel and self.selective else None,
-                "steps": {"exact": self.exact, "anchor": self.anchors, "selective": self.selective}}  # fmt: skip
+        return {
+            "computed_fraction_all_steps": round(sum(every) / len(every), 4) if every else 1.0,
+            "computed_fraction_selective": round(sum(sel) / len(sel), 4) if sel and self.selective else None,
+            "steps": {"exact": self.exact, "anchor": self.anchors, "selective": self.selective},
+        }
 
 
-def replay(shapes: list[PlanShape], layout: ParallelLayout, layers: int, steps: int, cache_ratio: float,
-           own_group: str = "decide", warmup: int = 5, cooldown: int = 5) -> PlanReplay:  # fmt: skip
+def replay(
+    shapes: list[PlanShape],
+    layout: ParallelLayout,
+    layers: int,
+    steps: int,
+    cache_ratio: float,
+    own_group: str = "decide",
+    warmup: int = 5,
+    cooldown: int = 5,
+) -> PlanReplay:
     """`shapes` (one planner, any cache ratios) replayed at `cache_ratio` on `layout` for `steps`
     steps: exact = min(steps, warmup + cooldown), anchors = max(1, round(share x non-exact))
     (none if the recording had none), the rest selective with each unit's fraction as
@@ -176,22 +186,27 @@ def _budget_fraction(cfg: PlannerConfig, steps: int, layers: int, units: int, se
     return sum(min(cells, planner.budget_cells(i)) for i in range(selective)) / (selective * cells)
 
 
-def _interpolated(shapes: list[PlanShape], cache_ratio: float, units: list[tuple[int, ...]],
-                  groups: int) -> tuple[list[float], float, list[str]]:  # fmt: skip
+def _interpolated(
+    shapes: list[PlanShape], cache_ratio: float, units: list[tuple[int, ...]], groups: int
+) -> tuple[list[float], float, list[str]]:
     """Selective fraction per unit and anchor share at `cache_ratio`: linear between the two
     recorded ratios around it, the nearest recorded one outside them (with a note)."""
     ordered = sorted(shapes, key=lambda s: s.cache_ratio)
     lo, hi, notes = ordered[0], ordered[-1], []
     r = min(max(cache_ratio, lo.cache_ratio), hi.cache_ratio)
     if r != cache_ratio:
-        notes.append(f"{lo.planner} plan shape recorded for cache ratios {lo.cache_ratio:g}..{hi.cache_ratio:g}; "
-                     f"{cache_ratio:g} priced with the shape at {r:g}")  # fmt: skip
+        notes.append(
+            f"{lo.planner} plan shape recorded for cache ratios {lo.cache_ratio:g}..{hi.cache_ratio:g}; "
+            f"{cache_ratio:g} priced with the shape at {r:g}"
+        )
     a = max((s for s in ordered if s.cache_ratio <= r), key=lambda s: s.cache_ratio)
     b = min((s for s in ordered if s.cache_ratio >= r), key=lambda s: s.cache_ratio)
     w = 0.0 if b.cache_ratio == a.cache_ratio else (r - a.cache_ratio) / (b.cache_ratio - a.cache_ratio)
     if units[0] == (0,) and (a.own is None or b.own is None):
-        notes.append(f"{lo.planner} plan shape recorded without an own-group unit: unit 0 (the own group's other "
-                     "members) takes the nearest remote offset's fraction")  # fmt: skip
+        notes.append(
+            f"{lo.planner} plan shape recorded without an own-group unit: unit 0 (the own group's other "
+            "members) takes the nearest remote offset's fraction"
+        )
     fa, fb = _on_units(a, units, groups), _on_units(b, units, groups)
     fractions = [(1 - w) * x + w * y for x, y in zip(fa, fb, strict=True)]
     return fractions, (1 - w) * a.anchor_share + w * b.anchor_share, notes
@@ -202,9 +217,21 @@ def load_plan_shapes(path: Path = PLAN_SHAPES_FILE) -> dict[str, list[PlanShape]
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         assert data.get("format") == SHAPES_FORMAT, data.get("format")
-        return {planner: [PlanShape(planner, s["cache_ratio"], s["anchor_share"], s["own"], tuple(s["offsets"]),
-                                    s["warmup"], s["cooldown"]) for s in runs]
-                for planner, runs in data["shapes"].items()}  # fmt: skip
+        return {
+            planner: [
+                PlanShape(
+                    planner,
+                    s["cache_ratio"],
+                    s["anchor_share"],
+                    s["own"],
+                    tuple(s["offsets"]),
+                    s["warmup"],
+                    s["cooldown"],
+                )
+                for s in runs
+            ]
+            for planner, runs in data["shapes"].items()
+        }
     except (OSError, json.JSONDecodeError, AssertionError, KeyError, TypeError) as exc:
         raise ConfigError(f"plan shapes {path}: cannot read ({exc!r}); rerun benchmarks/plan_shapes.py") from None
 
@@ -225,12 +252,19 @@ class PlanSource:
     def replay(self, layout: ParallelLayout, layers: int, steps: int) -> PlanReplay | float:
         if self.fallback is not None:
             return self.fallback
-        return replay(list(self.shapes), layout, layers, steps, self.cache_ratio, self.own_group,
-                      self.warmup, self.cooldown)  # fmt: skip
+        return replay(
+            list(self.shapes), layout, layers, steps, self.cache_ratio, self.own_group, self.warmup, self.cooldown
+        )
 
 
-def recorded_source(planner: str, cache_ratio: float, own_group: str = "decide", warmup: int | None = None,
-                    cooldown: int | None = None, path: Path = PLAN_SHAPES_FILE) -> PlanSource:  # fmt: skip
+def recorded_source(
+    planner: str,
+    cache_ratio: float,
+    own_group: str = "decide",
+    warmup: int | None = None,
+    cooldown: int | None = None,
+    path: Path = PLAN_SHAPES_FILE,
+) -> PlanSource:
     """The shipped shapes of `planner` (planner/plan_shapes.json); warm-up and cool-down, unless
     given, as the recording nearest `cache_ratio` ran them (generate's defaults for the planner)."""
     shapes = load_plan_shapes(path).get(planner)
@@ -238,13 +272,23 @@ def recorded_source(planner: str, cache_ratio: float, own_group: str = "decide",
         raise ConfigError(f"--planner {planner!r}: no recorded plan shapes in {path}")
     ratios = ", ".join(f"{s.cache_ratio:g}" for s in shapes)
     near = min(shapes, key=lambda s: abs(s.cache_ratio - cache_ratio))
-    return PlanSource(f"recorded plan shapes {path.name} ({planner}, cache ratio {cache_ratio:g}; recorded at {ratios})",
-                      tuple(shapes), cache_ratio, own_group, near.warmup if warmup is None else warmup,
-                      near.cooldown if cooldown is None else cooldown)  # fmt: skip
+    return PlanSource(
+        f"recorded plan shapes {path.name} ({planner}, cache ratio {cache_ratio:g}; recorded at {ratios})",
+        tuple(shapes),
+        cache_ratio,
+        own_group,
+        near.warmup if warmup is None else warmup,
+        near.cooldown if cooldown is None else cooldown,
+    )
 
 
-def report_source(path: Path, own_group: str | None = None, warmup: int | None = None,
-                  cooldown: int | None = None, item_id: str | None = None) -> PlanSource:  # fmt: skip
+def report_source(
+    path: Path,
+    own_group: str | None = None,
+    warmup: int | None = None,
+    cooldown: int | None = None,
+    item_id: str | None = None,
+) -> PlanSource:
     """A DiTango run's report.json: the shape of one item's plan file (`item_id`, else the
     report's first DiTango item; named in the description) with its planner and cache ratio,
     its own-group mode, warm-up and cool-down unless given; or without a plan file its mean
@@ -263,8 +307,7 @@ def report_source(path: Path, own_group: str | None = None, warmup: int | None =
     chosen = [i for i in items if item_id is None or i.get("id") == item_id]
     named = [str(i.get("id", f"#{n + 1}")) for n, i in enumerate(items)]
     if not chosen:
-        raise ConfigError(f"--plan-item {item_id}: not a DiTango item of {path}; its DiTango items: "
-                          f"{', '.join(named)}")  # fmt: skip
+        raise ConfigError(f"--plan-item {item_id}: not a DiTango item of {path}; its DiTango items: {', '.join(named)}")
     item = {"id": named[items.index(chosen[0])], **chosen[0]}
     attention = item["attention"]
     per_step = attention["per_step"]
@@ -272,26 +315,37 @@ def report_source(path: Path, own_group: str | None = None, warmup: int | None =
         raise ConfigError(f"{where}: item {item['id']}: attention.per_step must list fractions in [0, 1]")
     own_group = own_group or attention.get("own_group") or "decide"
     if own_group not in OWN_GROUP_MODES:
-        raise ConfigError(f"{where}: item {item['id']}: own_group must be one of {', '.join(OWN_GROUP_MODES)}, "
-                          f"got {own_group!r}")  # fmt: skip
+        raise ConfigError(
+            f"{where}: item {item['id']}: own_group must be one of {', '.join(OWN_GROUP_MODES)}, got {own_group!r}"
+        )
     plan_name = attention.get("plan_file")
     plan_file = path.parent / plan_name if isinstance(plan_name, str) and plan_name else None
     if plan_file is None or not plan_file.is_file():
         fraction = sum(per_step) / len(per_step)
-        return PlanSource(f"{path} item {item['id']} (no plan file: its all-steps fraction {fraction:.4f} for every "
-                          "unit)",
-                          own_group=own_group, fallback=fraction)  # fmt: skip
+        return PlanSource(
+            f"{path} item {item['id']} (no plan file: its all-steps fraction {fraction:.4f} for every unit)",
+            own_group=own_group,
+            fallback=fraction,
+        )
     planner = attention.get("planner") or "hpdc"
     ratio = (report.get("options") or {}).get("cache_ratio", RUN_DEFAULTS.cache_ratio)
     if planner not in PLANNERS or not _fraction(ratio) or ratio == 1:
-        raise ConfigError(f"{where}: item {item['id']}: planner {planner!r} or options.cache_ratio {ratio!r} "
-                          f"is not a run's (one of {', '.join(PLANNERS)}; a ratio in [0, 1))")  # fmt: skip
+        raise ConfigError(
+            f"{where}: item {item['id']}: planner {planner!r} or options.cache_ratio {ratio!r} "
+            f"is not a run's (one of {', '.join(PLANNERS)}; a ratio in [0, 1))"
+        )
     try:
         shape = plan_shape(read_json_file(plan_file, "--plan: plan file", TEXT_LIMIT), planner, ratio)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError, ZeroDivisionError):
-        raise ConfigError(f"{where}: its plan file {plan_file} is not a DiTango plan file (steps with a kind and "
-                          "compute rows of '0'/'1')") from None  # fmt: skip
-    return PlanSource(f"{path} item {item['id']} (its plan file's shape: {planner}, cache ratio {ratio:g}, per "
-                      "decision unit)",
-                      (shape,), ratio, own_group, shape.warmup if warmup is None else warmup,
-                      shape.cooldown if cooldown is None else cooldown)  # fmt: skip
+        raise ConfigError(
+            f"{where}: its plan file {plan_file} is not a DiTango plan file (steps with a kind and "
+            "compute rows of '0'/'1')"
+        ) from None
+    return PlanSource(
+        f"{path} item {item['id']} (its plan file's shape: {planner}, cache ratio {ratio:g}, per decision unit)",
+        (shape,),
+        ratio,
+        own_group,
+        shape.warmup if warmup is None else warmup,
+        shape.cooldown if cooldown is None else cooldown,
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.memory import GIB, HEADROOM_BYTES, HEADROOM_FRACTION, MemoryOptions, estimate_memory
 from planner.models import VideoSize
@@ -26,9 +26,14 @@ def fit_to_memory(shape, layout, size: VideoSize, options, gpu_memory_bytes) -> 
     fit (the runtime offloads only when memory is short): the first of none, the encoders, the
     transformer, both that fits; both when none does. Unchanged when everything fits."""
     usable = usable_bytes(gpu_memory_bytes)
-    tries = [options] + [replace(options, offload_text_encoder=t or options.offload_text_encoder,
-                                 offload_transformer=m or options.offload_transformer)
-                         for t, m in ((True, False), (False, True), (True, True))]  # fmt: skip
+    tries = [options] + [
+        replace(
+            options,
+            offload_text_encoder=t or options.offload_text_encoder,
+            offload_transformer=m or options.offload_transformer,
+        )
+        for t, m in ((True, False), (False, True), (True, True))
+    ]
     for o in tries:
         if estimate_memory(shape, layout, size, o).peak_bytes <= usable:
             return o
@@ -117,8 +122,18 @@ def preflight(shape, layout, size: VideoSize, options, gpu_memory_bytes, what: s
         advice = f"nothing up to {MAX_SUGGESTED_GPUS} GPUs fits: lower --height/--width/--frames"
     offloaded = ""
     if est.peak_stage != "text_encode" and (fitted.offload_text_encoder or fitted.offload_transformer):
-        offloaded = " with " + " and ".join(n for n, on in (("the encoders", fitted.offload_text_encoder),
-                    ("the transformer", fitted.offload_transformer)) if on) + " offloaded"  # fmt: skip
+        offloaded = (
+            " with "
+            + " and ".join(
+                n
+                for n, on in (
+                    ("the encoders", fitted.offload_text_encoder),
+                    ("the transformer", fitted.offload_transformer),
+                )
+                if on
+            )
+            + " offloaded"
+        )
     raise ConfigError(
         f"{what} needs {est.peak_bytes / GIB:.1f} GiB per GPU at its peak ({est.peak_stage}, mostly "
         f"{est.peak_component.replace('_', ' ')}){offloaded}, the GPU has {gpu_memory_bytes / GIB:.1f} GiB "

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from planner.plan import PlanLog, StepPlan
 
 PLANNERS = ("hpdc", "budget")
@@ -241,8 +241,15 @@ class StepStatistics:
 
     reference_states = False  # whether it keeps compressed states per cached unit (sized with the cache)
 
-    def __init__(self, cfg: PlannerConfig, branches: int, layers: int, units: int, switches: tuple[int, ...],
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: PlannerConfig,
+        branches: int,
+        layers: int,
+        units: int,
+        switches: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
         self.cfg, self.branches, self.layers, self.units = cfg, branches, layers, units
         self.switches, self.device = switches, device
         self.begin_step(None)

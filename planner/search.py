@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from basics.errors import ConfigError
 from planner.cost_model import ASSUMPTIONS, Hardware, estimate
 from planner.decode_memory import chunks, level_frames, output_frames, tile_grid
-from planner.errors import ConfigError
 from planner.layout import ParallelLayout, replica_shape
 from planner.memory import MemoryOptions, cfg_branches, estimate_memory
 from planner.models import ModelShape, VideoSize
@@ -80,12 +80,23 @@ class Choice:
         return out
 
     def to_json(self) -> dict:
-        return {"label": self.label, "replicas": self.replicas, "layout": self.layout.to_json(),
-                "shard_weights": self.shard_weights, "flags": self.flags(), "videos_per_hour": round(self.videos_per_hour, 2),
-                "e2e_s": round(self.e2e_s, 6), "denoise_s": round(self.denoise_s, 6), "decode_s": round(self.decode_s, 6),
-                "overhead_s": round(self.overhead_s, 6), "batch_s": round(self.batch_s, 4),
-                "peak_memory_bytes": self.peak_memory_bytes, "inter_node_bytes": self.inter_node_bytes,
-                "intra_node_bytes": self.intra_node_bytes, "offload": self.offload}  # fmt: skip
+        return {
+            "label": self.label,
+            "replicas": self.replicas,
+            "layout": self.layout.to_json(),
+            "shard_weights": self.shard_weights,
+            "flags": self.flags(),
+            "videos_per_hour": round(self.videos_per_hour, 2),
+            "e2e_s": round(self.e2e_s, 6),
+            "denoise_s": round(self.denoise_s, 6),
+            "decode_s": round(self.decode_s, 6),
+            "overhead_s": round(self.overhead_s, 6),
+            "batch_s": round(self.batch_s, 4),
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "inter_node_bytes": self.inter_node_bytes,
+            "intra_node_bytes": self.intra_node_bytes,
+            "offload": self.offload,
+        }
 
 
 @dataclass(frozen=True)
@@ -179,21 +190,38 @@ def _price(hw: Hardware, p: Problem, replicas: int, layout: ParallelLayout, shar
     if layout.strategy.reuses and p.source is not None:
         plan = p.source.replay(layout, p.shape.layers, p.steps)
         if isinstance(plan, PlanReplay):
-            kwargs.update(compute_fraction=plan.unit_fractions, own_group=p.source.own_group, plan_kinds=plan.kinds,
-                          planner=plan.planner)  # fmt: skip
+            kwargs.update(
+                compute_fraction=plan.unit_fractions,
+                own_group=p.source.own_group,
+                plan_kinds=plan.kinds,
+                planner=plan.planner,
+            )
         else:
             kwargs.update(compute_fraction=plan, own_group=p.source.own_group)
     est = estimate(hw, layout, p.shape, p.size, p.steps, **kwargs)
     forwards = branches if layout.cfg_degree == 1 else 1
     if p.cfg_scale <= 1:  # one branch: the cost model prices two when CFG runs on one rank group
         est.e2e_s, est.inter_node_bytes, est.intra_node_bytes = (
-            est.e2e_s / 2, est.inter_node_bytes // 2, est.intra_node_bytes // 2
-        )  # fmt: skip
+            est.e2e_s / 2,
+            est.inter_node_bytes // 2,
+            est.intra_node_bytes // 2,
+        )
     overhead = p.steps * forwards * p.shape.layers * ASSUMPTIONS["block_overhead_us"] * 1e-6
-    offload = [n for n, on in (("encoders", options.offload_text_encoder),
-                               ("transformer", options.offload_transformer)) if on]  # fmt: skip
-    return Choice(replicas, layout, shard, est.e2e_s, decode_seconds(hw, p.shape, p.size, layout.world_size), overhead,
-                  peak, est.inter_node_bytes, est.intra_node_bytes, offload)  # fmt: skip
+    offload = [
+        n for n, on in (("encoders", options.offload_text_encoder), ("transformer", options.offload_transformer)) if on
+    ]
+    return Choice(
+        replicas,
+        layout,
+        shard,
+        est.e2e_s,
+        decode_seconds(hw, p.shape, p.size, layout.world_size),
+        overhead,
+        peak,
+        est.inter_node_bytes,
+        est.intra_node_bytes,
+        offload,
+    )
 
 
 def search(hw: Hardware, p: Problem) -> tuple[list[Choice], list[str]]:
@@ -265,16 +293,20 @@ def why(choices: list[Choice], p: Problem) -> str:
     best = choices[0]
     if p.objective == "throughput":
         rounds = math.ceil(p.batch / best.replicas)
-        text = (f"{best.label}: {best.videos_per_hour:.1f} videos/h, {p.batch} video(s) in {rounds} round(s) of "
-                f"{seconds(best.e2e_s)}")  # fmt: skip
+        text = (
+            f"{best.label}: {best.videos_per_hour:.1f} videos/h, {p.batch} video(s) in {rounds} round(s) of "
+            f"{seconds(best.e2e_s)}"
+        )
         idle = rounds * best.replicas - p.batch
         if best.replicas > 1:
             text += "; replicas exchange nothing with each other"
         if idle:
             text += f"; {idle} replica(s) idle in the last round"
     else:
-        text = (f"{best.label}: {seconds(best.e2e_s)} a video ({seconds(best.denoise_s)} denoising, "
-                f"{seconds(best.decode_s)} decode)")  # fmt: skip
+        text = (
+            f"{best.label}: {seconds(best.e2e_s)} a video ({seconds(best.denoise_s)} denoising, "
+            f"{seconds(best.decode_s)} decode)"
+        )
     fastest = max(choices, key=lambda c: score(c, p.objective))
     if fastest is not best:
         gap = 100 * (1 - score(best, p.objective) / score(fastest, p.objective))

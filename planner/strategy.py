@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 
 DEFAULT_CP = "ring"  # the strategy of several cp ranks when none is named
 LAYOUT_OPTIONS = {"ulysses_degree": "--ulysses-degree", "group_size": "--group-size"}

@@ -91,9 +91,15 @@ def ring_hops(t: Traffic, topo: Topology, ranks, block_bytes: list[int], purpose
 
 
 def attention_traffic(
-    t: Traffic, topo: Topology, shape: ModelShape, tokens: int, e: int, forwards: int, plan_bits=None,
+    t: Traffic,
+    topo: Topology,
+    shape: ModelShape,
+    tokens: int,
+    e: int,
+    forwards: int,
+    plan_bits=None,
     own_group: str = "decide",
-) -> None:  # fmt: skip
+) -> None:
     """Self-attention bytes of every rank for `forwards` forward passes of all layers.
 
     `plan_bits` (DiTango only): list over forwards of [layers][units] compute booleans, the
@@ -244,8 +250,7 @@ def predict_traffic(
     if step_cache == "first-block":  # its agreement, on every step but the run's first
         step_cache_traffic(t, topo, forwards - (forwards // steps if first_step else 0))
     if layout.cfg_degree == 2:
-        cfg_traffic(t, topo, math.prod(shape.latent_shape(size)) * shape.latent_channels,
-                    element_bytes, steps)  # fmt: skip
+        cfg_traffic(t, topo, math.prod(shape.latent_shape(size)) * shape.latent_channels, element_bytes, steps)
     if layout.strategy.reuses and plan_kinds is not None:  # the plan check runs with one group too
         units = len(plan_bits[0][0]) if plan_bits else len(ditango_units(layout, own_group))
         control_traffic(t, topo, shape.layers, units, plan_kinds, planner)

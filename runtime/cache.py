@@ -19,9 +19,9 @@ import math
 
 import torch
 
+from basics.errors import ConfigError
 from planner import memory
 from planner.ditango import PLANNER_CLASSES, DiTangoOptions, unit_offsets
-from planner.errors import ConfigError
 from planner.layout import chunk_sizes
 from planner.memory import anchor_bytes as anchor_bytes  # re-exported for the runtime
 from runtime.state import AttentionState

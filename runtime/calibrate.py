@@ -49,9 +49,12 @@ def calibration_key(cfg) -> dict:
     """What a stored calibration must match to be reused (not the item: a relaunch starts at
     the first item left to do)."""
     planner = cfg.ditango.planner
-    return {"target_psnr": cfg.ditango.target_psnr, "model": cfg.model,
-            "planner": {k: v for k, v in vars(planner).items() if k != "cache_ratio"},
-            "layout": cfg.layout.to_json()}  # fmt: skip
+    return {
+        "target_psnr": cfg.ditango.target_psnr,
+        "model": cfg.model,
+        "planner": {k: v for k, v in vars(planner).items() if k != "cache_ratio"},
+        "layout": cfg.layout.to_json(),
+    }
 
 
 def stored_calibration(path: Path, key: dict) -> dict | None:
@@ -83,8 +86,15 @@ def calibrate(
         for _ in range(TRIALS):
             ratio = round((lo + hi) / 2, 4)
             selective.planner_cfg = replace(base, cache_ratio=ratio)
-            result = denoiser.denoise(latents, text, item.steps, item.cfg_scale, condition=condition,
-                                      guidance_2=item.guidance_2, sampler=item.sampler)  # fmt: skip
+            result = denoiser.denoise(
+                latents,
+                text,
+                item.steps,
+                item.cfg_scale,
+                condition=condition,
+                guidance_2=item.guidance_2,
+                sampler=item.sampler,
+            )
             measured = None
             if ctx.is_writer:
                 measured = psnr(writer_decode(denoiser, result.latents_BCFHW, options, cfg), ref_frames)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from basics.errors import ConfigError
 from planner.ditango import DiTangoOptions
-from planner.errors import ConfigError
 from planner.hybrid import HybridConfig
 from planner.layout import ParallelLayout, token_count
 from planner.models import VideoSize
@@ -101,8 +101,10 @@ def check_combination(strategy: Strategy, hybrid: bool, shard_weights: bool, ste
     if step_cache is not None and hybrid:
         raise ConfigError("--step-cache does not combine with --hybrid (its segments run different blocks)")
     if step_cache is not None and step_cache.name in ("first-block", "magcache") and shard_weights:
-        raise ConfigError(f"--step-cache {step_cache.name} does not combine with --shard-weights (FSDP wraps the "
-                          "blocks it hooks); use pab or taylorseer, or drop --shard-weights")  # fmt: skip
+        raise ConfigError(
+            f"--step-cache {step_cache.name} does not combine with --shard-weights (FSDP wraps the "
+            "blocks it hooks); use pab or taylorseer, or drop --shard-weights"
+        )
 
 
 def setup_timeout(step_s: float, given: float | None = None) -> float:
@@ -200,16 +202,24 @@ class Item:
     def to_json(self) -> dict:
         """What the item asks for, as the report, the sidecars and `check --json` state it."""
         return {
-            "id": self.id, "prompt": self.prompt, "negative_prompt": self.negative_prompt, "seed": self.seed,
-            "frames": self.frames, "height": self.height, "width": self.width, "steps": self.steps,
+            "id": self.id,
+            "prompt": self.prompt,
+            "negative_prompt": self.negative_prompt,
+            "seed": self.seed,
+            "frames": self.frames,
+            "height": self.height,
+            "width": self.width,
+            "steps": self.steps,
             "guidance": self.guidance,
             "guidance_2": self.guidance_2,  # two-expert models: the low-noise expert's scale (None: guidance)
             "true_cfg_scale": self.true_cfg,  # HunyuanVideo: real CFG (guidance is the embedded one)
             "image": self.image,  # image-to-video: the conditioning image
             "loras": [a.to_json() for a in self.loras],  # source, scale, expert, file and its sha256
-            "scheduler": self.scheduler, "flow_shift": self.flow_shift, "fps": self.fps,
+            "scheduler": self.scheduler,
+            "flow_shift": self.flow_shift,
+            "fps": self.fps,
             "tokens": self.tokens(),
-        }  # fmt: skip
+        }
 
 
 @dataclass(frozen=True)

@@ -133,8 +133,11 @@ class Denoiser:
     def predict(self, latents_BCFHW: torch.Tensor, t: torch.Tensor, text) -> torch.Tensor:
         """One transformer evaluation (one CFG branch) by the current expert; `text`: that
         branch's entry of `TextEmbeds`."""
-        cache = contextlib.nullcontext() if self.step_cache is None else self.step_cache.forward(
-            self.transformer, self.branch_name)  # fmt: skip
+        cache = (
+            contextlib.nullcontext()
+            if self.step_cache is None
+            else self.step_cache.forward(self.transformer, self.branch_name)
+        )
         with cache:
             return self.model.forward(self.transformer, latents_BCFHW, t, text, self._condition)
 

@@ -1,6 +1,6 @@
-"""Errors of the runtime a user can fix (see planner/errors.py for ConfigError itself)."""
+"""Errors of the runtime a user can fix (see basics/errors.py for ConfigError itself)."""
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 
 
 class ModelDirError(ConfigError):

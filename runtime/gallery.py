@@ -86,16 +86,20 @@ def _number(value) -> float | None:
 
 def _video(src: str, poster: str | None, caption: str) -> str:
     poster_attr = f' poster="{poster}"' if poster else ""
-    return (f'<figure><video src="{src}"{poster_attr} muted loop playsinline controls preload="metadata">'
-            f"</video><figcaption>{caption}</figcaption></figure>")  # fmt: skip
+    return (
+        f'<figure><video src="{src}"{poster_attr} muted loop playsinline controls preload="metadata">'
+        f"</video><figcaption>{caption}</figcaption></figure>"
+    )
 
 
 def _item(out_dir: Path, item: dict) -> str:
     status = item.get("status") if item.get("status") in ("done", "failed", "skipped") else "unknown"
     timing, quality = _dict(item.get("timing")), _dict(item.get("quality"))
     total, psnr, ssim = _number(timing.get("total_s")), _number(quality.get("psnr")), _number(quality.get("ssim"))
-    data = (f'data-id="{_e(item.get("id", ""))}" data-status="{status}" data-time="{"" if total is None else total}" '
-            f'data-quality="{"" if psnr is None else psnr}"')  # fmt: skip
+    data = (
+        f'data-id="{_e(item.get("id", ""))}" data-status="{status}" data-time="{"" if total is None else total}" '
+        f'data-quality="{"" if psnr is None else psnr}"'
+    )
     parts = [f'<article class="{status}" {data}>']
     videos = []
     video, poster = _file(out_dir, item.get("video")), _file(out_dir, item.get("poster"))
@@ -103,28 +107,43 @@ def _item(out_dir: Path, item: dict) -> str:
         videos.append(_video(video, poster, "this run"))
     exact = _file(out_dir, quality.get("video"))
     if exact:
-        measured = " ".join(f"{k} {v:.2f}" if k == "PSNR" else f"{k} {v:.4f}" for k, v in (("PSNR", psnr), ("SSIM", ssim))
-                            if v is not None)  # fmt: skip
+        measured = " ".join(
+            f"{k} {v:.2f}" if k == "PSNR" else f"{k} {v:.4f}"
+            for k, v in (("PSNR", psnr), ("SSIM", ssim))
+            if v is not None
+        )
         videos.append(_video(exact, None, f"exact reference; {_e(measured) or 'identical (PSNR inf)'}"))
     if videos:
         parts.append(f'<div class="videos">{"".join(videos)}</div>')
     parts.append(f"<h3>{_e(item.get('id', '?'))} <small>({_e(status)})</small></h3>")
     parts.append(f'<p class="prompt">{_e(item.get("prompt", ""))}</p>')
-    fields = [("seed", item.get("seed")), ("steps", item.get("steps")),
-              ("size", f"{item.get('width')}x{item.get('height')}x{item.get('frames')}"),
-              ("guidance", item.get("guidance")), ("scheduler", item.get("scheduler")),
-              ("time", None if total is None else f"{total:.2f} s"),
-              ("PSNR vs exact", None if psnr is None else f"{psnr:.2f} dB"),
-              ("loras", ", ".join(f"{a.get('source')}:{a.get('scale')}" for a in item.get("loras") or []
-                                  if isinstance(a, dict)) or None)]  # fmt: skip
+    fields = [
+        ("seed", item.get("seed")),
+        ("steps", item.get("steps")),
+        ("size", f"{item.get('width')}x{item.get('height')}x{item.get('frames')}"),
+        ("guidance", item.get("guidance")),
+        ("scheduler", item.get("scheduler")),
+        ("time", None if total is None else f"{total:.2f} s"),
+        ("PSNR vs exact", None if psnr is None else f"{psnr:.2f} dB"),
+        (
+            "loras",
+            ", ".join(f"{a.get('source')}:{a.get('scale')}" for a in item.get("loras") or [] if isinstance(a, dict))
+            or None,
+        ),
+    ]
     parts.append("<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in fields if v is not None) + "</dl>")
     if status == "failed":
         attempts = item.get("attempts")
-        parts.append(f'<p class="error">{_e(item.get("error") or "failed")}'
-                     + (f" (attempts: {_e(attempts)})" if attempts else "") + "</p>")  # fmt: skip
-    plots = [(_dict(item.get("attention")).get("plan_png"), "DiTango's plan: attention computed per step and layer"),
-             (item.get("steps_png"), "per step: time, and the attention computed"),
-             (_dict(item.get("hybrid")).get("rel_mae_png"), "Hybridiff's monitor per step")]  # fmt: skip
+        parts.append(
+            f'<p class="error">{_e(item.get("error") or "failed")}'
+            + (f" (attempts: {_e(attempts)})" if attempts else "")
+            + "</p>"
+        )
+    plots = [
+        (_dict(item.get("attention")).get("plan_png"), "DiTango's plan: attention computed per step and layer"),
+        (item.get("steps_png"), "per step: time, and the attention computed"),
+        (_dict(item.get("hybrid")).get("rel_mae_png"), "Hybridiff's monitor per step"),
+    ]
     for name, alt in plots:
         src = _file(out_dir, name)
         if src:
@@ -141,10 +160,15 @@ def summary(report: dict) -> list[tuple[str, str]]:
     replicas = _number(choice.get("replicas")) or _number(options.get("replicas")) or 1  # --layout auto's, or given
     gpus = (_number(layout.get("world_size")) or 1) * replicas
     done = counts.get("done", 0) if isinstance(counts.get("done", 0), int) else 0
-    rows = [("model", str(report.get("model"))),
-            ("layout", f"{layout.get('strategy')} on {gpus:g} rank(s), {replicas:g} replica(s), "
-                       f"{layout.get('nodes')} node(s) a replica"),
-            ("items", ", ".join(f"{counts.get(k, 0)} {k}" for k in ("done", "failed", "skipped")))]  # fmt: skip
+    rows = [
+        ("model", str(report.get("model"))),
+        (
+            "layout",
+            f"{layout.get('strategy')} on {gpus:g} rank(s), {replicas:g} replica(s), "
+            f"{layout.get('nodes')} node(s) a replica",
+        ),
+        ("items", ", ".join(f"{counts.get(k, 0)} {k}" for k in ("done", "failed", "skipped"))),
+    ]
     if wall:
         rows.append(("wall time", f"{wall:.1f} s, loading included"))
         rows.append(("videos per hour", f"{done / wall * 3600:.1f}"))
@@ -162,15 +186,19 @@ def summary(report: dict) -> list[tuple[str, str]]:
 
 def render(report: dict, out_dir: Path) -> str:
     items = [i for i in report.get("items") or [] if isinstance(i, dict)]
-    head = ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>ditango: {_e(report.get('model'))}, {len(items)} item(s)</title><style>{STYLE}</style></head>")  # fmt: skip
+    head = (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>ditango: {_e(report.get('model'))}, {len(items)} item(s)</title><style>{STYLE}</style></head>"
+    )
     rows = "".join(f"<tr><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for k, v in summary(report))
-    controls = ('<div id="controls"><label>status <select id="status"><option value="all">all</option>'
-                '<option value="done">done</option><option value="failed">failed</option>'
-                '<option value="skipped">skipped</option></select></label><label>sort by <select id="sort">'
-                '<option value="id">id</option><option value="time">time (fastest first)</option>'
-                '<option value="quality">PSNR (best first)</option></select></label></div>')  # fmt: skip
+    controls = (
+        '<div id="controls"><label>status <select id="status"><option value="all">all</option>'
+        '<option value="done">done</option><option value="failed">failed</option>'
+        '<option value="skipped">skipped</option></select></label><label>sort by <select id="sort">'
+        '<option value="id">id</option><option value="time">time (fastest first)</option>'
+        '<option value="quality">PSNR (best first)</option></select></label></div>'
+    )
     grid = "".join(_item(out_dir, i) for i in items)
     return (
         f'{head}<body><h1>{_e(report.get("model"))}: {len(items)} item(s)</h1><table class="summary">{rows}'

@@ -99,9 +99,13 @@ class CfgParallel:
 
     def exchange(self, send: torch.Tensor, recv_shape, purpose: str) -> torch.Tensor:
         return self.comm.exchange(
-            send, dst=self.partner, src=self.partner, recv_shape=recv_shape, group=self.mesh.cfg_group,
+            send,
+            dst=self.partner,
+            src=self.partner,
+            recv_shape=recv_shape,
+            group=self.mesh.cfg_group,
             purpose=purpose,
-        ).wait()  # fmt: skip
+        ).wait()
 
     def noise(self, den, step: int, t, latents, text, guidance: float) -> torch.Tensor:
         eps_u, eps_c = self.predictions(den, t, latents, text)
@@ -208,9 +212,15 @@ class Hybrid(CfgParallel):
         if self.uncond_side:
             if stage == "pipeline-fill":  # the partner runs both segments; we receive its prediction
                 return self.comm.one_way(
-                    None, self.partner, self.mesh.rank, latents.shape, eps_dtype, latents.device,
-                    self.mesh.cfg_group, "pipeline",
-                )  # fmt: skip
+                    None,
+                    self.partner,
+                    self.mesh.rank,
+                    latents.shape,
+                    eps_dtype,
+                    latents.device,
+                    self.mesh.cfg_group,
+                    "pipeline",
+                )
             boundary = self._segment_a(den, t, latents, text)
             return self.exchange(boundary, latents.shape, "pipeline")  # boundary out, prediction in
         if stage == "pipeline-fill":  # whole model here: A then B on the same step's boundary

@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from planner.errors import ConfigError
-from planner.user_files import TEXT_LIMIT, check_text, parse_json, read_text, require_regular_file, user_path
+from basics.errors import ConfigError
+from basics.user_files import TEXT_LIMIT, check_text, parse_json, read_text, require_regular_file, user_path
 from runtime.config import TEMPORAL_STRIDE, Item
 from runtime.models import adapters, schedulers
 from runtime.models.adapters import Adapter
@@ -202,8 +202,10 @@ def _loras_of(fields: dict, cli: Overrides, defaults: Defaults, where: str, base
     if own:
         loras = [adapters.from_json(e, where) for e in fields["loras"]]
     else:
-        loras = [*(adapters.parse_lora(t) for t in cli.lora or ()),
-                 *(adapters.parse_lora(t, 2, "--lora-2") for t in cli.lora_2 or ())]  # fmt: skip
+        loras = [
+            *(adapters.parse_lora(t) for t in cli.lora or ()),
+            *(adapters.parse_lora(t, 2, "--lora-2") for t in cli.lora_2 or ()),
+        ]
     if any(a.expert == 2 for a in loras) and defaults.experts == 1:
         raise ConfigError(f"{where}: --lora-2 (expert 2) applies to two-expert models (Wan2.2 A14B) only")
     if own:
@@ -214,8 +216,10 @@ def _loras_of(fields: dict, cli: Overrides, defaults: Defaults, where: str, base
     for adapter in resolved:  # one file is one adapter of the model: a second scale would not add up
         first = seen.setdefault((adapter.sha256, adapter.expert), adapter)
         if first is not adapter:
-            raise ConfigError(f"{where}: {first.label} and {adapter.label} are the same LoRA file; give it once, with "
-                              "the sum of the scales")  # fmt: skip
+            raise ConfigError(
+                f"{where}: {first.label} and {adapter.label} are the same LoRA file; give it once, with "
+                "the sum of the scales"
+            )
     return resolved
 
 

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from runtime.profiling import region
 from runtime.state import AttentionState
 

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from planner.errors import ConfigError
-from planner.user_files import digits, read_text
+from basics.errors import ConfigError
+from basics.user_files import digits, read_text
 from runtime.out_folder import check_bookkeeping
 from runtime.outputs import check_foreign_files, fs_clock, state_dir
 from runtime.record_shape import a_pid
@@ -103,10 +103,13 @@ class FolderLock:
         check_foreign_files(self.out_dir)
         state_dir(self.out_dir).mkdir(parents=True, exist_ok=True)
         me = {
-            "host": socket.gethostname(), "pid": os.getpid(), "pid_start": _start_time(os.getpid()), "token": self.token,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pid_start": _start_time(os.getpid()),
+            "token": self.token,
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(" ".join(["ditango", *sys.argv[1:]]).split())[:300],  # one line
-        }  # fmt: skip
+        }
         try:
             self._take(me, wait, say, poll_s)
         except OSError as exc:

@@ -58,6 +58,12 @@ def seeded_latents(pipe, channels: int, seed: int, height: int, width: int, fram
     """[1, C, F, H, W] float32 noise from a diffusers pipeline's `prepare_latents`, identical
     to the pipeline's own with a CPU generator seeded `seed`."""
     return pipe.prepare_latents(
-        batch_size=1, num_channels_latents=channels, height=height, width=width, num_frames=frames,
-        dtype=torch.float32, device=device, generator=torch.Generator("cpu").manual_seed(seed),
-    )  # fmt: skip
+        batch_size=1,
+        num_channels_latents=channels,
+        height=height,
+        width=width,
+        num_frames=frames,
+        dtype=torch.float32,
+        device=device,
+        generator=torch.Generator("cpu").manual_seed(seed),
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from planner.models import VideoSize
 from runtime.config import RunConfig
 
@@ -37,11 +37,16 @@ def item_memory_options(cfg: RunConfig, dtype_bytes: int):
     ditango = {"own_group": planner.own_group, "planner": planner.planner} if planner is not None else {}
     for h, w, f, scale in sorted({(i.height, i.width, i.frames, i.cfg_scale) for i in cfg.items}):
         options = MemoryOptions(
-            dtype_bytes=dtype_bytes, shard_weights=cfg.shard_weights, hybrid=cfg.hybrid is not None,
-            cfg_branches_per_rank=cfg_branches(scale, cfg.layout.cfg_degree), cache_bytes=cache_bytes,
-            vae_tiling=cfg.decode.tiled, vae_parallel=cfg.decode.parallel, tile_px=cfg.decode.tile_px or 256,
+            dtype_bytes=dtype_bytes,
+            shard_weights=cfg.shard_weights,
+            hybrid=cfg.hybrid is not None,
+            cfg_branches_per_rank=cfg_branches(scale, cfg.layout.cfg_degree),
+            cache_bytes=cache_bytes,
+            vae_tiling=cfg.decode.tiled,
+            vae_parallel=cfg.decode.parallel,
+            tile_px=cfg.decode.tile_px or 256,
             **ditango,
-        )  # fmt: skip
+        )
         yield VideoSize(h, w, f), options
 
 
@@ -81,10 +86,14 @@ def check_local_cpu_ranks(cfg: RunConfig, shape, dtype_bytes: int) -> None:
         f"{n} local rank(s) on CPUs need about {n * per_rank / GIB:.1f} GiB of memory ({per_rank / GIB:.2f} GiB each)"
     )
     if fits == 0:
-        raise ConfigError(f"{need}; this machine has {available / GIB:.1f} GiB available: run on GPUs, or on a "
-                          "machine with more memory")  # fmt: skip
-    raise ConfigError(f"{need}; this machine has {available / GIB:.1f} GiB available, enough for {fits}: use at "
-                      f"most {fits} ranks in all (--nodes x --gpus-per-node x --replicas), or run on GPUs")  # fmt: skip
+        raise ConfigError(
+            f"{need}; this machine has {available / GIB:.1f} GiB available: run on GPUs, or on a "
+            "machine with more memory"
+        )
+    raise ConfigError(
+        f"{need}; this machine has {available / GIB:.1f} GiB available, enough for {fits}: use at "
+        f"most {fits} ranks in all (--nodes x --gpus-per-node x --replicas), or run on GPUs"
+    )
 
 
 def memory_preflight(cfg: RunConfig, shape, gpu_memory: str | None, placement, local: bool, dtype_given: bool):

@@ -11,13 +11,13 @@ import stat
 import tempfile
 from pathlib import Path
 
-from planner.errors import ConfigError
-from planner.user_files import user_path
+from basics.errors import ConfigError
+from basics.user_files import user_path
 from runtime.config import RunConfig
 from runtime.outputs import STATE_DIR, output_paths
 
 # What the tool keeps in an output folder, each a folder or a regular file where it exists:
-# its state (the lock, jobs.json of slurm/jobs.py, launch.json of slurm/env.py, the clock,
+# its state (the lock, jobs.json of slurm/jobs.py, launch.json of slurm/launchers/env.py, the clock,
 # progress files, task and replica reports, the env launcher's rank errors), the logs of its
 # submissions, and the run report.
 FOLDERS = (STATE_DIR, f"{STATE_DIR}/progress", f"{STATE_DIR}/reports", f"{STATE_DIR}/ranks", "logs")
@@ -44,11 +44,15 @@ def check_bookkeeping(out_dir: Path) -> None:
                 mode = None
             if link and (mode is None or names is FILES):
                 what = "a symbolic link" + (" to nothing, or in a loop" if mode is None else "")
-                raise ConfigError(f"{path} is {what}, not {want}: ditango keeps its bookkeeping there; move it away, "
-                                  "or use another --out")  # fmt: skip
+                raise ConfigError(
+                    f"{path} is {what}, not {want}: ditango keeps its bookkeeping there; move it away, "
+                    "or use another --out"
+                )
             if not is_kind(mode):
-                raise ConfigError(f"{out_dir / name} is {_kind(mode)}, not {want}: ditango keeps its bookkeeping "
-                                  "there; move it away, or use another --out")  # fmt: skip
+                raise ConfigError(
+                    f"{out_dir / name} is {_kind(mode)}, not {want}: ditango keeps its bookkeeping "
+                    "there; move it away, or use another --out"
+                )
 
 
 def check_item_files(cfg: RunConfig) -> None:
@@ -62,22 +66,46 @@ def check_item_files(cfg: RunConfig) -> None:
             except OSError:  # not there, or a link to nothing (the writer's rename replaces it)
                 continue
             if not stat.S_ISREG(mode):
-                raise ConfigError(f"{item.source}: {path} is {_kind(mode)}, not a regular file, and item {item.id} is "
-                                  "written there; move it away, or use another --out")  # fmt: skip
+                raise ConfigError(
+                    f"{item.source}: {path} is {_kind(mode)}, not a regular file, and item {item.id} is "
+                    "written there; move it away, or use another --out"
+                )
 
 
 def _kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-             (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))  # fmt: skip
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    )
     return next((name for test, name in kinds if test(mode)), "a device")
 
 
 # Kernel interfaces mounted as file systems: they hold no regular files, whatever the
 # permission bits say (root may "write" under /proc by os.access).
 PSEUDO_FILESYSTEMS = frozenset(
-    {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "bpf",
-     "pstore", "efivarfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "nsfs"}
-)  # fmt: skip
+    {
+        "proc",
+        "sysfs",
+        "cgroup",
+        "cgroup2",
+        "devpts",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "configfs",
+        "bpf",
+        "pstore",
+        "efivarfs",
+        "fusectl",
+        "mqueue",
+        "binfmt_misc",
+        "autofs",
+        "nsfs",
+    }
+)
 
 
 def check_writable(out: Path, create: bool) -> None:

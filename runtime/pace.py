@@ -135,10 +135,16 @@ class Pace:
             return None if x is None else round(x, 3)
 
         return {
-            "item_index": self.index, "items": self.items, "item": self.item, "step": self.step,
-            "steps": self.steps, "phase": self.phase, "s_per_step": num(self.s_per_step),
-            "eta_item_s": num(self.eta_item_s), "eta_batch_s": num(self.eta_batch_s),
-        }  # fmt: skip
+            "item_index": self.index,
+            "items": self.items,
+            "item": self.item,
+            "step": self.step,
+            "steps": self.steps,
+            "phase": self.phase,
+            "s_per_step": num(self.s_per_step),
+            "eta_item_s": num(self.eta_item_s),
+            "eta_batch_s": num(self.eta_batch_s),
+        }
 
 
 def pace_text(s: dict) -> str:

@@ -46,8 +46,15 @@ def write_heatmap(path: Path, values_SL: np.ndarray) -> None:
     steps, layers = values_SL.shape
     fig = _figure(max(4.0, min(12.0, 1.5 + steps * 0.12)), max(2.4, min(8.0, 1.2 + layers * 0.18)))
     ax = fig.add_subplot()
-    image = ax.imshow(values_SL.T, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest",
-                      extent=(0.5, steps + 0.5, layers - 0.5, -0.5))  # fmt: skip
+    image = ax.imshow(
+        values_SL.T,
+        aspect="auto",
+        cmap="viridis",
+        vmin=0.0,
+        vmax=1.0,
+        interpolation="nearest",
+        extent=(0.5, steps + 0.5, layers - 0.5, -0.5),
+    )
     ax.set_xlabel("denoising step")
     ax.set_ylabel("transformer layer")
     ax.set_title("attention computed per step and layer")
@@ -69,8 +76,13 @@ def write_rel_mae_plot(path: Path, rel_mae: list[float | None], stages: list[str
     for k, name in enumerate(names):
         for i, stage in enumerate(stages):
             if stage == name:
-                ax.axvspan(i + 0.5, i + 1.5, color=palette[k % len(palette)], lw=0,
-                           label=f"stage: {name}" if i == stages.index(name) else None)  # fmt: skip
+                ax.axvspan(
+                    i + 0.5,
+                    i + 1.5,
+                    color=palette[k % len(palette)],
+                    lw=0,
+                    label=f"stage: {name}" if i == stages.index(name) else None,
+                )
     ax.set_xlabel("denoising step")
     _integer_steps(ax)
     ax.set_ylabel("relative MAE M (unitless)")
@@ -79,8 +91,13 @@ def write_rel_mae_plot(path: Path, rel_mae: list[float | None], stages: list[str
     _save(fig, path)
 
 
-def write_step_plot(path: Path, step_s: list[float], computed: list[float] | None = None,
-                    kinds: list[str] | None = None, rel_err: list[float] | None = None) -> None:  # fmt: skip
+def write_step_plot(
+    path: Path,
+    step_s: list[float],
+    computed: list[float] | None = None,
+    kinds: list[str] | None = None,
+    rel_err: list[float] | None = None,
+) -> None:
     """An item's steps: the time of each (s); with DiTango the share of attention it computed
     fresh, anchors and exact steps marked; with --reference exact, below, how far its latents
     are from the exact run's after each step (relative L2, log scale): what speed cost in quality."""
@@ -95,15 +112,21 @@ def write_step_plot(path: Path, step_s: list[float], computed: list[float] | Non
     handles, labels = ax.get_legend_handles_labels()
     if computed:
         right = ax.twinx()
-        right.step(np.arange(1, len(computed) + 1), computed, where="mid", color="#b45f06",
-                   label="attention computed (fraction)")  # fmt: skip
+        right.step(
+            np.arange(1, len(computed) + 1),
+            computed,
+            where="mid",
+            color="#b45f06",
+            label="attention computed (fraction)",
+        )
         right.set_ylabel("attention computed (fraction)")
         right.set_ylim(0, 1.05)
         for kind, mark in (("anchor", "^"), ("exact", "s")):
             at = [i + 1 for i, k in enumerate(kinds or []) if k == kind]
             if at:
-                right.scatter(at, [computed[i - 1] for i in at], marker=mark, color="#b45f06", s=18,
-                              label=f"{kind} step")  # fmt: skip
+                right.scatter(
+                    at, [computed[i - 1] for i in at], marker=mark, color="#b45f06", s=18, label=f"{kind} step"
+                )
         h, lab = right.get_legend_handles_labels()
         handles, labels = handles + h, labels + lab
     ax.set_title("per step")
@@ -112,8 +135,14 @@ def write_step_plot(path: Path, step_s: list[float], computed: list[float] | Non
         low = fig.add_subplot(2, 1, 2, sharex=ax)
         errors = np.array(rel_err, dtype=np.float64)
         shown = np.where(errors > 0, errors, np.nan)  # identical steps have no place on a log scale
-        low.plot(np.arange(1, len(rel_err) + 1), shown, marker="o", markersize=3, color="#990000",
-                 label="latents vs exact run (relative L2)")  # fmt: skip
+        low.plot(
+            np.arange(1, len(rel_err) + 1),
+            shown,
+            marker="o",
+            markersize=3,
+            color="#990000",
+            label="latents vs exact run (relative L2)",
+        )
         if np.isfinite(shown).any():
             low.set_yscale("log")
         low.set_xlabel("denoising step")
@@ -147,9 +176,15 @@ class Series:
     marker: Literal["square", "cross"] = "square"
 
 
-def write_xy_plot(path: Path, series: list[Series], hline: float | None = None,
-                  x_range: tuple[float, float] | None = None, x_label: str = "", y_label: str = "",
-                  title: str = "") -> None:  # fmt: skip
+def write_xy_plot(
+    path: Path,
+    series: list[Series],
+    hline: float | None = None,
+    x_range: tuple[float, float] | None = None,
+    x_label: str = "",
+    y_label: str = "",
+    title: str = "",
+) -> None:
     """Series of labelled points (a line through them unless `joined` is False), an optional
     dashed reference line at y = hline, a legend. Labels alternate above and below their
     point so neighbours do not overlap; an infinite y is drawn at the top of the axes."""
@@ -204,8 +239,9 @@ def _place_labels(fig, ax, labels: list[tuple[float, float, str, str]]) -> None:
                 break
             note.remove()
         else:
-            note = ax.annotate(text, (x, y), textcoords="offset points", xytext=OFFSETS[0], ha="center", fontsize=7,
-                               color=colour)  # fmt: skip
+            note = ax.annotate(
+                text, (x, y), textcoords="offset points", xytext=OFFSETS[0], ha="center", fontsize=7, color=colour
+            )
             box = note.get_window_extent(renderer)
             edges = (box.x0, box.y0, box.x1, box.y1)
         taken.append(edges)

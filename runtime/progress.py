@@ -15,8 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
-from planner.errors import ConfigError
-from planner.user_files import printable, read_json_file
+from basics.errors import ConfigError
+from basics.user_files import printable, read_json_file
 from runtime.config import Item
 from runtime.context import Observer
 from runtime.outputs import state_dir
@@ -110,8 +110,15 @@ class ProgressFile:
 
     def write(self, state: str = "running") -> None:
         self._written = self.pace.clock()
-        data = {"state": state, "updated": time.time(), "updated_at": stamp(), "host": socket.gethostname(),
-                "pid": os.getpid(), **self.pace.snapshot(), **self.counts}  # fmt: skip
+        data = {
+            "state": state,
+            "updated": time.time(),
+            "updated_at": stamp(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            **self.pace.snapshot(),
+            **self.counts,
+        }
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

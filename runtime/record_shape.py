@@ -60,37 +60,58 @@ def list_of(check: Check) -> Check:
 
 
 _count = maybe(number)
-ITEM = obj({
-    "id": of_type(str),
-    "status": lambda v: v in STATUSES,
-    "timing": maybe(obj({"total_s": _count})),
-    "comm": maybe(obj({"inter_node_bytes": _count, "intra_node_bytes": _count, "by_purpose": maybe(of_type(dict))})),
-    "attention": maybe(obj({"computed_fraction_all_steps": _count})),
-    "quality": maybe(obj({"psnr": _count})),
-    "step_cache": maybe(obj({"block_fraction": number, "skipped_steps": maybe(obj({}, values=list_of(of_type(int))))})),
-    "method": maybe(of_type(dict)),
-    "attempts": maybe(of_type(int)),
-    "error": maybe(of_type(str)),
-})  # fmt: skip
-CALIBRATION = obj({
-    "calibrated_psnr": _count, "cache_ratio": number, "target_psnr": number, "planner": of_type(str),
-    "item": of_type(str), "trials": of_type(list), "recalibrated": maybe(of_type(list)),
-})  # fmt: skip
-REPORT = obj({
-    "items": list_of(ITEM),
-    "layout": maybe(of_type(dict)),
-    "calibration": maybe(CALIBRATION),
-    "timing": maybe(obj({**dict.fromkeys(TIMING_SUMS, _count), "per_report": maybe(of_type(dict))})),
-    "started_at": maybe(of_type(str)),
-    "counts": maybe(obj({}, values=of_type(int))),
-})  # fmt: skip
+ITEM = obj(
+    {
+        "id": of_type(str),
+        "status": lambda v: v in STATUSES,
+        "timing": maybe(obj({"total_s": _count})),
+        "comm": maybe(
+            obj({"inter_node_bytes": _count, "intra_node_bytes": _count, "by_purpose": maybe(of_type(dict))})
+        ),
+        "attention": maybe(obj({"computed_fraction_all_steps": _count})),
+        "quality": maybe(obj({"psnr": _count})),
+        "step_cache": maybe(
+            obj({"block_fraction": number, "skipped_steps": maybe(obj({}, values=list_of(of_type(int))))})
+        ),
+        "method": maybe(of_type(dict)),
+        "attempts": maybe(of_type(int)),
+        "error": maybe(of_type(str)),
+    }
+)
+CALIBRATION = obj(
+    {
+        "calibrated_psnr": _count,
+        "cache_ratio": number,
+        "target_psnr": number,
+        "planner": of_type(str),
+        "item": of_type(str),
+        "trials": of_type(list),
+        "recalibrated": maybe(of_type(list)),
+    }
+)
+REPORT = obj(
+    {
+        "items": list_of(ITEM),
+        "layout": maybe(of_type(dict)),
+        "calibration": maybe(CALIBRATION),
+        "timing": maybe(obj({**dict.fromkeys(TIMING_SUMS, _count), "per_report": maybe(of_type(dict))})),
+        "started_at": maybe(of_type(str)),
+        "counts": maybe(obj({}, values=of_type(int))),
+    }
+)
 
 
-HEARTBEAT = obj({
-    "state": of_type(str), "updated": lambda v: number(v) and 0 <= v < 1e11, "pid": maybe(a_pid),
-    "host": maybe(of_type(str)), "done": maybe(of_type(int)), "failed": maybe(of_type(int)),
-    "item_index": maybe(of_type(int)),
-})  # fmt: skip
+HEARTBEAT = obj(
+    {
+        "state": of_type(str),
+        "updated": lambda v: number(v) and 0 <= v < 1e11,
+        "pid": maybe(a_pid),
+        "host": maybe(of_type(str)),
+        "done": maybe(of_type(int)),
+        "failed": maybe(of_type(int)),
+        "item_index": maybe(of_type(int)),
+    }
+)
 
 
 def well_formed(data) -> bool:

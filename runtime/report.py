@@ -229,9 +229,16 @@ class ReportWriter:
         peak, source = peak_memory(self.device)
         ordered = [self.records[i.id] for i in self.cfg.items if i.id in self.records]
         report = run_report(
-            self.cfg, ordered, self.device, self.dtype, self.started, time.perf_counter() - self.wall_start,
-            attention_backend=self.attention_backend, rank_peaks=rank_peaks or [peak], peak_source=source,
-        )  # fmt: skip
+            self.cfg,
+            ordered,
+            self.device,
+            self.dtype,
+            self.started,
+            time.perf_counter() - self.wall_start,
+            attention_backend=self.attention_backend,
+            rank_peaks=rank_peaks or [peak],
+            peak_source=source,
+        )
         report["weights"] = self.weights
         if self.calibration is not None:
             report["calibration"] = self.calibration

@@ -25,11 +25,12 @@ from runtime.item_records import check_finite, gathered_records
 from runtime.kernels import resolve_backend
 from runtime.loop_types import DenoiseResult, NonFiniteLatents
 from runtime.models.loading import placement_on
-from runtime.outputs import mark_running, plan_resume, record_failure
+from runtime.outputs import mark_running, record_failure
 from runtime.profiling import StepProfiler, trace_name
 from runtime.progress import ProgressFile, progress_path
 from runtime.quality import quality_record
 from runtime.report import ItemTiming, ReportWriter, RunTiming, claim_bring_up_start, peak_memory, run_report
+from runtime.resume import plan_resume
 from runtime.video import write_json
 from runtime.weights import place
 from runtime.writer import write_item
@@ -125,16 +126,28 @@ def decode_and_write(
         ref_frames, _ = denoiser.decode_with(reference, options.on_one_rank())  # decoded as the run's
         quality = quality_record(frames, ref_frames, result.latents_BCFHW, reference, "exact")
         if trace and exact_trace:  # ||run - exact|| / ||exact|| of the latents after each step
-            quality["rel_err_per_step"] = [round(float((a - b).norm() / b.norm().clamp_min(1e-12)), 8)
-                                           for a, b in zip(trace, exact_trace, strict=True)]  # fmt: skip
+            quality["rel_err_per_step"] = [
+                round(float((a - b).norm() / b.norm().clamp_min(1e-12)), 8)
+                for a, b in zip(trace, exact_trace, strict=True)
+            ]
     if cfg.reference == "exact" and options.tiled:  # what tiling costs: the same latents, untiled
         untiled = denoiser.decode(result.latents_BCFHW)
-        decode["psnr_vs_untiled"] = quality_record(frames, untiled, result.latents_BCFHW, result.latents_BCFHW,
-                                                   "untiled")["psnr"]  # fmt: skip
+        decode["psnr_vs_untiled"] = quality_record(
+            frames, untiled, result.latents_BCFHW, result.latents_BCFHW, "untiled"
+        )["psnr"]
 
     observer.phase("write")
-    return write_item(cfg, item, frames, result.latents_BCFHW, timing, quality=quality, decode=decode,
-                      reference_frames=None if reference is None else ref_frames, **records)  # fmt: skip
+    return write_item(
+        cfg,
+        item,
+        frames,
+        result.latents_BCFHW,
+        timing,
+        quality=quality,
+        decode=decode,
+        reference_frames=None if reference is None else ref_frames,
+        **records,
+    )
 
 
 def denoise_item(
@@ -181,10 +194,16 @@ def settled_report(cfg: RunConfig, records: dict[str, dict], report_name: str = 
     by the launcher without starting a rank or loading the model."""
     peak, source = peak_memory(torch.device("cpu"))
     report = run_report(
-        cfg, [records[i.id] for i in cfg.items if i.id in records], cfg.device, cfg.dtype or "default",
-        datetime.now(timezone.utc).isoformat(timespec="seconds"), 0.0, attention_backend=cfg.attention_backend,
-        rank_peaks=[peak], peak_source=source,
-    )  # fmt: skip
+        cfg,
+        [records[i.id] for i in cfg.items if i.id in records],
+        cfg.device,
+        cfg.dtype or "default",
+        datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        0.0,
+        attention_backend=cfg.attention_backend,
+        rank_peaks=[peak],
+        peak_source=source,
+    )
     write_json(cfg.out_dir / report_name, report)
     return report
 

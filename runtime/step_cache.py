@@ -118,9 +118,12 @@ class StepCache:
             self._installed.append(transformer)
             self._agree(transformer, adapter)
             self._hooks[id(transformer)] = [
-                hook for m in transformer.modules() if hasattr(m, "_diffusers_hook")
-                for hook in m._diffusers_hook.hooks.values() if getattr(hook, "_is_stateful", False)
-            ]  # fmt: skip
+                hook
+                for m in transformer.modules()
+                if hasattr(m, "_diffusers_hook")
+                for hook in m._diffusers_hook.hooks.values()
+                if getattr(hook, "_is_stateful", False)
+            ]
             for block_probe, attention_probe in adapter.probes(transformer):
                 self._handles.append(block_probe.register_forward_pre_hook(self._count_block))
                 self._handles.append(attention_probe.register_forward_pre_hook(self._count_attention))

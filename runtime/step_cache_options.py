@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import ConfigError
-from planner.user_files import read_json_file, user_path
+from basics.errors import ConfigError
+from basics.user_files import read_json_file, user_path
 
 
 def _range(text: str) -> tuple[int, int]:

@@ -50,8 +50,12 @@ class TiledDecoder:
                 vae.enable_tiling()
             else:
                 stride = max(1, int(px * STRIDE_FRACTION))
-                vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px,
-                                  tile_sample_stride_height=stride, tile_sample_stride_width=stride)  # fmt: skip
+                vae.enable_tiling(
+                    tile_sample_min_height=px,
+                    tile_sample_min_width=px,
+                    tile_sample_stride_height=stride,
+                    tile_sample_stride_width=stride,
+                )
         else:
             vae.disable_tiling()
         self.family = family_of_vae(vae)
@@ -143,8 +147,9 @@ def decode_video(vae, z_BCFHW: torch.Tensor, options: DecodeOptions, ctx=None) -
     own_s = _elapsed(start, *mine.values())
     record = {"mode": "tiled", "tiles": len(tiles), "ranks": ranks, "tile_px": decoder.min_px}
     if ranks == 1:
-        return Decoded(decoder.assemble(z_BCFHW, tiles, [mine[k] for k in range(len(tiles))]),
-                       {**record, "per_rank_s": [own_s]})  # fmt: skip
+        return Decoded(
+            decoder.assemble(z_BCFHW, tiles, [mine[k] for k in range(len(tiles))]), {**record, "per_rank_s": [own_s]}
+        )
     decoded, received = gather_tiles(ctx.comm, ctx.mesh, mine, tiles)
     per_rank = ctx.gather((own_s, received))
     record = {**record, "per_rank_s": [s for s, _ in per_rank], "bytes": sum(b for _, b in per_rank)}
@@ -155,8 +160,7 @@ def decode_video(vae, z_BCFHW: torch.Tensor, options: DecodeOptions, ctx=None) -
 
 def tile_shapes(comm: Comm, mesh, mine: dict[int, torch.Tensor], tiles: list[Tile]) -> list[dict]:
     """Every rank's {tile: decoded shape}, over the control group (tiles differ at the edges)."""
-    return comm.gather_objects({k: tuple(t.shape) for k, t in mine.items()}, mesh.control_group,
-                               range(mesh.world_size))  # fmt: skip
+    return comm.gather_objects({k: tuple(t.shape) for k, t in mine.items()}, mesh.control_group, range(mesh.world_size))
 
 
 def gather_tiles(comm: Comm, mesh, mine: dict[int, torch.Tensor], tiles: list[Tile]):

@@ -64,11 +64,28 @@ def write_mp4(path: Path, frames_FHWC: np.ndarray, fps: int) -> None:
 
     def encode(tmp: Path) -> None:
         cmd = [
-            imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-y", "-v", "error",
-            "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", str(fps), "-i", "pipe:0",
-            "-an", "-c:v", "libx264", "-pix_fmt", "yuv420p",  # x264's default quality (crf 23)
+            imageio_ffmpeg.get_ffmpeg_exe(),
+            "-nostdin",
+            "-y",
+            "-v",
+            "error",
+            "-f",
+            "rawvideo",
+            "-pix_fmt",
+            "rgb24",
+            "-s",
+            f"{width}x{height}",
+            "-r",
+            str(fps),
+            "-i",
+            "pipe:0",
+            "-an",
+            "-c:v",
+            "libx264",
+            "-pix_fmt",
+            "yuv420p",  # x264's default quality (crf 23)
             f"file:{tmp.resolve()}",  # file: so that no name reads as an option or a protocol
-        ]  # fmt: skip
+        ]
         raw = memoryview(np.ascontiguousarray(frames_FHWC)).cast("B")
         done = subprocess.run(cmd, input=raw, capture_output=True)
         if done.returncode != 0:

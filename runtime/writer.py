@@ -14,9 +14,18 @@ from runtime.report import SCHEMA, ItemTiming, item_record
 from runtime.video import write_json, write_latents, write_mp4, write_png
 
 
-def write_item(cfg: RunConfig, item: Item, frames: np.ndarray, latents_BCFHW, timing: ItemTiming, *,
-               attention: dict | None, hybrid: dict | None, reference_frames: np.ndarray | None = None,
-               **records) -> dict:  # fmt: skip
+def write_item(
+    cfg: RunConfig,
+    item: Item,
+    frames: np.ndarray,
+    latents_BCFHW,
+    timing: ItemTiming,
+    *,
+    attention: dict | None,
+    hybrid: dict | None,
+    reference_frames: np.ndarray | None = None,
+    **records,
+) -> dict:
     """Write `item`'s files (uint8 `frames` [F, H, W, 3]; float32 latents [1, C, F, H, W]; the
     exact run's frames, with --reference exact) and return its record; `records`: the rest of
     the record's parts (comm, quality, decode, step_cache)."""
@@ -45,12 +54,25 @@ def write_item(cfg: RunConfig, item: Item, frames: np.ndarray, latents_BCFHW, ti
         plan_png = cfg.out_dir / f"{item.id}.plan.png"
         write_heatmap(plan_png, np.asarray(attention["plan"]["compute_map"], dtype=np.float64).reshape(item.steps, -1))
         attention["plan_png"] = plan_png.name
-    write_step_plot(paths["steps"], timing.step_s, (attention or {}).get("per_step"),
-                    (attention or {}).get("plan", {}).get("kinds"), (records.get("quality") or {}).get("rel_err_per_step"))  # fmt: skip
+    write_step_plot(
+        paths["steps"],
+        timing.step_s,
+        (attention or {}).get("per_step"),
+        (attention or {}).get("plan", {}).get("kinds"),
+        (records.get("quality") or {}).get("rel_err_per_step"),
+    )
     record = item_record(
-        item, model=cfg.model, status="done", video=paths["video"].name, latents=latents_name, timing=timing,
-        attention=attention, hybrid=hybrid, method=video_method(cfg), **records,
-    )  # fmt: skip
+        item,
+        model=cfg.model,
+        status="done",
+        video=paths["video"].name,
+        latents=latents_name,
+        timing=timing,
+        attention=attention,
+        hybrid=hybrid,
+        method=video_method(cfg),
+        **records,
+    )
     record["poster"], record["steps_png"] = paths["poster"].name, paths["steps"].name
     write_json(paths["sidecar"], record)  # last: its presence marks the item complete
     return record

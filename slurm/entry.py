@@ -9,7 +9,7 @@ from runtime.comm import Comm
 from runtime.config import RunConfig
 from runtime.context import Observer, RankContext
 from runtime.mesh import build_mesh
-from runtime.outputs import plan_resume
+from runtime.resume import plan_resume
 from runtime.run import execute
 from slurm.faults import with_faults
 from slurm.supervise import replica_share

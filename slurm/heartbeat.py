@@ -4,7 +4,7 @@ the launcher's watch over them.
 A rank that is stopped (SIGSTOP, a frozen node) says nothing and does not exit; its peers
 only time out, and while they wait on the writer (it decodes and writes a video) they do so
 under the setup timeout, half an hour by default. Local ranks beat into shared memory
-(slurm/local.py); a Slurm rank's thread writes an increasing count into a file of its job's
+(slurm/launchers/processes.py); a Slurm rank's thread writes an increasing count into a file of its job's
 folder on the shared file system, fsynced so that other hosts see it, with the Slurm step it
 belongs to. The launcher (which follows its jobs) kills that step (SIGKILL: Slurm's own
 cancel sends SIGCONT first, and the stopped rank would go on) when a rank's count has not
@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from slurm.jobs import run_slurm
 
 BEAT_S = 2.0  # how often a rank writes its count

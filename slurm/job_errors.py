@@ -9,8 +9,8 @@ from pathlib import Path
 
 import submitit
 
-from planner.errors import ConfigError
-from planner.user_files import digits, require_regular_file
+from basics.errors import ConfigError
+from basics.user_files import digits, require_regular_file
 from slurm.jobs import cancelled_jobs, failed_state, job_ids, read_jobs, slurm_states
 from slurm.rank import is_peer_failure
 
@@ -149,8 +149,15 @@ def job_states(out_dir: Path) -> list[dict]:
                 state, error = "CANCELLED", f"cancelled with `ditango cancel` at {cancelled[job_id]}"
             elif failed_state(state):
                 error = _logged_error(out_dir, submission, job_id)
-            rows.append({"job_id": job_id, "state": state, "error": error, "submitted_at": submission["submitted_at"],
-                         "cancelled": job_id in cancelled})  # fmt: skip
+            rows.append(
+                {
+                    "job_id": job_id,
+                    "state": state,
+                    "error": error,
+                    "submitted_at": submission["submitted_at"],
+                    "cancelled": job_id in cancelled,
+                }
+            )
     return rows
 
 

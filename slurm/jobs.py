@@ -20,8 +20,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from planner.errors import ConfigError
-from planner.user_files import digits
+from basics.errors import ConfigError
+from basics.user_files import digits
 from runtime.outputs import Damaged, read_json, state_dir
 from runtime.video import write_json
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
+from basics.user_files import user_path
 from planner.host_memory import CPUS_PER_RANK, mem_request
-from planner.user_files import user_path
 from runtime.config import RunConfig
 from slurm.rank import LAUNCHER_VARIABLES, launched_rank
 
@@ -64,8 +64,14 @@ class SlurmOptions:
         # Values become `#SBATCH` lines, shell-quoted (submitit), which sbatch reads with its own
         # parser: a newline would end the line there (and a shell command could follow it), and
         # the parser takes a backslash as an escape even inside quotes, so the value would change.
-        named = {"--partition": self.partition, "--account": self.account, "--qos": self.qos, "--mem": self.mem,
-                 "--constraint": self.constraint, **{f"--slurm-arg {k}": v for k, v in self.extra}}  # fmt: skip
+        named = {
+            "--partition": self.partition,
+            "--account": self.account,
+            "--qos": self.qos,
+            "--mem": self.mem,
+            "--constraint": self.constraint,
+            **{f"--slurm-arg {k}": v for k, v in self.extra},
+        }
         for flag, value in named.items():
             if value is not None and any(ord(c) < 32 or ord(c) == 127 or c == "\\" for c in value):
                 raise ConfigError(
@@ -101,7 +107,7 @@ def check_log_folder(out: Path) -> None:
     """Refuse an output folder Slurm cannot carry: the job's logs (`--output`, `--error`) lie
     under it, and Slurm reads `%` in those paths as a pattern (`%j`: the job id) and a
     backslash as turning the patterns off, and a control character would end a `#SBATCH`
-    line. Any other character is passed quoted (slurm/submit.py)."""
+    line. Any other character is passed quoted (slurm/launchers/sbatch.py)."""
     path = str(user_path(out, "--out", resolve=True))
     bad = sorted({c for c in path if c in "%\\" or ord(c) < 32 or ord(c) == 127})
     if bad:
@@ -138,8 +144,10 @@ def host_request(cfg: RunConfig, opts: SlurmOptions, node: NodeSize | None = Non
     if mem is None and cfg.host_memory is not None:
         mem = mem_request(cfg.host_memory)
         if node is not None and node.mem_mib > 0 and int(mem.removesuffix("G")) * 1024 > node.mem_mib:  # as asked
-            note.append(f"the run needs about {mem} of host memory per node, the partition's smallest nodes have "
-                        f"{node.mem_mib}M: asking for that (--mem overrides)")  # fmt: skip
+            note.append(
+                f"the run needs about {mem} of host memory per node, the partition's smallest nodes have "
+                f"{node.mem_mib}M: asking for that (--mem overrides)"
+            )
             mem = f"{node.mem_mib}M"
     return cpus, mem, "; ".join(note)
 
@@ -162,10 +170,15 @@ def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool, node
         params["gpus_per_node"] = cfg.gpus_per_node
     cpus, mem, _ = host_request(cfg, opts, node)
     optional = {
-        "partition": opts.partition, "account": opts.account, "qos": opts.qos, "mem": mem,
-        "constraint": opts.constraint, "cpus_per_task": cpus,
-        "array_parallelism": opts.array_parallelism, "exclusive": opts.exclusive or None,
-    }  # fmt: skip
+        "partition": opts.partition,
+        "account": opts.account,
+        "qos": opts.qos,
+        "mem": mem,
+        "constraint": opts.constraint,
+        "cpus_per_task": cpus,
+        "array_parallelism": opts.array_parallelism,
+        "exclusive": opts.exclusive or None,
+    }
     params.update({k: v for k, v in optional.items() if v is not None})
     if opts.extra:
         params["additional_parameters"] = {k.replace("-", "_"): v for k, v in opts.extra}

@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from runtime.config import RunConfig
 from runtime.models.loading import resolve_placement
-from slurm.allocation import allocation_gpus_per_node, srun_command
+from slurm.launchers.srun import allocation_gpus_per_node, srun_command
 from slurm.options import SlurmOptions
 from slurm.rank import device_intent, rank_environment
 
@@ -57,13 +57,19 @@ def rank_slots(cfg: RunConfig, local: bool = False) -> list[RankSlot]:
         ring_index, ulysses_index = divmod(cp_index, layout.ulysses)
         slots.append(
             RankSlot(
-                rank=g, node=g // per_node, local_rank=local_rank,
+                rank=g,
+                node=g // per_node,
+                local_rank=local_rank,
                 gpu=local_rank if cfg.device == "cuda" else None,
-                replica=replica, replica_rank=r, cfg_index=cfg_index, cp_index=cp_index,
-                ulysses_index=ulysses_index, ring_index=ring_index,
+                replica=replica,
+                replica_rank=r,
+                cfg_index=cfg_index,
+                cp_index=cp_index,
+                ulysses_index=ulysses_index,
+                ring_index=ring_index,
                 group_index=cp_index // layout.group if "group_size" in layout.strategy.options else None,
             )
-        )  # fmt: skip
+        )
     return slots
 
 
@@ -128,7 +134,7 @@ def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
     would submit or the srun command of each array task, the environment every rank gets, and
     every rank's place (PYTHONPATH: the folder put before the rank's own PYTHONPATH). What
     `generate --dry-run` prints."""
-    from slurm.submit import absolute_paths, sbatch_script, submission_config, submission_folder
+    from slurm.launchers.sbatch import absolute_paths, sbatch_script, submission_config, submission_folder
 
     if where == "sbatch":
         cfg = submission_config(cfg)

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from planner.errors import ConfigError
-from planner.user_files import digits
+from basics.errors import ConfigError
+from basics.user_files import digits
 
 # The device ranks compute on, overriding the run's: "cpu" lets a job that asked Slurm for
 # GPUs compute on CPUs (the GPU request path tested on a cluster without GPUs); "cuda" insists.
@@ -49,7 +49,7 @@ def is_peer_failure(message: str) -> bool:
 
 # What a launcher that starts the ranks itself sets in each one (torchrun, Kubernetes'
 # PyTorchJob and JobSet, MPI wrappers that export them): `ditango generate` then runs as
-# that rank (slurm/env.py).
+# that rank (slurm/launchers/env.py).
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -73,8 +73,9 @@ class LaunchedRank:
         return self.rank == 0
 
 
-def launcher_number(environ, name: str, what: str, least: int = 0, most: int = 2**31 - 1,
-                    required: bool = False) -> int | None:  # fmt: skip
+def launcher_number(
+    environ, name: str, what: str, least: int = 0, most: int = 2**31 - 1, required: bool = False
+) -> int | None:
     """The whole number in `least`..`most` a launcher variable holds, None when it is unset or
     empty and not `required`; a one-line ConfigError naming the variable otherwise. Every
     launcher variable that holds a number is read here."""
@@ -96,11 +97,14 @@ def launched_rank(environ=os.environ) -> LaunchedRank | None:
     if missing:
         world = digits(environ.get("WORLD_SIZE"))
         if environ.get("RANK") and world is not None and world > 1:  # a launcher's ranks, half described
-            raise ConfigError(f"RANK and WORLD_SIZE={world} are set, {', '.join(missing)} not: a launcher's rank "
-                              "needs all of " + ", ".join(LAUNCHER_VARIABLES))  # fmt: skip
+            raise ConfigError(
+                f"RANK and WORLD_SIZE={world} are set, {', '.join(missing)} not: a launcher's rank "
+                "needs all of " + ", ".join(LAUNCHER_VARIABLES)
+            )
         return None
-    rank, world, local = (launcher_number(environ, n, "a rank number", required=True)
-                          for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))  # fmt: skip
+    rank, world, local = (
+        launcher_number(environ, n, "a rank number", required=True) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    )
     if world < 1 or rank >= world:
         raise ConfigError(f"RANK={rank} is not below WORLD_SIZE={world} (set by the launcher)")
     launcher_number(environ, "MASTER_PORT", "a port number (1-65535)", 1, 65535, required=True)
@@ -311,9 +315,13 @@ def join(device: torch.device, *, rank: int, world_size: int, timeout_s: float, 
     group carries only bring-up collectives."""
     extra = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
-        backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s), **extra,
-    )  # fmt: skip
+        backend_for(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **extra,
+    )
 
 
 def exit_soon(seconds: int = EXIT_DEADLINE_S) -> None:

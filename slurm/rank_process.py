@@ -1,4 +1,4 @@
-"""What a local rank's process sets up for itself before it joins (slurm/local.py spawns it):
+"""What a local rank's process sets up for itself before it joins (slurm/launchers/processes.py spawns it):
 a process session of its own, its end with the launcher's, its compute threads, its log file."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from planner.user_files import digits
+from basics.user_files import digits
 
 
 def own_session() -> None:

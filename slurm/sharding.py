@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -23,11 +23,11 @@ from runtime.outputs import (
     damaged_sidecars,
     fs_clock,
     item_status,
-    plan_resume,
     record_failure,
     running_items,
     settled_since,
 )
+from runtime.resume import plan_resume
 from slurm.sharding import shard
 
 
@@ -95,9 +95,10 @@ def supervise(cfg: RunConfig, executor: Executor, tasks: int, say: Callable[[str
             say(line)
         settled = {**settled_since(cfg, since), **given_up}
         todo = [
-            t for t in range(tasks)
+            t
+            for t in range(tasks)
             if any(i.id not in settled and item_status(cfg, i) != "done" for i in shard(cfg.items, t, tasks))
-        ]  # fmt: skip
+        ]
     return Supervised()
 
 

@@ -75,9 +75,19 @@ def patch_diffusers_for_cpu(ring_degree: int) -> None:
         # query/key/value: [B, S, H, D] (diffusers' model layout); out the same, lse [B, S, H] fp32.
         if not return_lse:
             return original_forward_op(
-                ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                _save_ctx=_save_ctx, _parallel_config=_parallel_config,
-            )  # fmt: skip
+                ctx,
+                query,
+                key,
+                value,
+                attn_mask,
+                dropout_p,
+                is_causal,
+                scale,
+                enable_gqa,
+                return_lse,
+                _save_ctx=_save_ctx,
+                _parallel_config=_parallel_config,
+            )
         if enable_gqa:
             raise ValueError("enable_gqa is not supported by the CPU lse patch")
         # Inference only: nothing is saved on ctx, so a backward through this op would fail loudly.

@@ -3,7 +3,7 @@
 When a rank dies without a word (`kill -9`, the OOM killer) or stops answering (SIGSTOP, a
 frozen host), its peers fail too, with 'Connection reset by peer' or a collective timeout.
 Those are reactions: the error must name the rank at fault and its log, with the peers'
-reactions listed after it. Local runs (slurm/local.py), sbatch jobs (`job_failure`) and srun
+reactions listed after it. Local runs (slurm/launchers/processes.py), sbatch jobs (`job_failure`) and srun
 steps of an allocation (`_step_error`).
 """
 
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from slurm.local import GRACE_S, Failure, RankFailed, _stop, blame_order, rank_failed, run_ranks
+from slurm.launchers.processes import GRACE_S, Failure, RankFailed, _stop, blame_order, rank_failed, run_ranks
 from slurm.rank import is_peer_failure
 from tests.conftest import FAST_ARGV
 
@@ -132,9 +132,26 @@ def _run_with_fault(runner, out: Path, monkeypatch, rank: int, kind: str) -> tup
     monkeypatch.setenv("DITANGO_FAULT_INJECT", f"{rank}:1")
     monkeypatch.setenv("DITANGO_FAULT_KIND", kind)
     monkeypatch.setenv("DITANGO_FAULT_ONCE", str(fired))  # its mtime says when the fault fired
-    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--nodes", "1", "--gpus", "4",
-            "--parallel", "ring", "--executor", "local", "--retries", "0", "--timeout", str(STEP_TIMEOUT_S),
-            *FAST]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a red ball",
+        "--out",
+        str(out),
+        "--nodes",
+        "1",
+        "--gpus",
+        "4",
+        "--parallel",
+        "ring",
+        "--executor",
+        "local",
+        "--retries",
+        "0",
+        "--timeout",
+        str(STEP_TIMEOUT_S),
+        *FAST,
+    ]
     result = runner.invoke(app, args)
     elapsed = time.time() - fired.stat().st_mtime
     assert result.exit_code == 1, result.stderr
@@ -200,8 +217,22 @@ def test_a_writer_stopped_while_writing_ends_the_wait_after_the_step_timeout_and
     monkeypatch.setenv("DITANGO_FAULT_INJECT", "0:write")
     monkeypatch.setenv("DITANGO_FAULT_KIND", "stop")
     monkeypatch.setenv("DITANGO_FAULT_ONCE", str(fired))  # once: the retry goes through
-    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--executor", "local",
-            "--timeout", str(STEP_TIMEOUT_S), "--setup-timeout", "600", *FAST]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a red ball",
+        "--out",
+        str(out),
+        "--gpus",
+        "2",
+        "--executor",
+        "local",
+        "--timeout",
+        str(STEP_TIMEOUT_S),
+        "--setup-timeout",
+        "600",
+        *FAST,
+    ]
     result = runner.invoke(app, [a for a in args if a != "--quiet"])  # the retry line is progress output
     assert result.exit_code == 0, result.stderr
     (said,) = [line for line in result.stderr.splitlines() if " failed (" in line]
@@ -265,8 +296,11 @@ def test_srun_task_ends_in_the_order_srun_reported_them():
     from slurm.job_errors import srun_task_ends
 
     assert srun_task_ends(SRUN_KILLED_2) == [
-        ((2,), "Killed"), ((1,), "Terminated"), ((3,), "Exited with exit code 1"), ((0,), "Exited with exit code 1"),
-    ]  # fmt: skip
+        ((2,), "Killed"),
+        ((1,), "Terminated"),
+        ((3,), "Exited with exit code 1"),
+        ((0,), "Exited with exit code 1"),
+    ]
     assert srun_task_ends("srun: error: node1: tasks 0-1,3: Terminated\n") == [((0, 1, 3), "Terminated")]
 
 
@@ -310,7 +344,7 @@ def test_a_requeued_job_is_judged_by_its_last_attempt(tmp_path):
 def test_an_srun_step_blames_the_rank_killed_first_not_a_peer_reaction(tmp_path):
     """Bug: in an allocation, only the ranks that raised left a .error file, all peers' reactions,
     and the first of those was blamed."""
-    from slurm.allocation import _step_error
+    from slurm.launchers.srun import _step_error
 
     for r in range(4):
         (tmp_path / f"task-0-rank-{r}.log").write_text("")
@@ -341,8 +375,24 @@ def test_a_job_whose_rank_is_killed_with_sigkill_names_that_rank(runner, tmp_pat
     monkeypatch.setenv("DITANGO_FAULT_INJECT", "2:1")  # sbatch exports the environment to the job
     monkeypatch.setenv("DITANGO_FAULT_KIND", "kill")
     out = tmp_path / "out"
-    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--nodes", "2", "--gpus", "2",
-            "--parallel", "ring", "--retries", "0", "--timeout", str(STEP_TIMEOUT_S), *SLURM_SMALL]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a red ball",
+        "--out",
+        str(out),
+        "--nodes",
+        "2",
+        "--gpus",
+        "2",
+        "--parallel",
+        "ring",
+        "--retries",
+        "0",
+        "--timeout",
+        str(STEP_TIMEOUT_S),
+        *SLURM_SMALL,
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 1, result.stderr
     (item,) = json.loads((out / "report.json").read_text())["items"]
@@ -373,8 +423,22 @@ def test_a_slurm_writer_stopped_while_writing_is_named_and_retried(runner, tmp_p
     monkeypatch.setenv("DITANGO_FAULT_KIND", "stop")
     monkeypatch.setenv("DITANGO_FAULT_ONCE", str(fired))
     launch = SMALL if launcher == "sbatch" else STEPS  # an allocation's steps take no job options
-    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--nodes", "2", "--gpus", "1",
-            "--timeout", str(STEP_TIMEOUT_S), "--setup-timeout", "600", *launch]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a red ball",
+        "--out",
+        str(out),
+        "--nodes",
+        "2",
+        "--gpus",
+        "1",
+        "--timeout",
+        str(STEP_TIMEOUT_S),
+        "--setup-timeout",
+        "600",
+        *launch,
+    ]
     args = [a for a in args if a != "--quiet"]  # the retry line is progress output
     if launcher == "sbatch":
         result = runner.invoke(app, args)

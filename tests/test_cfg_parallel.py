@@ -16,7 +16,7 @@ from runtime.comm import Comm
 from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
 from tiny_wan import build_tiny_wan
 
@@ -41,8 +41,9 @@ def _target(rank, world, events, runs):
         layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, cfg_degree=2, strategy=strategy, group_size=group)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
         comm = Comm(mesh)
-        denoiser = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=comm,
-                                  ditango=ditango, hybrid=hybrid)  # fmt: skip
+        denoiser = build_denoiser(
+            components, resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=comm, ditango=ditango, hybrid=hybrid
+        )
         runner = denoiser.guidance
         if name.endswith("_bf16"):  # last run of a list: the model stays in bf16 afterwards
             denoiser.transformer.to(torch.bfloat16)
@@ -189,9 +190,34 @@ def test_cli_hybrid_report(runner, tmp_path):
     from ditango_cli.app import app
 
     out = tmp_path / "out"
-    args = ["generate", "--prompt", "a blue square moving up", "--out", str(out), "--device", "cpu", "--quiet",
-            "--steps", "10", "--height", "32", "--width", "64", "--frames", "5", "--gpus", "2",
-            "--cfg-parallel", "--hybrid", "--hybrid-window", "2", "--hybrid-slope", "10", "--hybrid-k", "2"]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a blue square moving up",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--quiet",
+        "--steps",
+        "10",
+        "--height",
+        "32",
+        "--width",
+        "64",
+        "--frames",
+        "5",
+        "--gpus",
+        "2",
+        "--cfg-parallel",
+        "--hybrid",
+        "--hybrid-window",
+        "2",
+        "--hybrid-slope",
+        "10",
+        "--hybrid-k",
+        "2",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     report = json.loads((out / "report.json").read_text())

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from basics.errors import ConfigError
 from ditango_cli.app import app
-from planner.errors import ConfigError
 from runtime.denoiser import Denoiser
 from runtime.out_folder import check_writable
 
@@ -90,8 +90,19 @@ def test_check_and_generate_refuse_alike(runner, tmp_path, extra, needle, hint):
 def test_user_checkpoint_geometry(runner, tmp_path, wide_patch_model, size, needle):
     """Bug: sizes the checkpoint's patch (from its config) cannot take reached the model and
     failed there with a tensor size mismatch; check and generate now refuse them alike."""
-    args = ["--model", str(wide_patch_model), "--prompt", "a red circle", "--out", str(tmp_path / "o"),
-            "--steps", "1", "--device", "cpu", *size]  # fmt: skip
+    args = [
+        "--model",
+        str(wide_patch_model),
+        "--prompt",
+        "a red circle",
+        "--out",
+        str(tmp_path / "o"),
+        "--steps",
+        "1",
+        "--device",
+        "cpu",
+        *size,
+    ]
     checked = one_line_error(runner, ["check", *args])
     assert checked == one_line_error(runner, ["generate", *args])
     assert needle in checked and "try " in checked, checked
@@ -99,8 +110,26 @@ def test_user_checkpoint_geometry(runner, tmp_path, wide_patch_model, size, need
 
 def test_user_checkpoint_valid_geometry_runs(runner, tmp_path, wide_patch_model):
     out = tmp_path / "o"
-    args = ["generate", "--model", str(wide_patch_model), "--prompt", "a red circle", "--out", str(out),
-            "--steps", "1", "--height", "16", "--width", "32", "--frames", "5", "--device", "cpu", "-q"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(wide_patch_model),
+        "--prompt",
+        "a red circle",
+        "--out",
+        str(out),
+        "--steps",
+        "1",
+        "--height",
+        "16",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--device",
+        "cpu",
+        "-q",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     assert json.loads((out / "report.json").read_text())["counts"]["done"] == 1
@@ -148,10 +177,13 @@ def _nan_model(saved_model_dir: Path, tmp_path: Path, word: str) -> Path:
 def _prompts(tmp_path: Path) -> Path:
     prompts = tmp_path / "batch.jsonl"
     prompts.write_text(
-        json.dumps({"id": "fine-a", "prompt": "a red circle"}) + "\n"
-        + json.dumps({"id": "broken", "prompt": "a blue square"}) + "\n"
-        + json.dumps({"id": "fine-b", "prompt": "a green ball"}) + "\n"
-    )  # fmt: skip
+        json.dumps({"id": "fine-a", "prompt": "a red circle"})
+        + "\n"
+        + json.dumps({"id": "broken", "prompt": "a blue square"})
+        + "\n"
+        + json.dumps({"id": "fine-b", "prompt": "a green ball"})
+        + "\n"
+    )
     return prompts
 
 
@@ -187,8 +219,18 @@ def test_nan_weight_fails_the_item_once_and_the_batch_goes_on(runner, tmp_path, 
 
     monkeypatch.setattr(Denoiser, "denoise", counting)
     out = tmp_path / "out"
-    args = ["generate", "--model", str(model), "--prompts", str(_prompts(tmp_path)), "--out", str(out),
-            "--retries", "2", *NAN_FAST]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(model),
+        "--prompts",
+        str(_prompts(tmp_path)),
+        "--out",
+        str(out),
+        "--retries",
+        "2",
+        *NAN_FAST,
+    ]
     result = runner.invoke(app, args)
     _assert_nan_item_failed_once(result, out, retries=2)
     assert len(runs) == 3  # one denoising per item: the NaN one was not tried again
@@ -201,8 +243,24 @@ def test_nan_weight_on_two_ranks_fails_the_item_without_a_relaunch(runner, tmp_p
     on to the next item together; no rank raises, so nothing is relaunched or retried."""
     model = _nan_model(saved_model_dir, tmp_path, "blue")
     out = tmp_path / "out"
-    args = ["generate", "--model", str(model), "--prompts", str(_prompts(tmp_path)), "--out", str(out),
-            "--gpus", "2", "--parallel", "ring", "--executor", "local", "--timeout", "120", *NAN_FAST]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(model),
+        "--prompts",
+        str(_prompts(tmp_path)),
+        "--out",
+        str(out),
+        "--gpus",
+        "2",
+        "--parallel",
+        "ring",
+        "--executor",
+        "local",
+        "--timeout",
+        "120",
+        *NAN_FAST,
+    ]
     result = runner.invoke(app, args)
     _assert_nan_item_failed_once(result, out, retries=1)
     logs = "".join(p.read_text() for p in (out / "logs").glob("rank-*.log")) if (out / "logs").is_dir() else ""
@@ -215,15 +273,25 @@ def test_more_local_cpu_ranks_than_memory_holds_are_refused_naming_how_many_fit(
     import runtime.memory_plan
 
     monkeypatch.setattr(runtime.memory_plan, "available_host_memory", lambda: int(2.5 * 2**30))
-    base = ["check", "--prompt", "a red circle", "--out", str(tmp_path / "out"), "--device", "cpu",
-            "--executor", "local"]  # fmt: skip
+    base = [
+        "check",
+        "--prompt",
+        "a red circle",
+        "--out",
+        str(tmp_path / "out"),
+        "--device",
+        "cpu",
+        "--executor",
+        "local",
+    ]
     line = one_line_error(runner, [*base, "--gpus-per-node", "100"])
     fits = int(re.search(r"enough for (\d+): use at most \1 ranks", line).group(1))
     assert 1 <= fits < 100 and "100 local rank(s) on CPUs need about" in line, line
     assert runner.invoke(app, [*base, "--gpus-per-node", str(fits)]).exit_code == 0
     assert f"enough for {fits}" in one_line_error(runner, [*base, "--gpus-per-node", str(fits + 1)])
-    assert f"enough for {fits}" in one_line_error(runner, [*base, "--gpus-per-node", "1", "--replicas", "1",
-                                                           "--nodes", str(fits + 1)])  # fmt: skip
+    assert f"enough for {fits}" in one_line_error(
+        runner, [*base, "--gpus-per-node", "1", "--replicas", "1", "--nodes", str(fits + 1)]
+    )
     monkeypatch.setattr(runtime.memory_plan, "available_host_memory", lambda: 2**28)  # not even one
     assert "run on GPUs, or on a machine with more memory" in one_line_error(runner, base)
 

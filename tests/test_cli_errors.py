@@ -106,9 +106,16 @@ EXPERT = ["diffusers", "WanTransformer3DModel"]
         ({"transformer": ["diffusers", "SkyReelsV2Transformer3DModel"]}, ["SkyReelsV2Transformer3DModel"]),
         ({"controlnet": ["diffusers", "WanTransformer3DModel"]}, ["controlnet", "does not run"]),
     ],
-    ids=["expert-without-ratio", "ratio-without-expert", "bad-ratio", "bad-expand", "image-encoder-t2v",
-         "other-transformer", "unknown-component"],
-)  # fmt: skip
+    ids=[
+        "expert-without-ratio",
+        "ratio-without-expert",
+        "bad-ratio",
+        "bad-expand",
+        "image-encoder-t2v",
+        "other-transformer",
+        "unknown-component",
+    ],
+)
 def test_a_wan_directory_asking_for_what_is_not_run_is_refused_by_name(
     runner, out, tmp_path, saved_model_dir, change, needles
 ):
@@ -143,8 +150,12 @@ def test_a_named_model_must_be_that_checkpoint(runner, out, tmp_path, saved_mode
     """wan2.2-t2v-a14b pointing at a one-expert directory is refused, not run as one expert."""
     root = tmp_path / "root"
     shutil.copytree(saved_model_dir, root / "Wan2.2-T2V-A14B-Diffusers")
-    run_error(runner, gen(out, "--model", "wan2.2-t2v-a14b", "--model-root", str(root)), "is not that checkpoint",
-              "experts 1 where wan2.2-t2v-a14b has 2")  # fmt: skip
+    run_error(
+        runner,
+        gen(out, "--model", "wan2.2-t2v-a14b", "--model-root", str(root)),
+        "is not that checkpoint",
+        "experts 1 where wan2.2-t2v-a14b has 2",
+    )
 
 
 def test_image_and_second_scale_for_a_text_to_video_model_are_refused(runner, out, tmp_path):
@@ -270,8 +281,23 @@ def test_cuda_requested_without_gpu(runner, out):
 
 def test_existing_output_is_skipped_not_overwritten(runner, tmp_path):
     out = tmp_path / "out"
-    args = ["generate", "--prompt", "a red circle", "--out", str(out), "--device", "cpu",
-            "--steps", "1", "--height", "32", "--width", "32", "--frames", "5"]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a red circle",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+    ]
     assert runner.invoke(app, args).exit_code == 0
     result = runner.invoke(app, args)
     assert result.exit_code == 0
@@ -332,8 +358,21 @@ def test_unloadable_component_is_one_line(runner, out, tmp_path, saved_model_dir
 
 def test_existing_output_with_other_settings_is_refused(runner, tmp_path):
     out = tmp_path / "out"
-    base = ["generate", "--prompt", "a red circle", "--out", str(out), "--device", "cpu",
-            "--height", "32", "--width", "32", "--frames", "5"]  # fmt: skip
+    base = [
+        "generate",
+        "--prompt",
+        "a red circle",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+    ]
     assert runner.invoke(app, [*base, "--steps", "1"]).exit_code == 0
     run_error(runner, [*base, "--steps", "2"], "was made with steps 1, not 2", "--overwrite")
     # Same settings but latents now asked for: regenerated, not skipped.

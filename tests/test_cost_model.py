@@ -22,12 +22,19 @@ from runtime.comm import Comm
 from runtime.item_records import sum_comm
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
 from tiny_wan import build_tiny_wan
 
-SHAPE = ModelShape("cp-test", layers=CP_MODEL.layers, heads=CP_MODEL.heads, head_dim=CP_MODEL.head_dim,
-                   ffn=CP_MODEL.ffn_dim, text_len=TEXT_LEN, text_dim=CP_MODEL.text_dim)  # fmt: skip
+SHAPE = ModelShape(
+    "cp-test",
+    layers=CP_MODEL.layers,
+    heads=CP_MODEL.heads,
+    head_dim=CP_MODEL.head_dim,
+    ffn=CP_MODEL.ffn_dim,
+    text_len=TEXT_LEN,
+    text_dim=CP_MODEL.text_dim,
+)
 H, W, F, STEPS = 48, 80, 5, 6
 SIZE = VideoSize(H, W, F)
 BYTE_KEYS = ("inter_node_bytes", "intra_node_bytes")
@@ -85,16 +92,40 @@ def test_estimates_are_ordered_sensibly():
     four = estimate(hw, ParallelLayout(4, 8, strategy="ring"), shape, VideoSize(720, 1280, 81), 50)
     assert four.e2e_s < one.e2e_s and four.inter_node_bytes > 0 == one.inter_node_bytes
     exact = estimate(hw, ParallelLayout(4, 8, strategy="ditango", group_size=8), shape, VideoSize(720, 1280, 81), 50)
-    reuse = estimate(hw, ParallelLayout(4, 8, strategy="ditango", group_size=8), shape, VideoSize(720, 1280, 81), 50,
-                     compute_fraction=0.5)  # fmt: skip
+    reuse = estimate(
+        hw,
+        ParallelLayout(4, 8, strategy="ditango", group_size=8),
+        shape,
+        VideoSize(720, 1280, 81),
+        50,
+        compute_fraction=0.5,
+    )
     assert reuse.attention_s < exact.attention_s
 
 
 def test_simulate_cli(runner, tmp_path):
     from ditango_cli.app import app
 
-    args = ["simulate", "--model", "wan2.1-14b", "--nodes", "4", "--gpus-per-node", "8", "--hardware", "h20",
-            "--height", "720", "--width", "1280", "--frames", "81", "--steps", "50", "--json"]  # fmt: skip
+    args = [
+        "simulate",
+        "--model",
+        "wan2.1-14b",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--hardware",
+        "h20",
+        "--height",
+        "720",
+        "--width",
+        "1280",
+        "--frames",
+        "81",
+        "--steps",
+        "50",
+        "--json",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
@@ -106,8 +137,17 @@ def test_simulate_cli(runner, tmp_path):
     assert {r["strategy"] for r in rows} >= {"ring", "usp", "ditango"}
     assert {r["nodes"] for r in rows} == {1, 2, 3, 4}
     for r in rows:
-        assert set(r) >= {"strategy", "nodes", "gpus_per_node", "attention_s", "step_s", "e2e_s",
-                          "inter_node_bytes", "intra_node_bytes", "speedup_vs_best_exact"}  # fmt: skip
+        assert set(r) >= {
+            "strategy",
+            "nodes",
+            "gpus_per_node",
+            "attention_s",
+            "step_s",
+            "e2e_s",
+            "inter_node_bytes",
+            "intra_node_bytes",
+            "speedup_vs_best_exact",
+        }
         assert r["e2e_s"] > 0
         assert ("ditango" in r) == (r["strategy"] == "ditango")
     table = runner.invoke(app, args[:-1])
@@ -119,8 +159,18 @@ def test_simulate_lists_tp_where_it_splits_the_heads(runner):
     divide the heads (40 over 12 ranks) is a skipped note, not a row."""
     from ditango_cli.app import app
 
-    args = ["simulate", "--model", "wan2.1-14b", "--nodes", "3", "--gpus-per-node", "4", "--parallel", "ring,tp",
-            "--json"]  # fmt: skip
+    args = [
+        "simulate",
+        "--model",
+        "wan2.1-14b",
+        "--nodes",
+        "3",
+        "--gpus-per-node",
+        "4",
+        "--parallel",
+        "ring,tp",
+        "--json",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
@@ -173,23 +223,44 @@ def test_simulate_bad_input(runner, bad, needle):
 
 
 def test_hardware_profile_file(tmp_path):
+    from basics.errors import ConfigError
     from planner.cost_model import load_hardware
-    from planner.errors import ConfigError
 
     f = tmp_path / "gpu.json"
-    f.write_text(json.dumps({"name": "x", "bf16_tflops": 500.0, "hbm_tbps": 3.0, "intra_gbps": 400.0,
-                             "inter_gbps": 40.0, "latency_us": 8.0, "measured": {"anything": 1}}))  # fmt: skip
+    f.write_text(
+        json.dumps(
+            {
+                "name": "x",
+                "bf16_tflops": 500.0,
+                "hbm_tbps": 3.0,
+                "intra_gbps": 400.0,
+                "inter_gbps": 40.0,
+                "latency_us": 8.0,
+                "measured": {"anything": 1},
+            }
+        )
+    )
     hw = load_hardware(str(f))
     assert (hw.name, hw.bf16_tflops, hw.inter_gbps) == ("x", 500.0, 40.0)
     f.write_text("{not json")
     with pytest.raises(ConfigError):
         load_hardware(str(f))
-    good = {"name": "x", "bf16_tflops": 500.0, "hbm_tbps": 3.0, "intra_gbps": 400.0, "inter_gbps": 40.0,
-            "latency_us": 8.0}  # fmt: skip
-    for bad, needle in [({"bf16_tflops": 0}, "bf16_tflops must be a positive number"),
-                        ({"inter_gbps": "fast"}, "inter_gbps must be"), ({"intra_gbps": float("nan")}, "intra_gbps"),
-                        ({"memory_bytes": -5}, "memory_bytes"), ({"name": [1]}, "name must be a string"),
-                        ({"fast": True}, "unknown key(s) fast")]:  # fmt: skip
+    good = {
+        "name": "x",
+        "bf16_tflops": 500.0,
+        "hbm_tbps": 3.0,
+        "intra_gbps": 400.0,
+        "inter_gbps": 40.0,
+        "latency_us": 8.0,
+    }
+    for bad, needle in [
+        ({"bf16_tflops": 0}, "bf16_tflops must be a positive number"),
+        ({"inter_gbps": "fast"}, "inter_gbps must be"),
+        ({"intra_gbps": float("nan")}, "intra_gbps"),
+        ({"memory_bytes": -5}, "memory_bytes"),
+        ({"name": [1]}, "name must be a string"),
+        ({"fast": True}, "unknown key(s) fast"),
+    ]:
         f.write_text(json.dumps({**good, **bad}))
         with pytest.raises(ConfigError, match=re.escape(needle)):
             load_hardware(str(f))
@@ -203,8 +274,10 @@ def test_fractional_plan_bytes_interpolate_exact_counts():
 
     hw = HARDWARE["h100"]
     forwards = STEPS * 2
-    cases = [(1, ([1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0])),  # group 1: 3 remote offsets
-             (2, ([1.0, 0.0], [0.0, 1.0], [0.0, 0.0]))]  # group 2: unit 0 (partner), offset 1  # fmt: skip
+    cases = [
+        (1, ([1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0])),  # group 1: 3 remote offsets
+        (2, ([1.0, 0.0], [0.0, 1.0], [0.0, 0.0])),
+    ]  # group 2: unit 0 (partner), offset 1
     for group, fractions in cases:
         layout = ParallelLayout(nodes=2, gpus_per_node=2, strategy="ditango", group_size=group)
         for f in fractions:
@@ -254,11 +327,21 @@ def test_replaying_a_runs_own_plan_gives_its_exact_bytes(tmp_path, planner):
     source = report_source(_write_run(tmp_path, log, planner, 0.5))  # warm-up, cool-down: the run's (2, 2)
     plan = source.replay(layout, SHAPE.layers, steps)
     assert (plan.exact, plan.anchors, plan.selective) == tuple(kinds.count(k) for k in ("exact", "anchor", "selective"))
-    est = estimate(HARDWARE["h100"], layout, SHAPE, SIZE, steps, compute_fraction=plan.unit_fractions,
-                   element_bytes=4, plan_kinds=plan.kinds, planner=planner)  # fmt: skip
+    est = estimate(
+        HARDWARE["h100"],
+        layout,
+        SHAPE,
+        SIZE,
+        steps,
+        compute_fraction=plan.unit_fractions,
+        element_bytes=4,
+        plan_kinds=plan.kinds,
+        planner=planner,
+    )
     bits = plan_bits_from_log(log, SHAPE.layers, branches=2)
-    exact = predict_traffic(layout, SHAPE, SIZE, steps, element_bytes=4, plan_bits=bits, plan_kinds=kinds,
-                            planner=planner)  # fmt: skip
+    exact = predict_traffic(
+        layout, SHAPE, SIZE, steps, element_bytes=4, plan_bits=bits, plan_kinds=kinds, planner=planner
+    )
     every = predict_traffic(layout, SHAPE, SIZE, steps, element_bytes=4, plan_kinds=kinds, planner=planner)
     assert [est.inter_node_bytes, est.intra_node_bytes] == [exact[k] for k in BYTE_KEYS]
     assert exact["inter_node_bytes"] < every["inter_node_bytes"]  # the plan reused something
@@ -275,8 +358,22 @@ def test_default_price_replays_the_recorded_hpdc_shape(runner):
     recorded = json.loads(PLAN_SHAPES_FILE.read_text(encoding="utf-8"))
     shape = next(s for s in recorded["shapes"]["hpdc"] if s["cache_ratio"] == 0.8)
     assert shape["selective_fraction"] > 0.25  # well above the 1 - 0.8 the old price assumed
-    args = ["simulate", "--nodes", "4", "--gpus-per-node", "1", "--group-size", "1", "--parallel", "ring,ditango",
-            "--cache-ratio", "0.8", "--steps", "50", "--json"]  # fmt: skip
+    args = [
+        "simulate",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "1",
+        "--group-size",
+        "1",
+        "--parallel",
+        "ring,ditango",
+        "--cache-ratio",
+        "0.8",
+        "--steps",
+        "50",
+        "--json",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     row = next(r for r in json.loads(result.stdout)["rows"] if r["strategy"] == "ditango" and r["nodes"] == 4)

@@ -12,7 +12,7 @@ from runtime.comm import Comm
 from runtime.kernels import reference_attention
 from runtime.mesh import build_mesh
 from runtime.strategies import ShardContext
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 
 ATOL = 1e-5  # the bound for attention-level parity
 TIMEOUT_S = 60
@@ -107,9 +107,15 @@ def _warm_up_target(rank, world, events):
     comm = Comm(mesh)
     partner = mesh.cfg_ranks[1 - mesh.cfg_index]
     got = comm.one_way(
-        torch.full((3,), float(rank)) if mesh.cfg_index == 0 else None, mesh.cfg_ranks[0], mesh.cfg_ranks[1],
-        (3,), torch.float32, "cpu", mesh.cfg_group, "cfg",
-    )  # fmt: skip
+        torch.full((3,), float(rank)) if mesh.cfg_index == 0 else None,
+        mesh.cfg_ranks[0],
+        mesh.cfg_ranks[1],
+        (3,),
+        torch.float32,
+        "cpu",
+        mesh.cfg_group,
+        "cfg",
+    )
     return {k: g is not None and g in touched for k, g in groups.items() if g is not None}, got, partner, lone
 
 

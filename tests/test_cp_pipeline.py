@@ -16,7 +16,7 @@ from runtime.comm import Comm
 from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from tests.conftest import FAST_ARGV
 from tiny_wan import TinyWanConfig, build_tiny_wan
 
@@ -163,8 +163,24 @@ def test_a_failing_rank_ends_the_local_run_within_the_step_timeout(runner, tmp_p
     monkeypatch.setenv("DITANGO_FAULT_KIND", kind)
     monkeypatch.setenv("DITANGO_FAULT_ONCE", str(fired))  # its mtime says when the fault fired
     out = tmp_path / "out"
-    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--parallel", "ring",
-            "--retries", "0", "--timeout", str(STEP_TIMEOUT_S), *FAST, "--steps", "6"]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a red ball",
+        "--out",
+        str(out),
+        "--gpus",
+        "2",
+        "--parallel",
+        "ring",
+        "--retries",
+        "0",
+        "--timeout",
+        str(STEP_TIMEOUT_S),
+        *FAST,
+        "--steps",
+        "6",
+    ]
     result = runner.invoke(app, args)
     elapsed = time.time() - fired.stat().st_mtime
     assert result.exit_code == 1, result.stderr
@@ -223,8 +239,24 @@ def test_a_failing_replica_charges_only_its_own_item(runner, tmp_path, monkeypat
     prompts.write_text("\n".join(lines) + "\n")
     monkeypatch.setenv("DITANGO_FAULT_INJECT", "3:2:d")  # replica 1 takes b and d
     out = tmp_path / "out"
-    args = ["generate", "--prompts", str(prompts), "--out", str(out), "--gpus", "4", "--replicas", "2",
-            "--parallel", "ring", "--executor", "local", "--retries", "0", *FAST]  # fmt: skip
+    args = [
+        "generate",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--gpus",
+        "4",
+        "--replicas",
+        "2",
+        "--parallel",
+        "ring",
+        "--executor",
+        "local",
+        "--retries",
+        "0",
+        *FAST,
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 1
     assert "first: rank 3 failed: RuntimeError: injected fault on rank 3 after step 2" in result.stderr
@@ -242,8 +274,16 @@ def test_single_process_retries_an_item_in_process(runner, tmp_path, monkeypatch
     prompts = tmp_path / "batch.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"a {i} ball"}) + "\n" for i in "ab"))
     out = tmp_path / "out"
-    args = ["generate", "--prompts", str(prompts), "--out", str(out), "--retries", "1",
-            *[a for a in FAST if a != "--quiet"]]  # fmt: skip
+    args = [
+        "generate",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--retries",
+        "1",
+        *[a for a in FAST if a != "--quiet"],
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     assert "b failed (RuntimeError: injected fault on rank 0 after step 1" in result.stderr

@@ -16,7 +16,7 @@ from runtime.assembly import build_denoiser
 from runtime.comm import Comm
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from tests.diffusers_cp import DEFAULT_MODEL_CONFIG, diffusers_cp_latents
 from tiny_wan import build_tiny_wan
 
@@ -56,8 +56,9 @@ def _ours_target(rank, world, events):
     for strategy in ("ring", "ulysses"):
         layout = ParallelLayout(gpus_per_node=world, strategy=strategy)
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=60)
-        denoiser = build_denoiser(components, resolve_placement("cpu"), GEN["max_sequence_length"], mesh=mesh,
-                                  comm=Comm(mesh))  # fmt: skip
+        denoiser = build_denoiser(
+            components, resolve_placement("cpu"), GEN["max_sequence_length"], mesh=mesh, comm=Comm(mesh)
+        )
         text = denoiser.encode_text(GEN["prompt"], GEN["negative_prompt"], GEN["guidance_scale"])
         x = denoiser.initial_latents(SEED, GEN["height"], GEN["width"], GEN["num_frames"])
         out[strategy] = denoiser.denoise(x, text, GEN["num_inference_steps"], GEN["guidance_scale"]).latents_BCFHW

@@ -16,7 +16,7 @@ from runtime.kernels import reference_attention
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
 from runtime.strategies.selective import SelectiveRuntime
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN
 from tiny_wan import build_tiny_wan
 
@@ -231,10 +231,36 @@ def test_cli_ditango_run_reports_plan_quality_and_heatmap(runner, tmp_path):
     from ditango_cli.app import app
 
     out = tmp_path / "out"
-    args = ["generate", "--prompt", "a blue square moving up", "--out", str(out), "--device", "cpu", "--quiet",
-            "--steps", "12", "--gpus", "2", "--nodes", "2", "--executor", "local", "--parallel", "ditango",
-            "--cache-ratio", "0.5", "--reuse", "always",  # the method at a size where its bookkeeping outweighs it
-            "--warmup", "1", "--cooldown", "1", "--reference", "exact"]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a blue square moving up",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--quiet",
+        "--steps",
+        "12",
+        "--gpus",
+        "2",
+        "--nodes",
+        "2",
+        "--executor",
+        "local",
+        "--parallel",
+        "ditango",
+        "--cache-ratio",
+        "0.5",
+        "--reuse",
+        "always",  # the method at a size where its bookkeeping outweighs it
+        "--warmup",
+        "1",
+        "--cooldown",
+        "1",
+        "--reference",
+        "exact",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     report = json.loads((out / "report.json").read_text())
@@ -302,7 +328,7 @@ def _mismatch_target(rank, world, events):
 @pytest.mark.distributed
 def test_a_plan_that_differs_between_ranks_raises_before_any_exchange():
     """Under NCCL mismatched exchanges hang until the watchdog; the per-step check raises instead."""
-    from slurm.local import RankFailed
+    from slurm.launchers.processes import RankFailed
 
     with pytest.raises(RankFailed, match="DiTango plans differ across ranks at step 1"):
         run_ranks(_mismatch_target, 2, (), timeout_s=TIMEOUT_S)

@@ -19,7 +19,7 @@ from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
 from runtime.models.wan import WanVariant
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from tiny_wan import TinyWanConfig, build_tiny_wan
 from tiny_wan.build import pipeline_kwargs
 
@@ -46,8 +46,10 @@ def size(cfg: TinyWanConfig) -> dict:
 def variant(cfg: TinyWanConfig) -> WanVariant:
     return WanVariant(
         pipeline="WanPipeline" if cfg.image == "none" else "WanImageToVideoPipeline",
-        boundary_ratio=cfg.boundary_ratio, expand_timesteps=cfg.expand_timesteps, image_encoder=cfg.image == "clip",
-    )  # fmt: skip
+        boundary_ratio=cfg.boundary_ratio,
+        expand_timesteps=cfg.expand_timesteps,
+        image_encoder=cfg.image == "clip",
+    )
 
 
 def test_image() -> Image.Image:
@@ -76,11 +78,15 @@ def diffusers_latents(cfg: TinyWanConfig, with_image: bool) -> torch.Tensor:
     pipe = cls(**components, **pipeline_kwargs(cfg))
     pipe.set_progress_bar_config(disable=True)
     kwargs = dict(
-        prompt=GEN["prompt"], negative_prompt=GEN["negative"], num_inference_steps=STEPS,
-        guidance_scale=GEN["guidance"], generator=torch.Generator("cpu").manual_seed(GEN["seed"]),
-        output_type="latent", max_sequence_length=TEXT_LEN, **{"num_frames" if k == "frames" else k: v
-                                                                for k, v in size(cfg).items()},
-    )  # fmt: skip
+        prompt=GEN["prompt"],
+        negative_prompt=GEN["negative"],
+        num_inference_steps=STEPS,
+        guidance_scale=GEN["guidance"],
+        generator=torch.Generator("cpu").manual_seed(GEN["seed"]),
+        output_type="latent",
+        max_sequence_length=TEXT_LEN,
+        **{"num_frames" if k == "frames" else k: v for k, v in size(cfg).items()},
+    )
     if cfg.experts == 2:
         kwargs["guidance_scale_2"] = GEN["guidance_2"]
     if with_image:
@@ -138,8 +144,9 @@ def _target(rank, world, events, names):
             layout = ParallelLayout(nodes=2, gpus_per_node=world // 2, **kwargs)
             mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
             comm = Comm(mesh)
-            den = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, variant=variant(cfg), mesh=mesh,
-                                 comm=comm, ditango=opts)  # fmt: skip
+            den = build_denoiser(
+                components, resolve_placement("cpu"), TEXT_LEN, variant=variant(cfg), mesh=mesh, comm=comm, ditango=opts
+            )
             latents = ours(den, cfg, with_image)
             report = None if den.ditango is None else den.ditango.item_report()
             den.parallel.remove()
@@ -164,8 +171,9 @@ def _small_target(rank, world, events, names):
         for strategy in strategies:
             layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy=strategy)
             mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
-            den = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, variant=variant(cfg), mesh=mesh,
-                                 comm=Comm(mesh))  # fmt: skip
+            den = build_denoiser(
+                components, resolve_placement("cpu"), TEXT_LEN, variant=variant(cfg), mesh=mesh, comm=Comm(mesh)
+            )
             out[(name, strategy)] = ours(den, cfg, with_image, s=small_size(cfg, world))
             den.parallel.remove()
     return out
@@ -200,8 +208,9 @@ def _cfg_target(rank, world, events, names):
         mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
         # one process's loop, in this process (same threads)
         sequential = ours(Denoiser(components, resolve_placement("cpu"), TEXT_LEN, variant(cfg)), cfg, with_image)
-        den = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, variant=variant(cfg), mesh=mesh,
-                             comm=Comm(mesh))  # fmt: skip
+        den = build_denoiser(
+            components, resolve_placement("cpu"), TEXT_LEN, variant=variant(cfg), mesh=mesh, comm=Comm(mesh)
+        )
         out[name] = (ours(den, cfg, with_image), sequential)
     return out
 
@@ -273,11 +282,35 @@ def test_a_two_expert_directory_runs_both_experts_from_the_command_line(runner, 
     cfg, _ = FAMILIES["t2v-a14b"]
     model = _save(cfg, tmp_path / "a14b", False)
     s = size(cfg)
-    args = ["generate", "--model", str(model), "--prompt", GEN["prompt"], "--negative-prompt", GEN["negative"],
-            "--seed", str(GEN["seed"]), "--steps", str(STEPS), "--guidance", str(GEN["guidance"]),
-            "--guidance-2", str(GEN["guidance_2"]), "--height", str(s["height"]), "--width", str(s["width"]),
-            "--frames", str(s["frames"]), "--out", str(tmp_path / "out"), "--device", "cpu", "--save-latents",
-            "--quiet"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(model),
+        "--prompt",
+        GEN["prompt"],
+        "--negative-prompt",
+        GEN["negative"],
+        "--seed",
+        str(GEN["seed"]),
+        "--steps",
+        str(STEPS),
+        "--guidance",
+        str(GEN["guidance"]),
+        "--guidance-2",
+        str(GEN["guidance_2"]),
+        "--height",
+        str(s["height"]),
+        "--width",
+        str(s["width"]),
+        "--frames",
+        str(s["frames"]),
+        "--out",
+        str(tmp_path / "out"),
+        "--device",
+        "cpu",
+        "--save-latents",
+        "--quiet",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     (latents_file,) = (tmp_path / "out").glob("*.latents.safetensors")
@@ -288,11 +321,17 @@ def test_a_two_expert_directory_runs_both_experts_from_the_command_line(runner, 
     pipe = WanPipeline.from_pretrained(model, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     want = pipe(
-        prompt=GEN["prompt"], negative_prompt=GEN["negative"], num_inference_steps=STEPS,
-        guidance_scale=GEN["guidance"], guidance_scale_2=GEN["guidance_2"], output_type="latent",
-        generator=torch.Generator("cpu").manual_seed(GEN["seed"]), num_frames=s["frames"], height=s["height"],
+        prompt=GEN["prompt"],
+        negative_prompt=GEN["negative"],
+        num_inference_steps=STEPS,
+        guidance_scale=GEN["guidance"],
+        guidance_scale_2=GEN["guidance_2"],
+        output_type="latent",
+        generator=torch.Generator("cpu").manual_seed(GEN["seed"]),
+        num_frames=s["frames"],
+        height=s["height"],
         width=s["width"],
-    ).frames  # fmt: skip
+    ).frames
     assert (got - want).abs().max().item() <= 1e-5
 
 
@@ -308,8 +347,23 @@ def test_image_to_video_from_a_prompt_file(runner, tmp_path):
     test_image().save(tmp_path / "batch" / "frames" / "first.png")
     prompts = tmp_path / "batch" / "batch.jsonl"
     prompts.write_text('{"id": "cat", "prompt": "a red square", "image": "frames/first.png"}\n')
-    common = ["--model", str(model), "--steps", "2", "--height", str(s["height"]), "--width", str(s["width"]),
-              "--frames", str(s["frames"]), "--out", str(tmp_path / "out"), "--device", "cpu", "--quiet"]  # fmt: skip
+    common = [
+        "--model",
+        str(model),
+        "--steps",
+        "2",
+        "--height",
+        str(s["height"]),
+        "--width",
+        str(s["width"]),
+        "--frames",
+        str(s["frames"]),
+        "--out",
+        str(tmp_path / "out"),
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     result = runner.invoke(app, ["generate", "--prompts", str(prompts), *common])
     assert result.exit_code == 0, result.stderr
     record = json.loads((tmp_path / "out" / "cat.json").read_text())
@@ -317,8 +371,10 @@ def test_image_to_video_from_a_prompt_file(runner, tmp_path):
     assert (tmp_path / "out" / "cat.mp4").stat().st_size > 0
     for bad, needle in (("missing.png", "not found"), ("batch.jsonl", "cannot be read as an image")):
         prompts.write_text(f'{{"id": "x", "prompt": "a red square", "image": "{bad}"}}\n')
-        result = runner.invoke(app, ["generate", "--prompts", str(prompts), *common[:-5], "--out",
-                                     str(tmp_path / "out2"), "--device", "cpu"])  # fmt: skip
+        result = runner.invoke(
+            app,
+            ["generate", "--prompts", str(prompts), *common[:-5], "--out", str(tmp_path / "out2"), "--device", "cpu"],
+        )
         assert result.exit_code == 2 and needle in result.stderr and "Traceback" not in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     result = runner.invoke(app, ["generate", "--prompt", "a red square", *common])
@@ -332,8 +388,15 @@ def _hybrid_target(rank, world, events):
     layout = ParallelLayout(nodes=1, gpus_per_node=2, strategy="none", cfg_degree=2)
     mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
     # tau_cap 1: tau1 = 1, so the pipeline window is steps 2..5 and spans the switch at step 4.
-    den = build_denoiser(build_tiny_wan(cfg), resolve_placement("cpu"), TEXT_LEN, variant=variant(cfg), mesh=mesh,
-                         comm=Comm(mesh), hybrid=HybridConfig(k=4, tau_cap=1))  # fmt: skip
+    den = build_denoiser(
+        build_tiny_wan(cfg),
+        resolve_placement("cpu"),
+        TEXT_LEN,
+        variant=variant(cfg),
+        mesh=mesh,
+        comm=Comm(mesh),
+        hybrid=HybridConfig(k=4, tau_cap=1),
+    )
     latents = ours(den, cfg, with_image)
     return latents, den.guidance.record(), den.switches(den.new_scheduler(STEPS))
 

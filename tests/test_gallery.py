@@ -43,8 +43,11 @@ def batch(tmp_path_factory):
     from typer.testing import CliRunner
 
     root = tmp_path_factory.mktemp("gallery")
-    lines = [{"id": "kite", "prompt": HOSTILE}, {"id": "boom", "prompt": "an item that fails", "guidance": 1e300},
-             {"id": "boat", "prompt": "a blue boat", "seed": 3}]  # fmt: skip
+    lines = [
+        {"id": "kite", "prompt": HOSTILE},
+        {"id": "boom", "prompt": "an item that fails", "guidance": 1e300},
+        {"id": "boat", "prompt": "a blue boat", "seed": 3},
+    ]
     (root / "batch.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = root / "out"
     result = CliRunner().invoke(app, ["generate", "--prompts", str(root / "batch.jsonl"), "--out", str(out), *ARGS])
@@ -86,10 +89,27 @@ def test_ditango_report_writes_the_page_for_a_folder_of_an_earlier_run(runner, b
 
 
 def test_damaged_records_render_without_error(tmp_path):
-    report = {"model": "<b>m</b>", "layout": [1], "counts": "x", "options": None, "layout_choice": 5,
-              "items": [{"id": "x", "status": "done", "video": "../../etc/passwd", "attention": "a", "hybrid": 3,
-                         "quality": {"psnr": "nan", "video": "/abs.mp4"}, "timing": [1], "loras": "s"},
-                        "not an item", {"status": "weird", "quality": [2]}]}  # fmt: skip
+    report = {
+        "model": "<b>m</b>",
+        "layout": [1],
+        "counts": "x",
+        "options": None,
+        "layout_choice": 5,
+        "items": [
+            {
+                "id": "x",
+                "status": "done",
+                "video": "../../etc/passwd",
+                "attention": "a",
+                "hybrid": 3,
+                "quality": {"psnr": "nan", "video": "/abs.mp4"},
+                "timing": [1],
+                "loras": "s",
+            },
+            "not an item",
+            {"status": "weird", "quality": [2]},
+        ],
+    }
     page = render(report, tmp_path)
     assert "<b>m</b>" not in page and "&lt;b&gt;m&lt;/b&gt;" in page
     assert "src=" not in page, "a name outside the folder, or of no file, is never linked"
@@ -113,7 +133,9 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=path, args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required"])  # fmt: skip
+        browser = p.chromium.launch(
+            executable_path=path, args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required"]
+        )
         try:
             yield browser
         finally:
@@ -127,10 +149,13 @@ def test_in_a_browser_every_video_loads_and_no_prompt_runs(batch, browser, tmp_p
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto((batch / "report.html").as_uri())
-    page.wait_for_function("Array.from(document.querySelectorAll('video')).every(v => v.readyState >= 2)",
-                           timeout=30_000)  # fmt: skip
-    states = page.evaluate("Array.from(document.querySelectorAll('video')).map(v => [v.currentSrc, v.readyState, "
-                           "v.videoWidth, v.error && v.error.code])")  # fmt: skip
+    page.wait_for_function(
+        "Array.from(document.querySelectorAll('video')).every(v => v.readyState >= 2)", timeout=30_000
+    )
+    states = page.evaluate(
+        "Array.from(document.querySelectorAll('video')).map(v => [v.currentSrc, v.readyState, "
+        "v.videoWidth, v.error && v.error.code])"
+    )
     assert len(states) == 4 and all(s[1] >= 2 and s[2] == 64 and s[3] is None for s in states), states
     images = page.evaluate("Array.from(document.images).map(i => [i.src, i.complete && i.naturalWidth > 0])")
     assert images and all(ok for _, ok in images), images
@@ -162,8 +187,12 @@ def test_in_a_browser_every_video_loads_and_no_prompt_runs(batch, browser, tmp_p
 def test_the_summary_counts_the_gpus_of_every_replica():
     from runtime.gallery import summary
 
-    report = {"layout": {"world_size": 2, "strategy": "ring", "nodes": 1}, "options": {"replicas": 1},
-              "wall_s": 1800.0, "counts": {"done": 6, "failed": 1}}  # fmt: skip
+    report = {
+        "layout": {"world_size": 2, "strategy": "ring", "nodes": 1},
+        "options": {"replicas": 1},
+        "wall_s": 1800.0,
+        "counts": {"done": 6, "failed": 1},
+    }
     rows = dict(summary(report))
     assert rows["videos per hour"] == "12.0" and rows["GPU-hours"].startswith("1.000 (2 rank(s)")
     report["layout_choice"] = {"replicas": 4}  # --layout auto chose them: the options say 1

@@ -23,9 +23,11 @@ def batch_run(tmp_path_factory):
     prompts = root / "batch.jsonl"
     long_prompt = "ein roter Kreis bewegt sich nach links, " * 20 + "über schwarzem Hintergrund ✓"
     prompts.write_text(
-        json.dumps({"id": "clip-a", "prompt": "a red circle moving left", "seed": 3, "frames": 9}) + "\n"
-        + json.dumps({"prompt": long_prompt, "height": 48, "guidance": 1.0}) + "\n"
-    )  # fmt: skip
+        json.dumps({"id": "clip-a", "prompt": "a red circle moving left", "seed": 3, "frames": 9})
+        + "\n"
+        + json.dumps({"prompt": long_prompt, "height": 48, "guidance": 1.0})
+        + "\n"
+    )
     out = root / "out"
     result = CliRunner().invoke(
         app, ["generate", "--prompts", str(prompts), "--out", str(out), "--save-latents", *FAST]
@@ -50,7 +52,7 @@ def test_batch_writes_videos_sidecars_latents_and_report(batch_run):
         "group_size": 1,
         "ring_degree": 1,
     }
-    assert report["attention_backend"] == "diffusers"  # fmt: skip
+    assert report["attention_backend"] == "diffusers"
     assert report["counts"] == {"done": 2, "skipped": 0, "failed": 0}
     assert report["peak_memory_bytes"] > 0
     assert set(report["versions"]) >= {"torch", "diffusers", "ditango"}
@@ -132,8 +134,17 @@ def test_models_lists_registry(runner, tmp_path, monkeypatch):
     result = runner.invoke(app, ["models", "--json", "--model-root", str(tmp_path)])
     assert result.exit_code == 0
     rows = {r["name"]: r for r in json.loads(result.stdout)}
-    assert set(rows) == {"tiny-wan", "wan2.1-1.3b", "wan2.1-14b", "wan2.1-i2v-14b-480p", "wan2.1-i2v-14b-720p",
-                         "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "hunyuanvideo"}  # fmt: skip
+    assert set(rows) == {
+        "tiny-wan",
+        "wan2.1-1.3b",
+        "wan2.1-14b",
+        "wan2.1-i2v-14b-480p",
+        "wan2.1-i2v-14b-720p",
+        "wan2.2-t2v-a14b",
+        "wan2.2-i2v-a14b",
+        "wan2.2-ti2v-5b",
+        "hunyuanvideo",
+    }
     assert rows["tiny-wan"]["resolves_to"] == "built-in"
     assert rows["wan2.1-1.3b"]["resolves_to"] == str(tmp_path / "Wan2.1-T2V-1.3B-Diffusers")
     assert rows["wan2.1-14b"]["resolves_to"] == "not found: ditango download wan2.1-14b"

@@ -20,9 +20,12 @@ _spec.loader.exec_module(gpu_check)
 
 def test_kernel_contract_on_cpu():
     rows = gpu_check.kernel_rows(
-        device="cpu", backends=["torch", "reference"], dtypes=(torch.float32, torch.bfloat16), head_dims=(48, 8),
+        device="cpu",
+        backends=["torch", "reference"],
+        dtypes=(torch.float32, torch.bfloat16),
+        head_dims=(48, 8),
         lengths=(33, 100),
-    )  # fmt: skip
+    )
     # 2 backends x 2 dtypes x 2 head dims x 4 cases x 4 rows
     assert len(rows) == 128
     bad = [r for r in rows if not r.ok]
@@ -46,11 +49,20 @@ def test_kernel_contract_fails_a_wrong_state(monkeypatch):
 
 
 TINY = dict(
-    patch_size=(1, 2, 2), num_attention_heads=PARITY_CONFIG.heads, attention_head_dim=PARITY_CONFIG.head_dim,
-    in_channels=4, out_channels=4, text_dim=PARITY_CONFIG.text_dim, freq_dim=16, ffn_dim=PARITY_CONFIG.ffn_dim,
-    num_layers=PARITY_CONFIG.layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+    patch_size=(1, 2, 2),
+    num_attention_heads=PARITY_CONFIG.heads,
+    attention_head_dim=PARITY_CONFIG.head_dim,
+    in_channels=4,
+    out_channels=4,
+    text_dim=PARITY_CONFIG.text_dim,
+    freq_dim=16,
+    ffn_dim=PARITY_CONFIG.ffn_dim,
+    num_layers=PARITY_CONFIG.layers,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
     rope_max_seq_len=64,
-)  # fmt: skip
+)
 
 
 def processor_row(dtype: torch.dtype, rel_tol: float):

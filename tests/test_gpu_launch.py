@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from basics.errors import ConfigError
 from ditango_cli.app import app
-from planner.errors import ConfigError
 from planner.layout import ParallelLayout
 from runtime.config import Item, RunConfig
 from slurm import rank as rank_mod
@@ -95,8 +95,10 @@ def test_gpu_host_with_fewer_gpus_than_the_world_can_submit(runner, no_slurm, mo
     job = dry_run(runner, "--executor", "slurm", "--nodes", "4", "--gpus", "8", "--out", out)
     assert job["gpus_per_node_requested"] == 8
     # Locally the same layout needs 32 GPUs here, and says so.
-    result = runner.invoke(app, ["generate", *SMALL, "--executor", "local", "--nodes", "4", "--gpus", "8",
-                                 "--device", "cuda", "--out", out])  # fmt: skip
+    result = runner.invoke(
+        app,
+        ["generate", *SMALL, "--executor", "local", "--nodes", "4", "--gpus", "8", "--device", "cuda", "--out", out],
+    )
     assert result.exit_code == 2 and "32 ranks need 32 GPUs on this machine, found 2" in result.stderr
 
 
@@ -135,7 +137,7 @@ def test_gres_allocation_gpus_come_from_the_job_record(runner, no_slurm, monkeyp
 
 
 def test_allocated_gpus_per_node_reads_every_record_form():
-    from slurm.allocation import allocated_gpus_per_node as per_node
+    from slurm.launchers.srun import allocated_gpus_per_node as per_node
 
     assert per_node("JobId=1 NumNodes=1 TRES=cpu=1,node=1,gres/gpu=2 TresPerNode=gres:gpu:2") == 2
     assert per_node("JobId=1 NumNodes=1 TRES=cpu=1,node=1 TresPerNode=gres/gpu:h100:4") == 4
@@ -145,12 +147,13 @@ def test_allocated_gpus_per_node_reads_every_record_form():
 
 
 def test_submitted_config_insists_on_cuda_unless_cpu(tmp_path):
+    from slurm.launchers.sbatch import job_parameters, submission_config
     from slurm.options import SlurmOptions
-    from slurm.submit import job_parameters, submission_config
 
     for device, gpus in (("auto", 8), ("cuda", 8), ("cpu", None)):
-        cfg = submission_config(RunConfig("m", None, (ITEM,), Path("out"), device=device,
-                                          layout=ParallelLayout(4, 8, strategy="ring")))  # fmt: skip
+        cfg = submission_config(
+            RunConfig("m", None, (ITEM,), Path("out"), device=device, layout=ParallelLayout(4, 8, strategy="ring"))
+        )
         assert cfg.device == ("cpu" if device == "cpu" else "cuda") and cfg.out_dir.is_absolute()
         params = job_parameters(cfg, SlurmOptions(), tmp_path / "code")
         assert params.get("gpus_per_node") == gpus and params["srun_args"] == ["--kill-on-bad-exit=1"]
@@ -192,8 +195,17 @@ ITEM = Item("a", "a red circle", "", 0, 480, 832, 81, 50, 5.0)
 
 def two_nodes_four_replicas(out: Path = Path("/out"), **kwargs) -> RunConfig:
     """2 nodes x 4 GPUs as 4 replicas of 2 ranks (two replicas per node)."""
-    return RunConfig("m", None, (ITEM,), out, device="cuda", layout=ParallelLayout(1, 2, strategy="ring"),
-                     replicas=4, alloc_gpus_per_node=4, **kwargs)  # fmt: skip
+    return RunConfig(
+        "m",
+        None,
+        (ITEM,),
+        out,
+        device="cuda",
+        layout=ParallelLayout(1, 2, strategy="ring"),
+        replicas=4,
+        alloc_gpus_per_node=4,
+        **kwargs,
+    )
 
 
 def clean_nccl_environment(monkeypatch, tmp_path) -> None:
@@ -208,8 +220,15 @@ def test_replicas_use_their_own_local_gpus():
     cfg = two_nodes_four_replicas()
     slots = rank_slots(cfg)
     assert [(s.replica, s.replica_rank, s.node, s.gpu) for s in slots] == [
-        (0, 0, 0, 0), (0, 1, 0, 1), (1, 0, 0, 2), (1, 1, 0, 3), (2, 0, 1, 0), (2, 1, 1, 1), (3, 0, 1, 2), (3, 1, 1, 3),
-    ]  # fmt: skip
+        (0, 0, 0, 0),
+        (0, 1, 0, 1),
+        (1, 0, 0, 2),
+        (1, 1, 0, 3),
+        (2, 0, 1, 0),
+        (2, 1, 1, 1),
+        (3, 0, 1, 2),
+        (3, 1, 1, 3),
+    ]
     for node in (0, 1):  # no two ranks of a node share a GPU
         gpus = [s.gpu for s in slots if s.node == node]
         assert sorted(gpus) == [0, 1, 2, 3]
@@ -226,10 +245,10 @@ class _Queue:
 
 
 def test_local_rank_bootstrap_binds_the_global_rank_gpu(monkeypatch, tmp_path):
-    """slurm/local.py: rank 3 of 4 as replica 1's rank 1 sits on GPU 3, and NCCL gets device_id."""
+    """slurm/launchers/processes.py: rank 3 of 4 as replica 1's rank 1 sits on GPU 3, and NCCL gets device_id."""
     import torch.distributed as dist
 
-    from slurm import local
+    from slurm.launchers import processes as local
 
     cuda = FakeCuda(monkeypatch, 4)
     monkeypatch.delenv(rank_mod.RANK_DEVICE_ENV, raising=False)
@@ -277,12 +296,12 @@ class _JobEnv:
 
 
 def test_slurm_task_binds_its_local_gpu_and_never_destroys_on_error(monkeypatch, tmp_path):
-    """slurm/submit.py: task 6 of 2 nodes x 4 (replicas of 2) is replica 3's rank 0 on GPU 2;
+    """slurm/launchers/sbatch.py: task 6 of 2 nodes x 4 (replicas of 2) is replica 3's rank 0 on GPU 2;
     on an error it arms the exit deadline and does not call destroy_process_group."""
     import submitit
     import torch.distributed as dist
 
-    from slurm import submit
+    from slurm.launchers import sbatch as submit
 
     cuda = FakeCuda(monkeypatch, 4)
     monkeypatch.delenv(rank_mod.RANK_DEVICE_ENV, raising=False)

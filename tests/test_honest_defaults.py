@@ -47,20 +47,40 @@ def test_simulate_and_the_dry_run_agree_on_every_default(runner, tmp_path):
     assert sim.exit_code == 0, sim.stderr
     assumptions = json.loads(sim.stdout)["assumptions"]
     row = next(r for r in json.loads(sim.stdout)["rows"] if r["strategy"] == "ditango" and r["nodes"] == 4)
-    dry = runner.invoke(app, ["generate", *HEADLINE, "--prompt", "a cat", "--executor", "slurm", "--dry-run",
-                              "--json", "--out", str(tmp_path / "out")])  # fmt: skip
+    dry = runner.invoke(
+        app,
+        [
+            "generate",
+            *HEADLINE,
+            "--prompt",
+            "a cat",
+            "--executor",
+            "slurm",
+            "--dry-run",
+            "--json",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
     assert dry.exit_code == 0, dry.stderr
     shown = json.loads(dry.stdout)
     assert shown["layout"]["group_size"] == row["ditango"]["group_size"] == 8
     assert shown["ditango"]["planner"]["cache_ratio"] == assumptions["ditango_cache_ratio"]
     assert shown["ditango"]["planner"]["planner"] == assumptions["ditango_planner"]
     assert (shown["ditango"]["planner"]["warmup"], shown["ditango"]["planner"]["cooldown"]) == (
-        assumptions["ditango_warmup"], assumptions["ditango_cooldown"])  # fmt: skip
+        assumptions["ditango_warmup"],
+        assumptions["ditango_cooldown"],
+    )
     (first,) = shown["item_list"]
     assert (first["height"], first["width"], first["frames"], first["steps"]) == (
-        assumptions["height"], assumptions["width"], assumptions["frames"], assumptions["steps"])  # fmt: skip
-    text = runner.invoke(app, ["generate", *HEADLINE, "--prompt", "a", "--executor", "slurm", "--dry-run", "--out",
-                               str(tmp_path / "o")])  # fmt: skip
+        assumptions["height"],
+        assumptions["width"],
+        assumptions["frames"],
+        assumptions["steps"],
+    )
+    text = runner.invoke(
+        app, ["generate", *HEADLINE, "--prompt", "a", "--executor", "slurm", "--dry-run", "--out", str(tmp_path / "o")]
+    )
     assert "strategy ditango (group size 8)" in text.stdout
 
 
@@ -69,8 +89,10 @@ def test_plan_item_picks_and_names_the_replayed_item(runner, tmp_path):
 
     (tmp_path / "b.plan.json").write_text(json.dumps({"schema": 1, **OWN_PLAN}))
     attention = {"per_step": [1.0, 0.5], "planner": "hpdc", "own_group": "decide"}
-    items = [{"id": "a", "attention": {**attention, "per_step": [1.0, 1.0]}},
-             {"id": "b", "attention": {**attention, "plan_file": "b.plan.json"}}]  # fmt: skip
+    items = [
+        {"id": "a", "attention": {**attention, "per_step": [1.0, 1.0]}},
+        {"id": "b", "attention": {**attention, "plan_file": "b.plan.json"}},
+    ]
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"options": {"cache_ratio": 0.5}, "items": items}))
     args = ["simulate", "--nodes", "2", "--gpus-per-node", "8", "--plan", str(report), "--json"]
@@ -118,10 +140,13 @@ def test_run_file_paths_are_relative_to_the_file_and_reports_replay_from_anywher
     assert result.exit_code == 0, result.stderr
     report = json.loads((folder / "results" / "report.json").read_text())
     assert report["options"]["prompts"] == str(folder / "batch.txt") and report["options"]["out"] == str(
-        folder / "results")  # fmt: skip
+        folder / "results"
+    )
     monkeypatch.chdir(tmp_path)  # a report replays from any folder, into another --out
-    replay = runner.invoke(app, ["generate", "--config", str(folder / "results" / "report.json"), "--out",
-                                 str(tmp_path / "again"), "--quiet"])  # fmt: skip
+    replay = runner.invoke(
+        app,
+        ["generate", "--config", str(folder / "results" / "report.json"), "--out", str(tmp_path / "again"), "--quiet"],
+    )
     assert replay.exit_code == 0, replay.stderr
     assert json.loads((tmp_path / "again" / "report.json").read_text())["counts"]["done"] == 1
 
@@ -137,8 +162,12 @@ def test_tables_keep_ids_names_and_numbers_whole_at_80_columns(runner, tmp_path,
     sim = runner.invoke(app, ["simulate"])
     data = json.loads(runner.invoke(app, ["simulate", "--json"]).stdout)
     for r in data["rows"]:
-        for value in (f"{r['inter_node_bytes'] / 1e9:.1f}", f"{r['intra_node_bytes'] / 1e9:.1f}", f"{r['e2e_s']:.1f}",
-                      r["strategy"]):  # fmt: skip
+        for value in (
+            f"{r['inter_node_bytes'] / 1e9:.1f}",
+            f"{r['intra_node_bytes'] / 1e9:.1f}",
+            f"{r['e2e_s']:.1f}",
+            r["strategy"],
+        ):
             assert value in sim.stdout, value
     assert "…" not in models.stdout + sim.stdout
     out = tmp_path / "out"  # a report with ids longer than a narrow column
@@ -158,8 +187,11 @@ def test_status_tables_keep_job_ids_whole(runner, tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     out = tmp_path / "out"
     state_dir(out).mkdir(parents=True)
-    (state_dir(out) / "jobs.json").write_text(json.dumps([{"submitted_at": "20261203T093000123456", "folder": "/x",
-                                                           "job_ids": ["123456789012_3"], "tasks": 1}]))  # fmt: skip
+    (state_dir(out) / "jobs.json").write_text(
+        json.dumps(
+            [{"submitted_at": "20261203T093000123456", "folder": "/x", "job_ids": ["123456789012_3"], "tasks": 1}]
+        )
+    )
     row = {
         "job_id": "123456789012_3",
         "state": "FAILED",
@@ -181,8 +213,9 @@ def test_a_job_the_user_cancelled_is_said_so_and_its_item_interrupted(tmp_path, 
 
     out = tmp_path / "out"
     state_dir(out).mkdir(parents=True)
-    (state_dir(out) / "jobs.json").write_text(json.dumps([{"submitted_at": "20261203T093000123456", "folder": "/x",
-                                                           "job_ids": ["77"], "tasks": 1}]))  # fmt: skip
+    (state_dir(out) / "jobs.json").write_text(
+        json.dumps([{"submitted_at": "20261203T093000123456", "folder": "/x", "job_ids": ["77"], "tasks": 1}])
+    )
     slurm.jobs.record_cancelled(out, ["77"])
     monkeypatch.setattr(slurm.job_errors, "slurm_states", lambda ids: {"77": "CANCELLED by 1000"})
     (row,) = slurm.job_errors.job_states(out)
@@ -211,9 +244,28 @@ def test_ctrl_c_says_what_is_kept_and_how_to_resume(tmp_path, ranks):
     """Ctrl-C reaches the foreground group: the launcher, which stops its local ranks (each in a
     session of its own); one line, exit 130, and no warning of leaked semaphores from them."""
     out = tmp_path / "out"
-    cmd = [str(Path(sys.executable).parent / "ditango"), "generate", "--prompt", "a cat", "--out", str(out),
-           "--steps", "400", "--height", "32", "--width", "64", "--frames", "5", "--device", "cpu",
-           "--gpus", str(ranks), "--parallel", "ring" if ranks > 1 else "none"]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).parent / "ditango"),
+        "generate",
+        "--prompt",
+        "a cat",
+        "--out",
+        str(out),
+        "--steps",
+        "400",
+        "--height",
+        "32",
+        "--width",
+        "64",
+        "--frames",
+        "5",
+        "--device",
+        "cpu",
+        "--gpus",
+        str(ranks),
+        "--parallel",
+        "ring" if ranks > 1 else "none",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
     for line in proc.stderr:  # until it is denoising
         if "step " in line:
@@ -240,7 +292,30 @@ def test_the_examples_are_runs_generate_accepts(runner, tmp_path):
     cluster options overridden on the command line, which wins), checked with their batches."""
     tiny = runner.invoke(app, ["check", "--config", str(ROOT / "examples" / "tiny.toml")])
     assert tiny.exit_code == 0 and "ok: 2 item(s)" in tiny.stdout, tiny.stderr
-    cluster = runner.invoke(app, ["check", "--config", str(ROOT / "examples" / "run.toml"), "--model", "tiny-wan",
-                                  "--nodes", "1", "--gpus", "1", "--executor", "local", "--device", "cpu",
-                                  "--height", "64", "--width", "64", "--frames", "17", "--steps", "2"])  # fmt: skip
+    cluster = runner.invoke(
+        app,
+        [
+            "check",
+            "--config",
+            str(ROOT / "examples" / "run.toml"),
+            "--model",
+            "tiny-wan",
+            "--nodes",
+            "1",
+            "--gpus",
+            "1",
+            "--executor",
+            "local",
+            "--device",
+            "cpu",
+            "--height",
+            "64",
+            "--width",
+            "64",
+            "--frames",
+            "17",
+            "--steps",
+            "2",
+        ],
+    )
     assert cluster.exit_code == 0 and "ok: 3 item(s)" in cluster.stdout, cluster.stderr

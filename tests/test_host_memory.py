@@ -27,8 +27,8 @@ from planner.memory import GIB, MemoryOptions
 from runtime.config import Item, RunConfig
 from runtime.memory_plan import plan_host_memory
 from runtime.models.registry import REGISTRY
+from slurm.launchers.sbatch import sbatch_script
 from slurm.options import SlurmOptions
-from slurm.submit import sbatch_script
 
 WAN14B = REGISTRY["wan2.1-14b"].shape
 ONE_NODE_OF_8 = ParallelLayout(1, 8, strategy="ring")
@@ -36,8 +36,9 @@ ONE_NODE_OF_8 = ParallelLayout(1, 8, strategy="ring")
 
 def wan14b_config(**fields) -> RunConfig:
     item = Item("a", "a red circle", "", 0, 480, 832, 81, 50, 5.0)
-    return RunConfig("wan2.1-14b", Path("/models/wan"), (item,), Path("/out"), device="cuda", layout=ONE_NODE_OF_8,
-                     **fields)  # fmt: skip
+    return RunConfig(
+        "wan2.1-14b", Path("/models/wan"), (item,), Path("/out"), device="cuda", layout=ONE_NODE_OF_8, **fields
+    )
 
 
 def test_wan14b_eight_ranks_per_node_bf16():
@@ -83,7 +84,9 @@ def test_cpu_ranks_hold_their_whole_peak_on_the_host():
 
 
 def test_sbatch_script_requests_cpus_and_memory_and_overrides_win(tmp_path, monkeypatch):
-    monkeypatch.setattr("slurm.submit.partition_nodes", lambda partition: None)  # not this host's Slurm, if any
+    monkeypatch.setattr(
+        "slurm.launchers.sbatch.partition_nodes", lambda partition: None
+    )  # not this host's Slurm, if any
     cfg = plan_host_memory(wan14b_config(), WAN14B, 2)
     lines = sbatch_script(cfg, SlurmOptions(), tmp_path, 1).splitlines()
     assert f"#SBATCH --cpus-per-task={CPUS_PER_RANK}" in lines and "#SBATCH --mem=113G" in lines
@@ -106,8 +109,27 @@ def login_node(monkeypatch, tmp_path):
 
 def test_dry_run_script_has_the_requests(runner, login_node, tmp_path):
     """`generate --dry-run --executor slurm` prints the requests; --mem/--cpus-per-task given win."""
-    argv = ["generate", "--prompt", "a red ball", "--steps", "2", "--height", "32", "--width", "64", "--frames", "5",
-            "--executor", "slurm", "--gpus", "4", "--dry-run", "--json", "--out", str(tmp_path / "o")]  # fmt: skip
+    argv = [
+        "generate",
+        "--prompt",
+        "a red ball",
+        "--steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "64",
+        "--frames",
+        "5",
+        "--executor",
+        "slurm",
+        "--gpus",
+        "4",
+        "--dry-run",
+        "--json",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     result = runner.invoke(app, argv)
     assert result.exit_code == 0, result.stderr
     lines = json.loads(result.stdout)["sbatch_script"].splitlines()
@@ -129,8 +151,9 @@ def test_requests_fit_the_partitions_smallest_node(tmp_path, monkeypatch):
     from slurm.jobs import partition_nodes
     from slurm.options import NodeSize, host_request
 
-    cfg = replace(wan14b_config(), layout=ParallelLayout(1, 2, strategy="ring"), alloc_gpus_per_node=2,
-                  host_memory=30 * GIB)  # fmt: skip
+    cfg = replace(
+        wan14b_config(), layout=ParallelLayout(1, 2, strategy="ring"), alloc_gpus_per_node=2, host_memory=30 * GIB
+    )
     assert host_request(cfg, SlurmOptions()) == (CPUS_PER_RANK, "30G", "")
     assert host_request(cfg, SlurmOptions(), NodeSize(cpus=224, mem_mib=2_000_000)) == (CPUS_PER_RANK, "30G", "")
     cpus, mem, note = host_request(cfg, SlurmOptions(), NodeSize(cpus=2, mem_mib=4000))
@@ -145,8 +168,10 @@ def test_requests_fit_the_partitions_smallest_node(tmp_path, monkeypatch):
 
     fake = tmp_path / "bin" / "sinfo"
     fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\nfor a in \"$@\"; do case $a in --partition=gpu) echo '96 1000000 gpu'; "
-                    "echo '64+ 500000+ gpu'; exit 0;; esac; done\necho '2 4000 debug*'\necho '128 900000 gpu'\n")  # fmt: skip
+    fake.write_text(
+        "#!/bin/sh\nfor a in \"$@\"; do case $a in --partition=gpu) echo '96 1000000 gpu'; "
+        "echo '64+ 500000+ gpu'; exit 0;; esac; done\necho '2 4000 debug*'\necho '128 900000 gpu'\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     assert partition_nodes(None) == (2, 4000)  # the default partition, starred

@@ -56,9 +56,16 @@ def _copy(finished, tmp_path):
 
 @pytest.mark.parametrize(
     "damage",
-    [{"quality": "bad"}, {"quality": {"psnr": "x"}}, {"step_cache": {"x": 1}}, {"step_cache": [1]},
-     {"attention": {"computed_fraction_all_steps": "x"}}, {"method": "xy"}, {"timing": {"total_s": 10**400}}],
-)  # fmt: skip
+    [
+        {"quality": "bad"},
+        {"quality": {"psnr": "x"}},
+        {"step_cache": {"x": 1}},
+        {"step_cache": [1]},
+        {"attention": {"computed_fraction_all_steps": "x"}},
+        {"method": "xy"},
+        {"timing": {"total_s": 10**400}},
+    ],
+)
 def test_a_sidecar_field_of_another_shape_makes_it_damaged(damage):
     record = {"schema": 1, "id": "a", "status": "done", "timing": {"total_s": 1.0}}
     assert well_formed(record) and not well_formed({**record, **damage})
@@ -73,8 +80,9 @@ def test_a_task_report_of_another_shape_is_left_out_of_the_aggregate(runner, tmp
     report = json.loads((out / "report.json").read_text())
     reports = state_dir(out) / "reports"
     reports.mkdir(parents=True, exist_ok=True)
-    (reports / "task-0.json").write_text(json.dumps({k: v for k, v in {**report, **damage}.items()
-                                                    if k != "aggregated_from"}))  # fmt: skip
+    (reports / "task-0.json").write_text(
+        json.dumps({k: v for k, v in {**report, **damage}.items() if k != "aggregated_from"})
+    )
     result = runner.invoke(app, ["report", str(out)])
     assert result.exit_code == 0 and "1 done" in result.stdout, result.stderr[-2000:]
     assert json.loads((out / "report.json").read_text())["aggregated_from"] == [], "the damaged one is not read"
@@ -82,9 +90,14 @@ def test_a_task_report_of_another_shape_is_left_out_of_the_aggregate(runner, tmp
 
 @pytest.mark.parametrize(
     "beat",
-    [{"updated": float("nan")}, {"updated": -1e400}, {"updated": 10**400}, {"pid": 10**21},
-     {"s_per_step": 1.0, "eta_item_s": float("inf"), "item_index": 1}],
-)  # fmt: skip
+    [
+        {"updated": float("nan")},
+        {"updated": -1e400},
+        {"updated": 10**400},
+        {"pid": 10**21},
+        {"s_per_step": 1.0, "eta_item_s": float("inf"), "item_index": 1},
+    ],
+)
 def test_status_of_a_damaged_heartbeat(runner, tmp_path, finished, beat):
     out = _copy(finished, tmp_path)
     data = {"state": "running", "updated": time.time(), "host": socket.gethostname(), "pid": 1, **beat}
@@ -130,11 +143,13 @@ def test_simulate_prices_only_what_a_run_could_make(runner, args, needle):
         ({"items": [{"attention": {"per_step": ["x"]}}]}, "attention.per_step must list fractions in [0, 1]"),
         ({"items": [{"attention": {"per_step": [5.0]}}]}, "attention.per_step must list fractions"),
         ({"items": [{"attention": {"per_step": [0.5], "own_group": "weird"}}]}, "own_group must be one of"),
-        ({"items": [{"attention": {"per_step": [0.5], "plan_file": "p.json"}}], "options": {"cache_ratio": "abc"}},
-         "options.cache_ratio 'abc' is not a run's"),
+        (
+            {"items": [{"attention": {"per_step": [0.5], "plan_file": "p.json"}}], "options": {"cache_ratio": "abc"}},
+            "options.cache_ratio 'abc' is not a run's",
+        ),
         ({"items": [{"attention": {"per_step": [0.5], "plan_file": "p.json"}}]}, "is not a DiTango plan file"),
     ],
-)  # fmt: skip
+)
 def test_a_plan_of_another_shape(runner, tmp_path, report, needle):
     (tmp_path / "p.json").write_text('{"unit_offsets": [[1]]}')
     (tmp_path / "report.json").write_text(json.dumps(report))
@@ -163,23 +178,31 @@ def test_slurm_values_sbatch_would_refuse_or_that_move_the_logs(runner, tmp_path
         (["--vae-tile", "64"], "--vae-tile only applies to a tiled decode"),
         (["--step-cache", "first-block:threshold=0.1,threshold=0.2"], "threshold is given twice"),
         (["--model", ""], "--model is empty"),
-        (["--model-root", "/nonexistent/models", "--model", "wan2.1-1.3b"], "--model-root /nonexistent/models: not a folder"),
+        (
+            ["--model-root", "/nonexistent/models", "--model", "wan2.1-1.3b"],
+            "--model-root /nonexistent/models: not a folder",
+        ),
         (["--model", "acme/video", "--revision", "main\nx"], "--revision 'main\\nx': a revision has no spaces"),
         (["--gpu-memory", "1.5PiB"], "at most 1PiB"),
     ],
-)  # fmt: skip
+)
 def test_options_once_ignored_or_taken_as_something_else(runner, tmp_path, args, needle):
-    one_error(runner.invoke(app, ["check", "--prompt", "a", "--device", "cpu", "--out", str(tmp_path / "o"), *args]),
-              needle)  # fmt: skip
+    one_error(
+        runner.invoke(app, ["check", "--prompt", "a", "--device", "cpu", "--out", str(tmp_path / "o"), *args]), needle
+    )
     assert not (tmp_path / "o").exists()
 
 
 def test_a_run_file_cannot_say_how_to_show_a_run(runner, tmp_path):
-    for text, key in [("[run]\ndry_run = true\n", "dry_run"), ('config = "other.toml"\n', "config"),
-                      ("[run]\nquiet = true\n", "quiet")]:  # fmt: skip
+    for text, key in [
+        ("[run]\ndry_run = true\n", "dry_run"),
+        ('config = "other.toml"\n', "config"),
+        ("[run]\nquiet = true\n", "quiet"),
+    ]:
         (tmp_path / "run.toml").write_text(text)
-        result = runner.invoke(app, ["generate", "--prompt", "a", "--config", str(tmp_path / "run.toml"),
-                                     "--out", str(tmp_path / "o")])  # fmt: skip
+        result = runner.invoke(
+            app, ["generate", "--prompt", "a", "--config", str(tmp_path / "run.toml"), "--out", str(tmp_path / "o")]
+        )
         one_error(result, f"{key!r} is not a run setting; give --{key.replace('_', '-')} on the command line")
     assert not (tmp_path / "o").exists()
 
@@ -187,8 +210,10 @@ def test_a_run_file_cannot_say_how_to_show_a_run(runner, tmp_path):
 def test_an_out_that_is_a_symlink_loop_and_a_size_of_one_pib(runner, tmp_path):
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
-    one_error(runner.invoke(app, ["check", "--prompt", "a", "--device", "cpu", "--out", str(tmp_path / "a")]),
-              "is a symbolic link to nothing")  # fmt: skip
+    one_error(
+        runner.invoke(app, ["check", "--prompt", "a", "--device", "cpu", "--out", str(tmp_path / "a")]),
+        "is a symbolic link to nothing",
+    )
     ok = runner.invoke(app, ["check", "--prompt", "a", "--device", "cpu", "--gpu-memory", "1PiB"])
     assert ok.exit_code == 0, ok.stderr
 

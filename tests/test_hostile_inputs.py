@@ -154,13 +154,18 @@ def _save_i2v(path) -> None:
 @pytest.mark.parametrize(
     ("edit", "needle"),
     [
-        (("model_index.json", "text_encoder", ["transformers", "NoSuchEncoderModel"]),
-         "text_encoder is a transformers.NoSuchEncoderModel, which transformers"),
+        (
+            ("model_index.json", "text_encoder", ["transformers", "NoSuchEncoderModel"]),
+            "text_encoder is a transformers.NoSuchEncoderModel, which transformers",
+        ),
         (("model_index.json", "text_encoder", ["os", "system"]), "text_encoder comes from 'os'"),
-        (("transformer/config.json", "num_attention_heads", 0), "heads must be a positive integer of at most 4096, got 0"),
+        (
+            ("transformer/config.json", "num_attention_heads", 0),
+            "heads must be a positive integer of at most 4096, got 0",
+        ),
         (("transformer/config.json", "attention_head_dim", "x"), "transformer/config.json: a value is not what"),
     ],
-)  # fmt: skip
+)
 def test_a_model_folder_that_cannot_load_is_refused_by_check(runner, tmp_path, edit, needle):
     """Classes the installed libraries lack, classes from elsewhere, sizes that are no sizes:
     said before loading (by `check` too), never a traceback from inside diffusers."""

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from basics.errors import ConfigError
 from ditango_cli.app import app
-from planner.errors import ConfigError
 from runtime.errors import ModelDirError
 from runtime.models import hub
 from runtime.models.registry import BUILTIN_DIR
@@ -137,15 +137,31 @@ def test_a_registry_repo_in_the_cache_is_checked_against_its_entry(cache, runner
 
 
 def test_a_missing_model_names_its_repo_and_the_command_that_fetches_it(cache, runner, tmp_path):
-    line = one_error_line(runner.invoke(app, ["check", "--model", "wan2.1-14b", "--prompt", "a cat", "--device",
-                                              "cpu", "--out", str(tmp_path / "out")]))  # fmt: skip
+    line = one_error_line(
+        runner.invoke(
+            app,
+            ["check", "--model", "wan2.1-14b", "--prompt", "a cat", "--device", "cpu", "--out", str(tmp_path / "out")],
+        )
+    )
     assert line == (
         f"error: model 'wan2.1-14b' (Wan-AI/Wan2.1-T2V-14B-Diffusers) is not in the Hugging Face cache ({cache}) "
         "and no --model-root or DITANGO_MODEL_ROOT is set; fetch it with: ditango download wan2.1-14b  "
         "(or: hf download Wan-AI/Wan2.1-T2V-14B-Diffusers), or pass --download"
     )
-    same = runner.invoke(app, ["check", "--model", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "--prompt", "a cat", "--device",
-                               "cpu", "--out", str(tmp_path / "out")])  # fmt: skip
+    same = runner.invoke(
+        app,
+        [
+            "check",
+            "--model",
+            "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+            "--prompt",
+            "a cat",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
     assert one_error_line(same) == line  # the registry's repo id is its entry
     args = ["check", "--model", f"{REPO}@{REV_B}", "--prompt", "a", "--model-root", str(tmp_path), "--out", "o"]
     line = one_error_line(runner.invoke(app, args))
@@ -179,9 +195,15 @@ def test_the_rank_side_never_downloads(cache, tmp_path, monkeypatch):
     assert patched >= 3  # huggingface_hub's own and the copies diffusers/transformers imported
     offline_during_load = []
     pipeline = diffusers.WanPipeline.from_pretrained.__func__
-    monkeypatch.setattr(diffusers.WanPipeline, "from_pretrained", classmethod(
-        lambda cls, *a, **k: offline_during_load.append(huggingface_hub.constants.HF_HUB_OFFLINE) or pipeline(cls, *a, **k)
-    ))  # fmt: skip
+    monkeypatch.setattr(
+        diffusers.WanPipeline,
+        "from_pretrained",
+        classmethod(
+            lambda cls, *a, **k: (
+                offline_during_load.append(huggingface_hub.constants.HF_HUB_OFFLINE) or pipeline(cls, *a, **k)
+            )
+        ),
+    )
     assert resolve_model(REPO).path == snapshot  # the cache lookup reads the disk only
     item = Item("x", "a red ball", "", 0, 32, 32, 5, 2, 2.5)
     cfg = RunConfig(REPO, snapshot, (item,), tmp_path / "out", device="cpu", max_text_len=32)
@@ -237,15 +259,25 @@ def test_download_fetches_safetensors_into_the_cache_and_prints_the_snapshot(fak
     assert "*.safetensors" in call["allow_patterns"] and "*.json" in call["allow_patterns"]
     for pickle in ("diffusion_pytorch_model.bin", "model.pt", "model.pth", "model.ckpt"):
         assert not any(fnmatch.fnmatch(pickle, pat) for pat in call["allow_patterns"]), pickle
-    ok = runner.invoke(app, ["check", "--model", REPO, "--prompt", "a", "--device", "cpu", "--json", "--out",
-                             str(tmp_path / "out")])  # fmt: skip
+    ok = runner.invoke(
+        app, ["check", "--model", REPO, "--prompt", "a", "--device", "cpu", "--json", "--out", str(tmp_path / "out")]
+    )
     assert ok.exit_code == 0, ok.stderr
     assert json.loads(ok.stdout)["model_path"] == str(snapshot) and len(fake_hub.calls) == 1  # found, not fetched
 
 
 def test_download_flag_fetches_only_what_is_missing(fake_hub, cache, runner, tmp_path):
-    args = ["generate", "--model", f"{REPO}@{REV_B}", "--prompt", "a", "--out", str(tmp_path / "out"), *FAST_ARGV,
-            "--download"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        f"{REPO}@{REV_B}",
+        "--prompt",
+        "a",
+        "--out",
+        str(tmp_path / "out"),
+        *FAST_ARGV,
+        "--download",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     assert [c["revision"] for c in fake_hub.calls] == [REV_B]
@@ -279,10 +311,29 @@ def test_generate_from_the_cache_offline_in_a_subprocess(cache, tmp_path):
     env = {**os.environ, "HF_HOME": str(cache.parent), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     out = tmp_path / "out"
-    argv = ["generate", "--model", REPO, "--prompt", "a red ball", "--out", str(out), "--steps", "2", "--height",
-            "32", "--width", "32", "--frames", "5", "--device", "cpu", "--quiet"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "ditango_cli.app", *argv], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        REPO,
+        "--prompt",
+        "a red ball",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "ditango_cli.app", *argv], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["counts"]["done"] == 1 and report["model"] == REPO
@@ -291,8 +342,22 @@ def test_generate_from_the_cache_offline_in_a_subprocess(cache, tmp_path):
 
 def test_a_dry_run_never_downloads(fake_hub, cache, runner, tmp_path):
     """--dry-run writes nothing, a download included: a named model not here yet is a note."""
-    args = ["generate", "--model", "wan2.1-1.3b", "--prompt", "a", "--device", "cpu", "--executor", "local",
-            "--out", str(tmp_path / "out"), "--dry-run", "--json", "--download"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        "wan2.1-1.3b",
+        "--prompt",
+        "a",
+        "--device",
+        "cpu",
+        "--executor",
+        "local",
+        "--out",
+        str(tmp_path / "out"),
+        "--dry-run",
+        "--json",
+        "--download",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     assert "the run would download it first" in result.stderr
@@ -302,8 +367,21 @@ def test_a_dry_run_never_downloads(fake_hub, cache, runner, tmp_path):
 def test_a_dry_run_of_a_repo_not_here_says_how_to_fetch_it(fake_hub, cache, runner, tmp_path):
     """A repo id (no registry entry: its plan needs its config) with --download: the dry run
     cannot show a plan without the download it never makes, and says so in one line."""
-    args = ["generate", "--model", "someone/not-here-T2V", "--prompt", "a", "--device", "cpu", "--executor", "local",
-            "--out", str(tmp_path / "out"), "--dry-run", "--download"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        "someone/not-here-T2V",
+        "--prompt",
+        "a",
+        "--device",
+        "cpu",
+        "--executor",
+        "local",
+        "--out",
+        str(tmp_path / "out"),
+        "--dry-run",
+        "--download",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()
@@ -314,8 +392,20 @@ def test_a_dry_run_of_a_repo_not_here_says_how_to_fetch_it(fake_hub, cache, runn
 def test_check_never_downloads(fake_hub, cache, runner, tmp_path):
     """`check` validates a would-be generate: with --download and the model not here, it says
     that generate would fetch it, and fetches nothing."""
-    args = ["check", "--model", "wan2.1-1.3b", "--prompt", "a", "--device", "cpu", "--executor", "local",
-            "--out", str(tmp_path / "out"), "--download"]  # fmt: skip
+    args = [
+        "check",
+        "--model",
+        "wan2.1-1.3b",
+        "--prompt",
+        "a",
+        "--device",
+        "cpu",
+        "--executor",
+        "local",
+        "--out",
+        str(tmp_path / "out"),
+        "--download",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()

@@ -13,7 +13,7 @@ from runtime.comm import Comm
 from runtime.denoiser import Denoiser
 from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from tiny_wan.hunyuan import build_tiny_hunyuan, prompt_template
 
 TEXT_LEN = 24
@@ -46,11 +46,19 @@ def diffusers_latents(size: dict, true_cfg: float = 1.0, embedded: float = 6.0) 
     pipe = HunyuanVideoPipeline(**components)
     pipe.set_progress_bar_config(disable=True)
     return pipe(
-        prompt=PROMPT, negative_prompt=NEGATIVE if true_cfg > 1 else None, true_cfg_scale=true_cfg,
-        guidance_scale=embedded, num_inference_steps=STEPS, height=size["height"], width=size["width"],
-        num_frames=size["frames"], generator=torch.Generator("cpu").manual_seed(3), output_type="latent",
-        max_sequence_length=TEXT_LEN, prompt_template=prompt_template(components["tokenizer"]),
-    ).frames  # fmt: skip
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE if true_cfg > 1 else None,
+        true_cfg_scale=true_cfg,
+        guidance_scale=embedded,
+        num_inference_steps=STEPS,
+        height=size["height"],
+        width=size["width"],
+        num_frames=size["frames"],
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="latent",
+        max_sequence_length=TEXT_LEN,
+        prompt_template=prompt_template(components["tokenizer"]),
+    ).frames
 
 
 @pytest.mark.parametrize("true_cfg", [1.0, 4.0])
@@ -144,8 +152,7 @@ def test_strategies_equal_one_process(world):
             continue
         nodes = 2 if world == 4 else 1
         layout = ParallelLayout(nodes=nodes, gpus_per_node=world // nodes, **kwargs)
-        want = predict_traffic(layout, shape, VideoSize(**size), STEPS, guidance=False,
-                               element_bytes=4)  # fmt: skip
+        want = predict_traffic(layout, shape, VideoSize(**size), STEPS, guidance=False, element_bytes=4)
         got = sum_comm([per_rank[r][name][1] for r in range(world)])
         assert got == want, (name, got, want)
         assert got["by_purpose"]["joint"], name
@@ -175,11 +182,39 @@ def test_a_hunyuanvideo_directory_from_the_command_line(runner, tmp_path):
     model = tmp_path / "hunyuan"
     HunyuanVideoPipeline(**build_tiny_hunyuan()).save_pretrained(model, safe_serialization=True)
     size = SIZES[4]
-    common = ["--model", str(model), "--prompt", PROMPT, "--steps", "2", "--height", str(size["height"]), "--width",
-              str(size["width"]), "--frames", str(size["frames"]), "--device", "cpu", "--seed", "3"]  # fmt: skip
+    common = [
+        "--model",
+        str(model),
+        "--prompt",
+        PROMPT,
+        "--steps",
+        "2",
+        "--height",
+        str(size["height"]),
+        "--width",
+        str(size["width"]),
+        "--frames",
+        str(size["frames"]),
+        "--device",
+        "cpu",
+        "--seed",
+        "3",
+    ]
     out = tmp_path / "out"
-    args = ["generate", *common, "--negative-prompt", NEGATIVE, "--guidance", "5", "--true-cfg-scale", "3",
-            "--out", str(out), "--save-latents", "--quiet"]  # fmt: skip
+    args = [
+        "generate",
+        *common,
+        "--negative-prompt",
+        NEGATIVE,
+        "--guidance",
+        "5",
+        "--true-cfg-scale",
+        "3",
+        "--out",
+        str(out),
+        "--save-latents",
+        "--quiet",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     (latents_file,) = out.glob("*.latents.safetensors")
@@ -187,17 +222,39 @@ def test_a_hunyuanvideo_directory_from_the_command_line(runner, tmp_path):
     pipe = HunyuanVideoPipeline.from_pretrained(model, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     want = pipe(
-        prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=3.0, guidance_scale=5.0, num_inference_steps=2,
-        height=size["height"], width=size["width"], num_frames=size["frames"], output_type="latent",
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        true_cfg_scale=3.0,
+        guidance_scale=5.0,
+        num_inference_steps=2,
+        height=size["height"],
+        width=size["width"],
+        num_frames=size["frames"],
+        output_type="latent",
         generator=torch.Generator("cpu").manual_seed(3),
-    ).frames  # fmt: skip
+    ).frames
     assert (got - want).abs().max().item() <= 1e-5
     assert list(out.glob("*.mp4"))
     for extra, needle in (
         (["--nodes", "1", "--gpus", "2", "--cfg-parallel", "--executor", "local"], "needs --true-cfg-scale > 1"),
-        (["--nodes", "1", "--gpus", "2", "--cfg-parallel", "--hybrid", "--hybrid-first-text", "uncond",
-          "--true-cfg-scale", "3", "--executor", "local"], "--hybrid-first-text uncond does not apply"),
-    ):  # fmt: skip
+        (
+            [
+                "--nodes",
+                "1",
+                "--gpus",
+                "2",
+                "--cfg-parallel",
+                "--hybrid",
+                "--hybrid-first-text",
+                "uncond",
+                "--true-cfg-scale",
+                "3",
+                "--executor",
+                "local",
+            ],
+            "--hybrid-first-text uncond does not apply",
+        ),
+    ):
         result = runner.invoke(app, ["check", *common, "--out", str(tmp_path / "o2"), *extra])
         assert result.exit_code == 2 and needle in result.stderr, result.stderr
     wan = runner.invoke(app, ["check", "--prompt", "x", "--out", str(tmp_path / "o3"), "--true-cfg-scale", "2"])

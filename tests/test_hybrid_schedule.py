@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from planner.hybrid import HybridConfig, HybridSchedule, detect_tau1, scaled_defaults
 
 

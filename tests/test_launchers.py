@@ -1,5 +1,5 @@
 """Ranks another launcher started (torchrun; Kubernetes and MPI set the same variables):
-`ditango generate` runs as that rank (slurm/env.py), chosen by itself or by `--executor env`."""
+`ditango generate` runs as that rank (slurm/launchers/env.py), chosen by itself or by `--executor env`."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from basics.errors import ConfigError
 from ditango_cli.app import app
-from planner.errors import ConfigError
-from slurm.env import launcher_layout
+from slurm.launchers.env import launcher_layout
 from slurm.options import SlurmOptions, choose_executor
 from slurm.rank import LAUNCHER_VARIABLES, LaunchedRank, launched_rank
 
@@ -30,8 +30,13 @@ TORCHRUN_S = 240  # the whole torchrun command, as a bound: a hang fails the tes
 
 
 def launcher_env(rank: int = 1, world: int = 2, local: int = 1) -> dict[str, str]:
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": "29555"}  # fmt: skip
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29555",
+    }
 
 
 def test_the_launcher_variables_name_this_rank(monkeypatch):
@@ -67,8 +72,9 @@ def test_the_launcher_variables_name_this_rank(monkeypatch):
         ),
     ],
 )
-def test_a_launcher_variable_of_the_wrong_kind_is_named_in_one_line(runner, tmp_path, monkeypatch, variable, value,
-                                                                     needle):  # fmt: skip
+def test_a_launcher_variable_of_the_wrong_kind_is_named_in_one_line(
+    runner, tmp_path, monkeypatch, variable, value, needle
+):
     """The bugs: RANK='\u00b2' passed str.isdigit() and failed int(); MASTER_PORT=abc reached torch,
     whose error named neither the variable nor a usage error."""
     from .conftest import refused
@@ -114,8 +120,18 @@ def test_a_dry_run_under_a_launcher_shows_its_ranks(runner, tmp_path, monkeypatc
     for key, value in launcher_env(0, 2, 0).items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    args = ["generate", "--prompt", "a red circle", "--out", str(tmp_path / "out"), "--parallel", "ring",
-            "--dry-run", "--json", *FAST_ARGV]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a red circle",
+        "--out",
+        str(tmp_path / "out"),
+        "--parallel",
+        "ring",
+        "--dry-run",
+        "--json",
+        *FAST_ARGV,
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     shown = json.loads(result.stdout)
@@ -127,8 +143,25 @@ def test_a_dry_run_under_a_launcher_shows_its_ranks(runner, tmp_path, monkeypatc
 def torchrun(out: Path, *extra: str, env: dict | None = None, prompts=PROMPTS, restarts: int = 0):
     batch = out.parent / f"{out.name}.txt"
     batch.write_text("\n".join(prompts) + "\n")
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts), str(DITANGO), "generate", "--prompts", str(batch),
-           "--out", str(out), "--parallel", "ring", "--save-latents", *FAST_ARGV, *extra]  # fmt: skip
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        str(DITANGO),
+        "generate",
+        "--prompts",
+        str(batch),
+        "--out",
+        str(out),
+        "--parallel",
+        "ring",
+        "--save-latents",
+        *FAST_ARGV,
+        *extra,
+    ]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DITANGO_FAULT", "SLURM_"))}
     if restarts:  # as docs/clusters.md says: torchrun's shared store does not survive its restarts
         clean["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -144,8 +177,20 @@ def test_torchrun_ranks_make_the_same_latents_as_one_process(runner, tmp_path):
     assert ran.returncode == 0, ran.stderr[-3000:]
     batch = tmp_path / "one.txt"
     batch.write_text("\n".join(PROMPTS) + "\n")
-    one = runner.invoke(app, ["generate", "--prompts", str(batch), "--out", str(tmp_path / "one"), "--seed", "3",
-                              "--save-latents", *FAST_ARGV])  # fmt: skip
+    one = runner.invoke(
+        app,
+        [
+            "generate",
+            "--prompts",
+            str(batch),
+            "--out",
+            str(tmp_path / "one"),
+            "--seed",
+            "3",
+            "--save-latents",
+            *FAST_ARGV,
+        ],
+    )
     assert one.exit_code == 0, one.stderr
     report = json.loads((tmp_path / "ranks" / "report.json").read_text())
     assert report["layout"]["world_size"] == 2 and report["layout"]["strategy"] == "ring"
@@ -223,8 +268,20 @@ def test_ranks_never_download(runner, tmp_path, monkeypatch):
     command that fetches it once."""
     for key, value in launcher_env(0, 2, 0).items():
         monkeypatch.setenv(key, value)
-    result = runner.invoke(app, ["generate", "--prompt", "a red circle", "--out", str(tmp_path / "out"),
-                                 "--model", "wan2.1-1.3b", "--download", *FAST_ARGV])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            "--prompt",
+            "a red circle",
+            "--out",
+            str(tmp_path / "out"),
+            "--model",
+            "wan2.1-1.3b",
+            "--download",
+            *FAST_ARGV,
+        ],
+    )
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()
     assert "--download under a launcher's ranks" in line and "ditango download wan2.1-1.3b" in line
@@ -260,8 +317,14 @@ def test_torchrun_restarts_count_an_items_attempts_and_give_it_up(tmp_path):
     running, counts the attempts over the restarts (not per launch), and once --retries is
     spent gives the item up: the last launch runs nothing and ends non-zero."""
     out = tmp_path / "out"
-    ran = torchrun(out, "--retries", "1", env={"DITANGO_FAULT_INJECT": "0:2", "DITANGO_FAULT_KIND": "kill"},
-                   prompts=PROMPTS[:1], restarts=2)  # fmt: skip
+    ran = torchrun(
+        out,
+        "--retries",
+        "1",
+        env={"DITANGO_FAULT_INJECT": "0:2", "DITANGO_FAULT_KIND": "kill"},
+        prompts=PROMPTS[:1],
+        restarts=2,
+    )
     assert ran.returncode != 0
     # Killed in the first two launches; the third has nothing to run (given up) and ends 1.
     assert ran.stderr.count("failed (exitcode: -9) local_rank: 0") == 2, ran.stderr[-3000:]
@@ -293,8 +356,13 @@ def test_a_resume_refused_under_a_launcher_is_one_line_and_exit_2(runner, tmp_pa
         port = probe.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DITANGO_FAULT", "SLURM_"))}
     env |= launcher_env(0, 1, 0) | {"MASTER_PORT": str(port)}
-    ran = subprocess.run([str(DITANGO), "generate", "--prompt", PROMPTS[0], "--out", str(out), *FAST_ARGV,
-                          "--steps", "4"], capture_output=True, text=True, timeout=TORCHRUN_S, env=env)  # fmt: skip
+    ran = subprocess.run(
+        [str(DITANGO), "generate", "--prompt", PROMPTS[0], "--out", str(out), *FAST_ARGV, "--steps", "4"],
+        capture_output=True,
+        text=True,
+        timeout=TORCHRUN_S,
+        env=env,
+    )
     assert ran.returncode == 2, ran.stderr[-3000:]
     (line,) = [ln for ln in ran.stderr.splitlines() if ln.strip()]
     assert line.startswith("error: --prompt: ") and "made with steps 3, not 4" in line, line
@@ -305,8 +373,9 @@ def test_wait_for_lock_is_refused_under_a_launcher(runner, tmp_path, monkeypatch
     """Rank 0 waiting for the folder would leave the other ranks to time out in the broadcast."""
     for key, value in launcher_env(0, 2, 0).items():
         monkeypatch.setenv(key, value)
-    result = runner.invoke(app, ["generate", "--prompt", "a red circle", "--out", str(tmp_path / "out"),
-                                 "--wait-for-lock", *FAST_ARGV])  # fmt: skip
+    result = runner.invoke(
+        app, ["generate", "--prompt", "a red circle", "--out", str(tmp_path / "out"), "--wait-for-lock", *FAST_ARGV]
+    )
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()
     assert "--wait-for-lock under a launcher's ranks" in line
@@ -315,7 +384,7 @@ def test_wait_for_lock_is_refused_under_a_launcher(runner, tmp_path, monkeypatch
 def test_a_failure_after_the_folder_is_owned_is_this_ranks_and_recorded(tmp_path, monkeypatch):
     """A ConfigError while the items run (a model directory that does not load on this node)
     is this rank's failure like any other: its error file for the launcher, not a bare exit 2."""
-    import slurm.env as env_mod
+    import slurm.launchers.env as env_mod
     from runtime.config import Item, RunConfig
     from runtime.errors import ModelDirError
 

@@ -1,4 +1,4 @@
-"""The shape of the house: imports go down the layers ditango_cli -> slurm -> runtime -> planner,
+"""The shape of the house: imports go down the layers ditango_cli -> slurm -> runtime -> planner -> basics,
 never back up, and no module imports itself through others (function-level imports count)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("ditango_cli", "slurm", "runtime", "planner")  # top to bottom
+PACKAGES = ("ditango_cli", "slurm", "runtime", "planner", "basics")  # top to bottom
 
 
 def module_imports() -> dict[str, set[str]]:
@@ -40,7 +40,9 @@ def test_imports_only_go_down_the_layers():
     ]
     assert upward == [], upward
     planner = [d for m, deps in module_imports().items() if m.startswith("planner") for d in deps]
-    assert all(d.startswith("planner") for d in planner), planner
+    assert all(d.startswith(("planner", "basics")) for d in planner), planner
+    basics = [d for m, deps in module_imports().items() if m.startswith("basics") for d in deps]
+    assert all(d.startswith("basics") for d in basics), basics
 
 
 def test_no_import_cycles():
@@ -112,6 +114,32 @@ def test_no_family_is_named_outside_its_package():
     assert found == [], found
 
 
+def test_fmt_skip_only_on_data_tables():
+    """`ruff format` owns the layout: the skip marker only ends a data table (a module- or
+    class-level assignment of a dict, list, tuple or set display), never packs code."""
+    mark, found = "# fmt" + ": skip", []  # spelled apart: this file does not count itself
+    for folder in (*PACKAGES, "tests", "benchmarks", "tiny_wan"):
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text(encoding="utf-8")
+            if "fmt: skip" not in text:
+                continue
+            tree = ast.parse(text)
+            bodies = [tree.body] + [n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+            tables = {
+                n.end_lineno
+                for body in bodies
+                for n in body
+                if isinstance(n, (ast.Assign, ast.AnnAssign))
+                and isinstance(n.value, (ast.Dict, ast.List, ast.Tuple, ast.Set))
+            }
+            found += [
+                f"{path.relative_to(ROOT)}:{n}"
+                for n, line in enumerate(text.splitlines(), 1)
+                if mark in line and n not in tables
+            ]
+    assert found == [], found
+
+
 def test_no_strategy_is_compared_by_name():
     """A strategy is an object (planner/strategy.py) that the planner, the runtime and the CLI
     ask: no module outside the strategies' own packages compares a strategy with a name."""
@@ -143,7 +171,10 @@ def test_every_family_provides_the_whole_protocol():
     for name, family in FAMILIES.items():
         assert sorted(n for n in wanted if not hasattr(family, n)) == [], name
         loop = importlib.import_module(f"{family.__name__}.loop")
-        models = [v for v in vars(loop).values() if inspect.isclass(v) and v.__module__ == loop.__name__
-                  and hasattr(v, "forward")]  # fmt: skip
+        models = [
+            v
+            for v in vars(loop).values()
+            if inspect.isclass(v) and v.__module__ == loop.__name__ and hasattr(v, "forward")
+        ]
         assert len(models) == 1, (name, models)
         assert sorted(m for m in methods if not hasattr(models[0], m)) == [], name

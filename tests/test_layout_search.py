@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from basics.errors import ConfigError
 from ditango_cli.app import app
 from planner.cost_model import load_hardware, with_overrides
-from planner.errors import ConfigError
 from planner.layout import ParallelLayout, replica_shape
 from planner.memory import MemoryOptions, cfg_branches, estimate_memory
 from planner.models import VideoSize
@@ -34,15 +34,30 @@ def assert_ranked(scores: list[float], inter: list[int]) -> None:
 
 @pytest.mark.parametrize(
     "model, nodes, gpus, memory_gib, reuse",
-    [("tiny-wan", 2, 4, 0, False), ("wan2.1-14b", 1, 8, 40, False), ("wan2.1-14b", 4, 8, 96, True),
-     ("hunyuanvideo", 2, 8, 80, False), ("wan2.2-ti2v-5b", 3, 2, 24, True), ("wan2.2-t2v-a14b", 2, 8, 80, False)],
-)  # fmt: skip
+    [
+        ("tiny-wan", 2, 4, 0, False),
+        ("wan2.1-14b", 1, 8, 40, False),
+        ("wan2.1-14b", 4, 8, 96, True),
+        ("hunyuanvideo", 2, 8, 80, False),
+        ("wan2.2-ti2v-5b", 3, 2, 24, True),
+        ("wan2.2-t2v-a14b", 2, 8, 80, False),
+    ],
+)
 def test_every_layout_returned_is_legal_and_fits(model, nodes, gpus, memory_gib, reuse):
     spec = REGISTRY[model]
     d = spec.defaults
     size = VideoSize(d.height, d.width, d.frames)
-    p = Problem(spec.shape, size, d.steps, nodes, gpus, batch=5, cfg_scale=d.cfg_scale, allow_reuse=reuse,
-                gpu_memory_bytes=memory_gib * GIB)  # fmt: skip
+    p = Problem(
+        spec.shape,
+        size,
+        d.steps,
+        nodes,
+        gpus,
+        batch=5,
+        cfg_scale=d.cfg_scale,
+        allow_reuse=reuse,
+        gpu_memory_bytes=memory_gib * GIB,
+    )
     hw = load_hardware("h20")
     choices, notes = search(hw, p)
     assert choices
@@ -51,14 +66,18 @@ def test_every_layout_returned_is_legal_and_fits(model, nodes, gpus, memory_gib,
         lay = c.layout
         assert replica_shape(nodes, gpus, c.replicas) == (lay.nodes, lay.gpus_per_node)
         assert c.replicas * lay.world_size == nodes * gpus
-        again = ParallelLayout(lay.nodes, lay.gpus_per_node, lay.cfg_degree, lay.strategy, lay.ulysses_degree,
-                               lay.group_size)  # fmt: skip
+        again = ParallelLayout(
+            lay.nodes, lay.gpus_per_node, lay.cfg_degree, lay.strategy, lay.ulysses_degree, lay.group_size
+        )
         again.check_model(spec.shape.heads, spec.shape.ffn, spec.shape.joint_text)  # raises when illegal
         assert lay.cfg_degree == 1 or d.cfg_scale > 1
         seen_ditango |= lay.strategy.reuses
         memory = (memory_gib * GIB) or hw.memory_bytes
-        options = MemoryOptions(shard_weights=c.shard_weights, cfg_branches_per_rank=cfg_branches(d.cfg_scale, lay.cfg_degree),
-                                vae_parallel=lay.world_size > 1)  # fmt: skip
+        options = MemoryOptions(
+            shard_weights=c.shard_weights,
+            cfg_branches_per_rank=cfg_branches(d.cfg_scale, lay.cfg_degree),
+            vae_parallel=lay.world_size > 1,
+        )
         options = fit_to_memory(spec.shape, lay, size, options, memory)
         assert estimate_memory(spec.shape, lay, size, options).peak_bytes <= usable_bytes(memory), c.label
         assert c.peak_memory_bytes <= usable_bytes(memory)
@@ -73,8 +92,15 @@ def test_a_batch_takes_replicas_and_one_video_a_single_replica():
     independent replicas (no link in any step), latency spreads one video over all eight."""
     spec = REGISTRY["tiny-wan"]
     d = spec.defaults
-    common = dict(shape=spec.shape, size=VideoSize(128, 128, d.frames), steps=d.steps, nodes=2, gpus_per_node=4,
-                  batch=64, cfg_scale=d.cfg_scale)  # fmt: skip
+    common = dict(
+        shape=spec.shape,
+        size=VideoSize(128, 128, d.frames),
+        steps=d.steps,
+        nodes=2,
+        gpus_per_node=4,
+        batch=64,
+        cfg_scale=d.cfg_scale,
+    )
     hw = load_hardware("h20")
     best = search(hw, Problem(**common, objective="throughput"))[0][0]
     assert best.replicas == 8 and best.layout.world_size == 1 and best.inter_node_bytes == 0
@@ -120,8 +146,21 @@ def test_problem_and_overrides_refuse_bad_values():
 
 
 def test_simulate_ranks_layouts_as_json_and_as_a_table(runner):
-    args = ["simulate", "--model", "tiny-wan", "--nodes", "2", "--gpus-per-node", "4", "--height", "128", "--width",
-            "128", "--batch", "64"]  # fmt: skip
+    args = [
+        "simulate",
+        "--model",
+        "tiny-wan",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--height",
+        "128",
+        "--width",
+        "128",
+        "--batch",
+        "64",
+    ]
     result = runner.invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
@@ -166,14 +205,18 @@ def test_layout_auto_runs_the_layout_it_names_and_makes_the_same_video_as_by_han
 
 
 def test_layout_auto_refuses_the_options_it_chooses(runner, tmp_path):
-    for extra, flag in ((["--parallel", "ring"], "--parallel"), (["--cfg-parallel"], "--cfg-parallel"),
-                        (["--replicas", "2"], "--replicas")):  # fmt: skip
+    for extra, flag in (
+        (["--parallel", "ring"], "--parallel"),
+        (["--cfg-parallel"], "--cfg-parallel"),
+        (["--replicas", "2"], "--replicas"),
+    ):
         check = [a for a in FAST if a not in ("--quiet", "--save-latents")]
         result = runner.invoke(app, ["check", *check, "--layout", "auto", *extra, "--out", str(tmp_path / "o")])
         lines = result.stderr.strip().splitlines()
         assert result.exit_code == 2 and len(lines) == 1 and f"--layout auto chooses {flag}" in lines[0], result.stderr
-    result = runner.invoke(app, ["generate", *FAST, "--layout", "auto", "--dry-run", "--json", "--out",
-                                 str(tmp_path / "o")])  # fmt: skip
+    result = runner.invoke(
+        app, ["generate", *FAST, "--layout", "auto", "--dry-run", "--json", "--out", str(tmp_path / "o")]
+    )
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stdout)
     assert record["layout_choice"]["layout"] == record["layout"] and not (tmp_path / "o").exists()
@@ -184,8 +227,15 @@ def test_a_measured_profile_is_calibrated_and_overlap_prices_hidden_transfers(tm
 
     spec = REGISTRY["wan2.1-14b"]
     size, layout = VideoSize(480, 832, 81), ParallelLayout(2, 8, 1, "ring")
-    profile = {"name": "measured", "bf16_tflops": 700.0, "hbm_tbps": 4.0, "intra_gbps": 450.0, "inter_gbps": 50.0,
-               "latency_us": 10.0, "measured": {"best_attention_over_matmul": 0.6}}  # fmt: skip
+    profile = {
+        "name": "measured",
+        "bf16_tflops": 700.0,
+        "hbm_tbps": 4.0,
+        "intra_gbps": 450.0,
+        "inter_gbps": 50.0,
+        "latency_us": 10.0,
+        "measured": {"best_attention_over_matmul": 0.6},
+    }
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps(profile))
     hw = load_hardware(str(path))

@@ -148,8 +148,10 @@ def test_every_weighted_component_of_a_family_is_read_onto_the_device(tmp_path, 
         assert {p.device.type for p in parts[name].parameters()} == {"meta"}, name
 
 
-@pytest.mark.parametrize(("version", "want"), [("4.50.3", "torch_dtype"), ("4.55.4", "torch_dtype"),
-                                               ("4.56.0", "dtype"), ("5.0.0rc1", "dtype")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("version", "want"),
+    [("4.50.3", "torch_dtype"), ("4.55.4", "torch_dtype"), ("4.56.0", "dtype"), ("5.0.0rc1", "dtype")],
+)
 def test_a_transformers_class_gets_the_dtype_by_the_name_its_release_knows(monkeypatch, version, want):
     import transformers
     from transformers import CLIPTextModel

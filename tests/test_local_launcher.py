@@ -1,4 +1,4 @@
-"""How the local launcher (slurm/local.py) starts its ranks: as torchrun starts its workers,
+"""How the local launcher (slurm/launchers/processes.py) starts its ranks: as torchrun starts its workers,
 each in a process session of its own, with the compute threads torchrun would give it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from slurm.rank_process import rank_threads
 
 

@@ -26,8 +26,12 @@ def make_lora(model_dir, out_dir, seed: int, rank: int = 4, alpha: int = 8) -> N
 
     pipe = WanPipeline.from_pretrained(model_dir, local_files_only=True)
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=False,
-                        target_modules=["to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2"])  # fmt: skip
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        init_lora_weights=False,
+        target_modules=["to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2"],
+    )
     pipe.transformer.add_adapter(config, adapter_name="x")
     with torch.no_grad():  # peft's random B is small: make the adapter matter at 3 steps
         for name, p in pipe.transformer.named_parameters():
@@ -54,9 +58,18 @@ def reference(model_dir, prompt: str, adapters: list[tuple[str, float]]) -> torc
         pipe.load_lora_weights(folder, adapter_name=f"a{n}")
     if adapters:
         pipe.set_adapters([f"a{n}" for n in range(len(adapters))], [scale for _, scale in adapters])
-    return pipe(prompt=prompt, negative_prompt="noise", height=32, width=48, num_frames=5, num_inference_steps=3,
-                guidance_scale=4.0, generator=torch.Generator("cpu").manual_seed(5), output_type="latent",
-                max_sequence_length=TEXT_LEN).frames  # fmt: skip
+    return pipe(
+        prompt=prompt,
+        negative_prompt="noise",
+        height=32,
+        width=48,
+        num_frames=5,
+        num_inference_steps=3,
+        guidance_scale=4.0,
+        generator=torch.Generator("cpu").manual_seed(5),
+        output_type="latent",
+        max_sequence_length=TEXT_LEN,
+    ).frames
 
 
 def latents_of(out, item_id: str) -> torch.Tensor:
@@ -65,8 +78,18 @@ def latents_of(out, item_id: str) -> torch.Tensor:
 
 def test_a_lora_gives_diffusers_latents_and_is_recorded(runner, tmp_path, saved_model_dir, loras):
     out = tmp_path / "out"
-    args = ["generate", "--model", str(saved_model_dir), "--prompt", "a red kite", "--lora", f"{loras / 'style1'}:0.7",
-            "--out", str(out), *ARGS]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(saved_model_dir),
+        "--prompt",
+        "a red kite",
+        "--lora",
+        f"{loras / 'style1'}:0.7",
+        "--out",
+        str(out),
+        *ARGS,
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -86,13 +109,16 @@ def test_a_lora_gives_diffusers_latents_and_is_recorded(runner, tmp_path, saved_
 
 def test_a_batch_of_two_sets_loads_the_model_once(runner, tmp_path, saved_model_dir, loras):
     batch = tmp_path / "batch.jsonl"
-    lines = [{"id": "one", "prompt": "a red kite", "loras": [{"source": str(loras / "style1"), "scale": 0.7}]},
-             {"id": "none", "prompt": "a red kite"},
-             {"id": "two", "prompt": "a blue boat", "loras": [f"{loras / 'style2'}:1.5", f"{loras / 'style1'}:0.3"]}]  # fmt: skip
+    lines = [
+        {"id": "one", "prompt": "a red kite", "loras": [{"source": str(loras / "style1"), "scale": 0.7}]},
+        {"id": "none", "prompt": "a red kite"},
+        {"id": "two", "prompt": "a blue boat", "loras": [f"{loras / 'style2'}:1.5", f"{loras / 'style1'}:0.3"]},
+    ]
     batch.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "out"
-    result = runner.invoke(app, ["generate", "--model", str(saved_model_dir), "--prompts", str(batch),
-                                 "--out", str(out), *ARGS])  # fmt: skip
+    result = runner.invoke(
+        app, ["generate", "--model", str(saved_model_dir), "--prompts", str(batch), "--out", str(out), *ARGS]
+    )
     assert result.exit_code == 0, result.stderr[-3000:]
     weights = json.loads((out / "report.json").read_text())["weights"]
     assert (weights["model_loads"], weights["adapter_sets"], weights["adapters_fused"]) == (1, 3, False)
@@ -100,7 +126,7 @@ def test_a_batch_of_two_sets_loads_the_model_once(runner, tmp_path, saved_model_
         "one": reference(saved_model_dir, "a red kite", [(str(loras / "style1"), 0.7)]),
         "none": reference(saved_model_dir, "a red kite", []),
         "two": reference(saved_model_dir, "a blue boat", [(str(loras / "style2"), 1.5), (str(loras / "style1"), 0.3)]),
-    }  # fmt: skip
+    }
     for item_id, ref in expected.items():
         assert (latents_of(out, item_id) - ref).abs().max().item() <= ATOL, item_id
 
@@ -111,18 +137,37 @@ def test_a_lora_that_does_not_fit_is_one_line(runner, tmp_path, saved_model_dir,
     from safetensors.torch import save_file
 
     other.mkdir()
-    save_file({k: torch.zeros(v.shape[0], v.shape[1] + 8) if "lora_A" in k else v for k, v in tensors.items()},
-              str(other / "lora.safetensors"))  # fmt: skip
+    save_file(
+        {k: torch.zeros(v.shape[0], v.shape[1] + 8) if "lora_A" in k else v for k, v in tensors.items()},
+        str(other / "lora.safetensors"),
+    )
     pickle = tmp_path / "pickled"
     pickle.mkdir()
     torch.save({"x": torch.zeros(1)}, pickle / "adapter_model.bin")
-    for source, needle in [(str(other), "lora_A (4, "), (str(pickle), "pickle files are never loaded"),
-                           (str(tmp_path / "missing.safetensors"), "no such file or folder"),
-                           ("acme/no-such-lora", "not in the Hugging Face cache")]:  # fmt: skip
+    for source, needle in [
+        (str(other), "lora_A (4, "),
+        (str(pickle), "pickle files are never loaded"),
+        (str(tmp_path / "missing.safetensors"), "no such file or folder"),
+        ("acme/no-such-lora", "not in the Hugging Face cache"),
+    ]:
         for command in ("check", "generate"):
             out = tmp_path / "out"
-            result = runner.invoke(app, [command, "--model", str(saved_model_dir), "--prompt", "a", "--lora", source,
-                                         "--out", str(out), "--device", "cpu"])  # fmt: skip
+            result = runner.invoke(
+                app,
+                [
+                    command,
+                    "--model",
+                    str(saved_model_dir),
+                    "--prompt",
+                    "a",
+                    "--lora",
+                    source,
+                    "--out",
+                    str(out),
+                    "--device",
+                    "cpu",
+                ],
+            )
             lines = result.stderr.strip().splitlines()
             assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], (command, result.stderr[-2000:])
             assert not out.exists()
@@ -151,9 +196,24 @@ def styled(saved_model_dir, loras):
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_a_lora_is_exact_under_every_strategy(runner, tmp_path, saved_model_dir, loras, styled, strategy):
     out = tmp_path / "out"
-    result = runner.invoke(app, ["generate", "--model", str(saved_model_dir), "--prompt", "a red kite", "--lora",
-                                 f"{loras / 'style1'}:0.7", "--out", str(out), "--executor", "local",
-                                 *STRATEGIES[strategy], *ARGS])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(saved_model_dir),
+            "--prompt",
+            "a red kite",
+            "--lora",
+            f"{loras / 'style1'}:0.7",
+            "--out",
+            str(out),
+            "--executor",
+            "local",
+            *STRATEGIES[strategy],
+            *ARGS,
+        ],
+    )
     assert result.exit_code == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     (item,) = report["items"]
@@ -165,12 +225,28 @@ def test_a_lora_is_exact_under_every_strategy(runner, tmp_path, saved_model_dir,
 @pytest.mark.distributed
 def test_two_sets_on_two_ranks_switch_per_item(runner, tmp_path, saved_model_dir, loras, styled):
     batch = tmp_path / "batch.jsonl"
-    lines = [{"id": "styled", "prompt": "a red kite", "loras": [f"{loras / 'style1'}:0.7"]},
-             {"id": "plain", "prompt": "a red kite", "loras": []}]  # fmt: skip
+    lines = [
+        {"id": "styled", "prompt": "a red kite", "loras": [f"{loras / 'style1'}:0.7"]},
+        {"id": "plain", "prompt": "a red kite", "loras": []},
+    ]
     batch.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "out"
-    result = runner.invoke(app, ["generate", "--model", str(saved_model_dir), "--prompts", str(batch), "--out",
-                                 str(out), "--executor", "local", *STRATEGIES["ulysses"], *ARGS])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(saved_model_dir),
+            "--prompts",
+            str(batch),
+            "--out",
+            str(out),
+            "--executor",
+            "local",
+            *STRATEGIES["ulysses"],
+            *ARGS,
+        ],
+    )
     assert result.exit_code == 0, result.stderr[-3000:]
     weights = json.loads((out / "report.json").read_text())["weights"]
     assert (weights["model_loads"], weights["adapter_sets"], weights["adapters_fused"]) == (1, 2, False)
@@ -184,8 +260,21 @@ def test_several_sets_are_refused_where_weights_are_split(runner, tmp_path, save
     lines = [{"prompt": "a", "loras": [str(loras / "style1")]}, {"prompt": "b"}]
     batch.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     for split in (["--parallel", "tp"], ["--parallel", "ring", "--shard-weights"]):
-        result = runner.invoke(app, ["check", "--model", str(saved_model_dir), "--prompts", str(batch), "--gpus", "2",
-                                     "--device", "cpu", *split])  # fmt: skip
+        result = runner.invoke(
+            app,
+            [
+                "check",
+                "--model",
+                str(saved_model_dir),
+                "--prompts",
+                str(batch),
+                "--gpus",
+                "2",
+                "--device",
+                "cpu",
+                *split,
+            ],
+        )
         lines = result.stderr.strip().splitlines()
         assert result.exit_code == 2 and len(lines) == 1, result.stderr
         assert "2 adapter sets" in lines[0] and "one set per run" in lines[0], lines[0]
@@ -198,8 +287,13 @@ def test_a_lora_in_the_wan_authors_format_is_converted_as_diffusers_converts_it(
 
     torch.manual_seed(3)
     dim, ffn, rank, tensors = 24, 40, 4, {}
-    shapes = {"self_attn.q": (dim, dim), "self_attn.o": (dim, dim), "cross_attn.v": (dim, dim),
-              "ffn.0": (ffn, dim), "ffn.2": (dim, ffn)}  # fmt: skip
+    shapes = {
+        "self_attn.q": (dim, dim),
+        "self_attn.o": (dim, dim),
+        "cross_attn.v": (dim, dim),
+        "ffn.0": (ffn, dim),
+        "ffn.2": (dim, ffn),
+    }
     for block in range(3):
         for name, (out_f, in_f) in shapes.items():
             key = f"diffusion_model.blocks.{block}.{name}"
@@ -210,8 +304,21 @@ def test_a_lora_in_the_wan_authors_format_is_converted_as_diffusers_converts_it(
     folder.mkdir()
     save_file(tensors, str(folder / "motion.safetensors"))
     out = tmp_path / "out"
-    result = runner.invoke(app, ["generate", "--model", str(saved_model_dir), "--prompt", "a red kite", "--lora",
-                                 f"{folder / 'motion.safetensors'}:0.7", "--out", str(out), *ARGS])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(saved_model_dir),
+            "--prompt",
+            "a red kite",
+            "--lora",
+            f"{folder / 'motion.safetensors'}:0.7",
+            "--out",
+            str(out),
+            *ARGS,
+        ],
+    )
     assert result.exit_code == 0, result.stderr[-3000:]
     (item,) = json.loads((out / "report.json").read_text())["items"]
     ref = reference(saved_model_dir, "a red kite", [(str(folder), 0.7)])
@@ -232,8 +339,10 @@ def test_a_hunyuan_lora_gives_the_pipelines_latents(tmp_path):
 
     trained = hy.build_tiny_hunyuan()["transformer"]
     torch.manual_seed(4)
-    trained.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
-                                   target_modules=["to_q", "to_k", "to_v", "proj_mlp"]), adapter_name="x")  # fmt: skip
+    trained.add_adapter(
+        LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=["to_q", "to_k", "to_v", "proj_mlp"]),
+        adapter_name="x",
+    )
     with torch.no_grad():
         for name, p in trained.named_parameters():
             if "lora_B" in name:
@@ -255,10 +364,20 @@ def test_a_hunyuan_lora_gives_the_pipelines_latents(tmp_path):
     pipe.load_lora_weights(tmp_path, adapter_name="a")
     pipe.set_adapters(["a"], [0.7])
     size = hy.SIZES[4]
-    ref = pipe(prompt=hy.PROMPT, negative_prompt=hy.NEGATIVE, true_cfg_scale=4.0, guidance_scale=6.0,
-               num_inference_steps=hy.STEPS, height=size["height"], width=size["width"], num_frames=size["frames"],
-               generator=torch.Generator("cpu").manual_seed(3), output_type="latent", max_sequence_length=hy.TEXT_LEN,
-               prompt_template=hy.prompt_template(ref_components["tokenizer"])).frames  # fmt: skip
+    ref = pipe(
+        prompt=hy.PROMPT,
+        negative_prompt=hy.NEGATIVE,
+        true_cfg_scale=4.0,
+        guidance_scale=6.0,
+        num_inference_steps=hy.STEPS,
+        height=size["height"],
+        width=size["width"],
+        num_frames=size["frames"],
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="latent",
+        max_sequence_length=hy.TEXT_LEN,
+        prompt_template=hy.prompt_template(ref_components["tokenizer"]),
+    ).frames
     assert (ours - ref).abs().max().item() <= ATOL
     assert (ref - hy.diffusers_latents(size, 4.0)).abs().max().item() > 1e-3, "the LoRA changes the video"
 

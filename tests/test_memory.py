@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.memory import GIB, MemoryOptions, ditango_cache_bytes, estimate_memory, unit_bytes
 from planner.models import VaeShape, VideoSize
@@ -71,8 +71,15 @@ def test_component_counts_and_vae_shapes_are_those_of_the_configs():
         return sum(p.numel() for p in module.parameters())
 
     with torch.device("meta"):
-        umt5 = UMT5Config(d_model=4096, d_ff=10240, num_layers=24, num_heads=64, d_kv=64, vocab_size=256384,
-                          feed_forward_proj="gated-gelu")  # fmt: skip
+        umt5 = UMT5Config(
+            d_model=4096,
+            d_ff=10240,
+            num_layers=24,
+            num_heads=64,
+            d_kv=64,
+            vocab_size=256384,
+            feed_forward_proj="gated-gelu",
+        )
         encoder = UMT5EncoderModel(umt5)
         block = count(encoder.encoder.block[0])
         assert (count(encoder), block, count(encoder) - 24 * block, 0) == registry.TEXT_ENCODERS["wan"]
@@ -89,8 +96,10 @@ def test_component_counts_and_vae_shapes_are_those_of_the_configs():
                 levels = [[d.conv_in, *d.mid_block.modules()], *[[*b.modules()] for b in d.up_blocks]]
                 levels[0] += levels.pop(1)  # up block 0 runs at the latent's resolution
                 levels[-1].append(d.conv_out)
-                cached = [sum(m.in_channels for m in ms if isinstance(m, torch.nn.Conv3d) and m.kernel_size[0] == 3)
-                          for ms in levels]  # fmt: skip
+                cached = [
+                    sum(m.in_channels for m in ms if isinstance(m, torch.nn.Conv3d) and m.kernel_size[0] == 3)
+                    for ms in levels
+                ]
                 assert list(shape.cached) == cached, key
         for key, config in registry.CONFIGS.items():
             if key == "hunyuanvideo":
@@ -102,8 +111,9 @@ def test_component_counts_and_vae_shapes_are_those_of_the_configs():
                 from diffusers import WanTransformer3DModel
 
                 known = set(WanTransformer3DModel.extract_init_dict(config)[0])
-                model = WanTransformer3DModel(**{k: v for k, v in config.items() if k in known and k != "num_layers"},
-                                              num_layers=1)  # fmt: skip
+                model = WanTransformer3DModel(
+                    **{k: v for k, v in config.items() if k in known and k != "num_layers"}, num_layers=1
+                )
                 assert count(model.blocks[0]) == wan.block_params(config), key
     tiny = json.loads((registry.BUILTIN_DIR / "vae" / "config.json").read_text())
     assert all(tiny[k] == v for k, v in registry.TINY_VAE.items())
@@ -189,8 +199,9 @@ def test_preflight_refuses_24_gib_for_one_gpu_naming_the_fix_and_passes_141_gib(
 def test_the_named_fix_fits_and_offloads_are_turned_on_only_when_needed():
     with pytest.raises(ConfigError) as info:
         preflight(WAN14, ONE, P720, MemoryOptions(), 24 * GIB, "run")
-    found = re.search(r"fits with --shard-weights( and --vae-parallel)? and (\d+) GPUs \(--gpus-per-node \2\)$",
-                      str(info.value))  # fmt: skip
+    found = re.search(
+        r"fits with --shard-weights( and --vae-parallel)? and (\d+) GPUs \(--gpus-per-node \2\)$", str(info.value)
+    )
     assert found, str(info.value)
     gpus = int(found.group(2))
     layout = ParallelLayout(1, gpus, strategy="ring")
@@ -249,8 +260,21 @@ def test_check_runs_the_preflight_before_any_weights_are_needed(runner, tmp_path
     without the checkpoint (planning from a laptop); what fits goes on to the directory check."""
     from ditango_cli.app import app
 
-    base = ["check", "--model", "wan2.1-14b", "--prompt", "a cat", "--height", "720", "--width", "1280", "--frames",
-            "81", "--out", str(tmp_path / "out")]  # fmt: skip
+    base = [
+        "check",
+        "--model",
+        "wan2.1-14b",
+        "--prompt",
+        "a cat",
+        "--height",
+        "720",
+        "--width",
+        "1280",
+        "--frames",
+        "81",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     refused = runner.invoke(app, [*base, "--gpu-memory", "24GiB"])
     assert refused.exit_code == 2
     line = refused.stderr.strip()

@@ -45,10 +45,12 @@ def test_every_rule_names_options_that_exist():
         (["--gpus", "2", "--cfg-parallel", "--shard-weights"], "--shard-weights only applies over a context-parallel"),
         (["--hybrid-first-text", "uncond"], "--hybrid-first-text only applies with --hybrid"),
         (["--gpus", "2", "--parallel", "ring", "--cache-ratio", "0.3"], "--cache-ratio only applies to --parallel"),
-        (["--gpus", "2", "--parallel", "ring", "--no-vae-parallel", "--reference", "exact"],
-         "--reference only applies to what it measures against exact"),
+        (
+            ["--gpus", "2", "--parallel", "ring", "--no-vae-parallel", "--reference", "exact"],
+            "--reference only applies to what it measures against exact",
+        ),
     ],
-)  # fmt: skip
+)
 def test_an_option_typed_where_it_means_nothing_is_refused(runner, tmp_path, args, needle):
     for command in ("check", "generate"):
         out = tmp_path / command
@@ -85,9 +87,11 @@ def test_the_same_options_where_they_mean_something_pass(runner, args):
 
 def test_a_model_folder_takes_no_hub_options(runner, tmp_path, saved_model_dir):
     """A folder is read where it is: a revision, a model root or a download would change nothing."""
-    for args, needle in ((["--revision", "main"], "--revision only applies"),
-                         (["--model-root", str(tmp_path)], "--model-root only applies"),
-                         (["--download"], "--download only applies")):  # fmt: skip
+    for args, needle in (
+        (["--revision", "main"], "--revision only applies"),
+        (["--model-root", str(tmp_path)], "--model-root only applies"),
+        (["--download"], "--download only applies"),
+    ):
         refused(runner.invoke(app, ["check", "--model", str(saved_model_dir), "--prompt", "a", *args]), needle)
 
 
@@ -103,8 +107,16 @@ def test_a_run_files_options_the_command_line_made_moot_are_left_out_with_a_note
     assert any(f"--objective from {run_file} only applies with --layout auto: left out" in n for n in notes), notes
     assert any(f"--partition from {run_file} only applies to a Slurm submission" in n for n in notes), notes
     report = tmp_path / "report.json"
-    options = {"prompt": "a", "device": "cpu", "objective": "throughput", "time": 60, "wait": True,
-               "attention_backend": "auto", "allow_reuse": False, "executor": "auto"}  # fmt: skip
+    options = {
+        "prompt": "a",
+        "device": "cpu",
+        "objective": "throughput",
+        "time": 60,
+        "wait": True,
+        "attention_backend": "auto",
+        "allow_reuse": False,
+        "executor": "auto",
+    }
     report.write_text(json.dumps({"options": options}))
     again = runner.invoke(app, ["check", "--config", str(report), "--out", str(tmp_path / "out")])
     assert again.exit_code == 0 and "note:" not in again.stderr, again.stderr[-2000:]

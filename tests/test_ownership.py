@@ -127,8 +127,17 @@ def _state(pid: int) -> str:
 def test_two_runs_into_one_folder_never_generate_an_item_twice(runner, tmp_path):
     prompts = _prompts(tmp_path, ["a", "b"])
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "ditango_cli.app", "generate", "--prompts", str(prompts), "--out", str(out),
-           *[a for a in TINY if a != "--quiet"]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ditango_cli.app",
+        "generate",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        *[a for a in TINY if a != "--quiet"],
+    ]
     # The first run freezes itself (SIGSTOP) after step 1 of item a, holding the folder,
     # until the test lets it go on: the second and third runs start while it owns OUT.
     frozen = {**os.environ, "DITANGO_FAULT_INJECT": "0:1:a", "DITANGO_FAULT_KIND": "stop"}
@@ -184,12 +193,12 @@ def test_a_run_with_every_item_done_starts_no_rank(runner, tmp_path, monkeypatch
     prompts = _prompts(tmp_path, ["a", "b"])
     out = tmp_path / "out"
     assert _generate(runner, "--prompts", str(prompts), "--out", str(out), *TINY).exit_code == 0
-    import slurm.launch
+    import slurm.launchers.local
 
     def no_ranks(*args, **kwargs):
         raise AssertionError("ranks were started for a batch with nothing left to do")
 
-    monkeypatch.setattr(slurm.launch, "run_ranks", no_ranks)
+    monkeypatch.setattr(slurm.launchers.local, "run_ranks", no_ranks)
     again = _generate(runner, "--prompts", str(prompts), "--out", str(out), *TINY, "--gpus-per-node", "2")
     assert again.exit_code == 0, again.stderr
     report = json.loads((out / "report.json").read_text())
@@ -241,8 +250,15 @@ def test_report_twice_keeps_the_run_and_prints_a_calibration(runner, tmp_path):
     out = tmp_path / "out"
     assert _generate(runner, "--prompt", "a red ball", "--out", str(out), *TINY).exit_code == 0
     report = json.loads((out / "report.json").read_text())
-    calibration = {"target_psnr": 40.0, "item": report["items"][0]["id"], "planner": "budget", "cache_ratio": 0.81,
-                   "calibrated_psnr": 40.7, "trials": [{"cache_ratio": 0.81, "psnr": 40.7}] * 5, "seconds": 1.0}  # fmt: skip
+    calibration = {
+        "target_psnr": 40.0,
+        "item": report["items"][0]["id"],
+        "planner": "budget",
+        "cache_ratio": 0.81,
+        "calibrated_psnr": 40.7,
+        "trials": [{"cache_ratio": 0.81, "psnr": 40.7}] * 5,
+        "seconds": 1.0,
+    }
     (out / "report.json").write_text(json.dumps({**report, "calibration": calibration}))
     for _ in range(2):
         result = runner.invoke(app, ["report", str(out)])
@@ -259,8 +275,11 @@ def test_a_report_json_this_tool_did_not_write_is_never_replaced(runner, tmp_pat
     out = tmp_path / "out"
     assert _generate(runner, "--prompt", "a red ball", "--out", str(out), *TINY).exit_code == 0
     (out / "report.json").write_text("a file of my own")
-    for args in (["report", str(out)], ["generate", "--prompt", "a blue ball", "--out", str(out), *TINY],
-                 ["check", "--prompt", "a blue ball", "--out", str(out)]):  # fmt: skip
+    for args in (
+        ["report", str(out)],
+        ["generate", "--prompt", "a blue ball", "--out", str(out), *TINY],
+        ["check", "--prompt", "a blue ball", "--out", str(out)],
+    ):
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and "is not a report of ditango" in result.stderr, args
     assert (out / "report.json").read_text() == "a file of my own"
@@ -268,10 +287,15 @@ def test_a_report_json_this_tool_did_not_write_is_never_replaced(runner, tmp_pat
 
 @pytest.mark.parametrize(
     "damage",
-    [b"\xff\xfe\x00 not utf-8", b'{"schema": 1, "id": "a", "status": "done"', b'{"schema": 1, "id": "a", "status": "done", "timing": "fast"}', b'{"schema": 1, "id": "a", "status": "done", "timing": {"total_s": "slow"}, "error": 7}',
-     b'["a list"]'],
+    [
+        b"\xff\xfe\x00 not utf-8",
+        b'{"schema": 1, "id": "a", "status": "done"',
+        b'{"schema": 1, "id": "a", "status": "done", "timing": "fast"}',
+        b'{"schema": 1, "id": "a", "status": "done", "timing": {"total_s": "slow"}, "error": 7}',
+        b'["a list"]',
+    ],
     ids=["not-utf8", "truncated", "wrong-shape", "wrong-field-types", "not-a-record"],
-)  # fmt: skip
+)
 def test_a_damaged_sidecar_is_redone_with_a_note_and_reports_still_work(runner, tmp_path, damage):
     from ditango_cli.app import app
 
@@ -292,8 +316,22 @@ def test_a_slurm_batch_with_every_item_done_submits_nothing(runner, tmp_path):
     prompts = _prompts(tmp_path, ["a", "b"])
     out = tmp_path / "out"
     assert _generate(runner, "--prompts", str(prompts), "--out", str(out), *TINY, "--executor", "local").exit_code == 0
-    again = _generate(runner, "--prompts", str(prompts), "--out", str(out), *TINY, "--executor", "slurm",
-                      "--nodes", "2", "--partition", "debug", "--array", "2")  # fmt: skip
+    again = _generate(
+        runner,
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        *TINY,
+        "--executor",
+        "slurm",
+        "--nodes",
+        "2",
+        "--partition",
+        "debug",
+        "--array",
+        "2",
+    )
     assert again.exit_code == 0, again.stderr
     assert not (state_dir(out) / "jobs.json").exists() and not (out / "slurm").exists()
 
@@ -316,18 +354,20 @@ def test_resume_refuses_an_output_made_with_another_image_or_guidance(tmp_path, 
     a second expert's guidance or a real-CFG scale was skipped as done with the old video."""
     from dataclasses import replace
 
-    from planner.errors import ConfigError
+    from basics.errors import ConfigError
     from runtime.config import Item, RunConfig
-    from runtime.outputs import output_paths, plan_resume
+    from runtime.outputs import output_paths
     from runtime.report import item_record
+    from runtime.resume import plan_resume
     from runtime.video import write_json
 
     item = Item("x", "a red ball", "", 0, 32, 32, 5, 2, 5.0, image="/here/a.png")
     cfg = RunConfig("tiny-wan", None, (item,), tmp_path)
     paths = output_paths(tmp_path, "x")
     paths["video"].write_bytes(b"mp4")
-    write_json(paths["sidecar"], item_record(item, model="tiny-wan", status="done", video="x.mp4", latents=None,
-                                             timing=None))  # fmt: skip
+    write_json(
+        paths["sidecar"], item_record(item, model="tiny-wan", status="done", video="x.mp4", latents=None, timing=None)
+    )
     assert set(plan_resume(cfg)) == {"x"}  # the same item: skipped
     other = replace(cfg, items=(replace(item, **changed),))
     key = {"true_cfg": "true_cfg_scale"}.get(next(iter(changed)), next(iter(changed)))

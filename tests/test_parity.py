@@ -71,10 +71,33 @@ def test_guidance_changes_result(parity_components):
 def test_cli_latents_match_pipeline_from_directory(runner, saved_model_dir, tmp_path):
     """Whole path: local directory -> loader -> CLI -> saved latents == WanPipeline on the same dir."""
     out = tmp_path / "out"
-    args = ["generate", "--model", str(saved_model_dir), "--prompt", "a green circle moving right",
-            "--negative-prompt", "noise", "--seed", "42", "--steps", "5", "--guidance", "5.0",
-            "--height", "32", "--width", "48", "--frames", "5", "--out", str(out), "--save-latents",
-            "--device", "cpu", "--quiet"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(saved_model_dir),
+        "--prompt",
+        "a green circle moving right",
+        "--negative-prompt",
+        "noise",
+        "--seed",
+        "42",
+        "--steps",
+        "5",
+        "--guidance",
+        "5.0",
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--frames",
+        "5",
+        "--out",
+        str(out),
+        "--save-latents",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     files = sorted(out.glob("*.latents.safetensors"))
@@ -84,10 +107,17 @@ def test_cli_latents_match_pipeline_from_directory(runner, saved_model_dir, tmp_
     pipe = WanPipeline.from_pretrained(saved_model_dir, local_files_only=True, use_safetensors=True)
     pipe.set_progress_bar_config(disable=True)
     ref = pipe(
-        prompt="a green circle moving right", negative_prompt="noise", height=32, width=48, num_frames=5,
-        num_inference_steps=5, guidance_scale=5.0, generator=torch.Generator("cpu").manual_seed(42),
-        output_type="latent", max_sequence_length=512,
-    ).frames  # fmt: skip
+        prompt="a green circle moving right",
+        negative_prompt="noise",
+        height=32,
+        width=48,
+        num_frames=5,
+        num_inference_steps=5,
+        guidance_scale=5.0,
+        generator=torch.Generator("cpu").manual_seed(42),
+        output_type="latent",
+        max_sequence_length=512,
+    ).frames
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() <= PARITY_ATOL
 
@@ -98,12 +128,20 @@ def test_decode_matches_wan_pipeline(parity_components):
     pipe = WanPipeline(**parity_components)
     pipe.set_progress_bar_config(disable=True)
     kwargs = dict(prompt="a red ball", negative_prompt="", height=32, width=48, num_frames=5, num_inference_steps=2)
-    theirs = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(9), output_type="np",
-                  max_sequence_length=TEXT_LEN).frames[0]  # fmt: skip
+    theirs = pipe(
+        **kwargs, generator=torch.Generator("cpu").manual_seed(9), output_type="np", max_sequence_length=TEXT_LEN
+    ).frames[0]
     latents = reference_latents(
-        parity_components, prompt="a red ball", negative="", seed=9, steps=2, guidance=5.0, height=32, width=48,
+        parity_components,
+        prompt="a red ball",
+        negative="",
+        seed=9,
+        steps=2,
+        guidance=5.0,
+        height=32,
+        width=48,
         frames=5,
-    )  # fmt: skip
+    )
     ours = Denoiser(parity_components, resolve_placement("cpu"), TEXT_LEN).decode(latents)
     assert ours.shape == theirs.shape == (5, 32, 48, 3)
     expected = (theirs.clip(0, 1) * 255).round().astype("uint8")

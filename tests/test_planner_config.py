@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from basics.errors import ConfigError
 from planner.ditango import DiTangoPlanner, PlannerConfig
-from planner.errors import ConfigError
 
 # --- config ------------------------------------------------------------------------------
 

@@ -221,9 +221,26 @@ def logged_run(tmp_path_factory):
     """`ditango generate` of the built-in model, 20 steps, its stderr a file (not a terminal)."""
     root = tmp_path_factory.mktemp("logged")
     out, log = root / "out", root / "stderr.log"
-    cli = [sys.executable, "-c", "from ditango_cli.app import main; main()", "generate", "--steps", "20",
-           "--prompt", "a red circle", "--height", "32", "--width", "32", "--frames", "5", "--out", str(out),
-           "--device", "cpu"]  # fmt: skip
+    cli = [
+        sys.executable,
+        "-c",
+        "from ditango_cli.app import main; main()",
+        "generate",
+        "--steps",
+        "20",
+        "--prompt",
+        "a red circle",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+    ]
     with log.open("w") as err:
         done = subprocess.run(cli, stdout=subprocess.PIPE, stderr=err, text=True, timeout=120)
     assert done.returncode == 0, log.read_text()
@@ -271,8 +288,11 @@ def test_aggregate_sums_timing_and_reads_reports_without_it(logged_run, tmp_path
     other = {**report, "items": [{**i, "id": f"{i['id']}-b"} for i in report["items"]]}  # another task's items
     old = {k: v for k, v in other.items() if k != "timing"}  # written before `timing` existed
     earlier = {**report, "started_at": "2000-01-01T00:00:00+00:00"}  # a task of an earlier run of the folder
-    for folder, reports in (("mixed", {"task-0": report, "task-1": old}), ("old", {"task-0": old}),
-                            ("stale", {"task-9": earlier, "task-0": report, "task-1": other})):  # fmt: skip
+    for folder, reports in (
+        ("mixed", {"task-0": report, "task-1": old}),
+        ("old", {"task-0": old}),
+        ("stale", {"task-9": earlier, "task-0": report, "task-1": other}),
+    ):
         out = tmp_path / folder
         (state_dir(out) / "reports").mkdir(parents=True)
         for when, (name, body) in enumerate(reports.items()):  # written in this order
@@ -307,8 +327,9 @@ def test_a_run_that_fails_leaves_a_stopped_heartbeat(runner, tmp_path, monkeypat
 
     monkeypatch.setenv("DITANGO_FAULT_INJECT", "0:1")
     out = tmp_path / "out"
-    result = runner.invoke(app, ["generate", "--prompt", "a red circle", "--out", str(out), "--retries", "0",
-                                 *FAST_ARGV])  # fmt: skip
+    result = runner.invoke(
+        app, ["generate", "--prompt", "a red circle", "--out", str(out), "--retries", "0", *FAST_ARGV]
+    )
     assert result.exit_code != 0
     ((_, data),) = read_progress(out)
     assert data["state"] == "stopped"

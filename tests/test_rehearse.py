@@ -60,8 +60,25 @@ def test_fsdp_counts_match_the_meta_builds():
 def test_hunyuan_reads_the_device_once_a_forward():
     """HunyuanVideo's joint attention read its text mask on the host in every block (a wait for
     the GPU 60 times a forward); now only the forward's text padding is read."""
-    code, report, err = rehearse("--model", "hunyuanvideo", "--height", "256", "--width", "256", "--frames", "9",
-                                 "--steps", "4", "--nodes", "1", "--gpus-per-node", "2", "--parallel", "ring", "--json")  # fmt: skip
+    code, report, err = rehearse(
+        "--model",
+        "hunyuanvideo",
+        "--height",
+        "256",
+        "--width",
+        "256",
+        "--frames",
+        "9",
+        "--steps",
+        "4",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "2",
+        "--parallel",
+        "ring",
+        "--json",
+    )
     assert report is not None, err
     assert code == 0, report["problems"]
     for rank in report["ranks"]:
@@ -137,12 +154,25 @@ def test_the_table_names_every_problem(capsys):
     from ditango_cli.rehearse import show
 
     phase = {"traced_bytes": 3 * 2**30, "modelled_bytes": 2 * 2**30, "ratio": 1.5}
-    rank = {"rank": 7, "node": 1, "phases": {"denoise": phase}, "peak": phase, "problems": ["x"],
-            "bytes_per_step": {"inter_node_bytes": 10**9, "intra_node_bytes": 0},
-            "modelled_bytes_per_step": {"inter_node_bytes": 10**9, "intra_node_bytes": 0}}  # fmt: skip
-    report = {"model": "m", "item": {"width": 8, "height": 8, "frames": 1, "tokens": 4}, "gpu_memory_bytes": 80 * 2**30,
-              "layout": {"nodes": 2, "gpus_per_node": 4, "strategy": "ring"}, "steps_rehearsed": [], "offload": [],
-              "ranks": [rank], "problems": ["rank 7: traced peak 3.00 GiB, the memory model says 2.00 GiB (1.5x)"]}  # fmt: skip
+    rank = {
+        "rank": 7,
+        "node": 1,
+        "phases": {"denoise": phase},
+        "peak": phase,
+        "problems": ["x"],
+        "bytes_per_step": {"inter_node_bytes": 10**9, "intra_node_bytes": 0},
+        "modelled_bytes_per_step": {"inter_node_bytes": 10**9, "intra_node_bytes": 0},
+    }
+    report = {
+        "model": "m",
+        "item": {"width": 8, "height": 8, "frames": 1, "tokens": 4},
+        "gpu_memory_bytes": 80 * 2**30,
+        "layout": {"nodes": 2, "gpus_per_node": 4, "strategy": "ring"},
+        "steps_rehearsed": [],
+        "offload": [],
+        "ranks": [rank],
+        "problems": ["rank 7: traced peak 3.00 GiB, the memory model says 2.00 GiB (1.5x)"],
+    }
     show(report)
     out = capsys.readouterr().out
     assert "3.0/2.0" in out and "1.00/1.00" in out and "problem: rank 7: traced peak 3.00 GiB" in out

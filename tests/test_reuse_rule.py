@@ -17,7 +17,7 @@ from runtime.mesh import build_mesh
 from runtime.strategies import selective
 from runtime.strategies.exact import EXACT
 from runtime.strategies.parallelize import ShardContext
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from tests.cli_runs import TWO_SMALL_RANKS, generate
 
 TIMEOUT_S = 90
@@ -137,11 +137,12 @@ def test_the_reuse_mode_is_not_part_of_an_items_making(tmp_path):
     """Folders made before --reuse (or under the other mode) resume; the cache ratio still counts."""
     from dataclasses import replace
 
+    from basics.errors import ConfigError
     from planner.ditango import DiTangoOptions
-    from planner.errors import ConfigError
     from runtime.config import Item, RunConfig
-    from runtime.outputs import output_paths, plan_resume, video_method
+    from runtime.outputs import output_paths, video_method
     from runtime.report import item_record
+    from runtime.resume import plan_resume
     from runtime.video import write_json
 
     item = Item("x", "a red ball", "", 0, 32, 32, 5, 2, 5.0)

@@ -27,8 +27,24 @@ def test_run_file_equals_the_command_line_and_the_command_line_wins(runner, tmp_
         "[items]\nseed = 7\nguidance = 3.0\n"
         '[parallel]\ngpus_per_node = 2\nparallel = "ring"\n'
     )
-    cli = ["generate", "--prompt", "a green square moving right", "--negative-prompt", "blurry", "--steps", "3",
-           "--seed", "7", "--guidance", "3.0", "--gpus", "2", "--parallel", "ring", *SMALL]  # fmt: skip
+    cli = [
+        "generate",
+        "--prompt",
+        "a green square moving right",
+        "--negative-prompt",
+        "blurry",
+        "--steps",
+        "3",
+        "--seed",
+        "7",
+        "--guidance",
+        "3.0",
+        "--gpus",
+        "2",
+        "--parallel",
+        "ring",
+        *SMALL,
+    ]
     assert runner.invoke(app, [*cli, "--out", str(tmp_path / "cli")]).exit_code == 0
     result = runner.invoke(app, ["generate", "--config", str(run), *SMALL, "--out", str(tmp_path / "file")])
     assert result.exit_code == 0, result.stderr
@@ -44,8 +60,9 @@ def test_run_file_equals_the_command_line_and_the_command_line_wins(runner, tmp_
     assert (item["seed"], item["steps"], item["guidance"], item["negative_prompt"]) == (8, 3, 3.0, "blurry")
 
     # A report repeats its run: --config report.json gives the same latents.
-    again = runner.invoke(app, ["generate", "--config", str(tmp_path / "file" / "report.json"),
-                                "--out", str(tmp_path / "again")])  # fmt: skip
+    again = runner.invoke(
+        app, ["generate", "--config", str(tmp_path / "file" / "report.json"), "--out", str(tmp_path / "again")]
+    )
     assert again.exit_code == 0, again.stderr
     assert (latents(tmp_path / "again") == latents(tmp_path / "file")).all()
 

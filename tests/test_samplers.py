@@ -42,9 +42,16 @@ def wan_reference(model_dir, negative: str, scheduler: str | None = None, shift:
     pipe = WanPipeline.from_pretrained(model_dir, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     swap_scheduler(pipe, scheduler, shift)
-    return pipe(prompt="a red kite", negative_prompt=negative, num_inference_steps=4, guidance_scale=4.0,
-                generator=torch.Generator("cpu").manual_seed(5), output_type="latent", max_sequence_length=TEXT_LEN,
-                **SIZE).frames  # fmt: skip
+    return pipe(
+        prompt="a red kite",
+        negative_prompt=negative,
+        num_inference_steps=4,
+        guidance_scale=4.0,
+        generator=torch.Generator("cpu").manual_seed(5),
+        output_type="latent",
+        max_sequence_length=TEXT_LEN,
+        **SIZE,
+    ).frames
 
 
 def generate(runner, model_dir, out, *extra) -> tuple[torch.Tensor, dict]:
@@ -57,10 +64,14 @@ def generate(runner, model_dir, out, *extra) -> tuple[torch.Tensor, dict]:
 
 @pytest.mark.parametrize(
     "scheduler, shift, recorded",
-    [(None, None, ("unipc", 3.0)), ("unipc", 5.0, ("unipc", 5.0)), ("euler", 5.0, ("euler", 5.0)),
-     ("dpm++", 2.0, ("dpm++", 2.0))],
+    [
+        (None, None, ("unipc", 3.0)),
+        ("unipc", 5.0, ("unipc", 5.0)),
+        ("euler", 5.0, ("euler", 5.0)),
+        ("dpm++", 2.0, ("dpm++", 2.0)),
+    ],
     ids=["own", "unipc-5", "euler-5", "dpm-2"],
-)  # fmt: skip
+)
 def test_a_solver_and_shift_give_the_pipelines_latents_and_are_recorded(
     runner, tmp_path, saved_model_dir, scheduler, shift, recorded
 ):
@@ -72,8 +83,19 @@ def test_a_solver_and_shift_give_the_pipelines_latents_and_are_recorded(
     if scheduler is not None:  # the option changes the video: the test could not pass with it ignored
         assert (ref - wan_reference(saved_model_dir, "noise")).abs().max().item() > 1e-3
         # Resuming the folder with the model's own solver is refused, as another step count is.
-        again = runner.invoke(app, ["generate", "--model", str(saved_model_dir), "--out", str(tmp_path / "out"),
-                                    *ARGS, "--negative-prompt", "noise"])  # fmt: skip
+        again = runner.invoke(
+            app,
+            [
+                "generate",
+                "--model",
+                str(saved_model_dir),
+                "--out",
+                str(tmp_path / "out"),
+                *ARGS,
+                "--negative-prompt",
+                "noise",
+            ],
+        )
         made = "scheduler" if scheduler != "unipc" else "flow_shift"
         assert again.exit_code == 2 and f"was made with {made}" in again.stderr, again.stderr
 
@@ -122,21 +144,33 @@ def test_hunyuan_runs_a_solver_and_shift_as_its_pipeline(sampler):
     swap_scheduler(pipe, sampler.name, sampler.flow_shift)
     if sampler.name == "unipc":  # from the Euler config: the settings that make it a flow solver
         pipe.scheduler = UniPCMultistepScheduler.from_config(
-            components["scheduler"].config, prediction_type="flow_prediction", use_flow_sigmas=True,
+            components["scheduler"].config,
+            prediction_type="flow_prediction",
+            use_flow_sigmas=True,
             flow_shift=sampler.flow_shift,
-        )  # fmt: skip
-    ref = pipe(prompt=hy.PROMPT, guidance_scale=6.0, num_inference_steps=hy.STEPS, height=size["height"],
-               width=size["width"], num_frames=size["frames"], generator=torch.Generator("cpu").manual_seed(3),
-               output_type="latent", max_sequence_length=hy.TEXT_LEN,
-               prompt_template=hy.prompt_template(components["tokenizer"])).frames  # fmt: skip
+        )
+    ref = pipe(
+        prompt=hy.PROMPT,
+        guidance_scale=6.0,
+        num_inference_steps=hy.STEPS,
+        height=size["height"],
+        width=size["width"],
+        num_frames=size["frames"],
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="latent",
+        max_sequence_length=hy.TEXT_LEN,
+        prompt_template=hy.prompt_template(components["tokenizer"]),
+    ).frames
     assert (ours - ref).abs().max().item() <= ATOL
     assert (ours - hy.ours(hy.denoiser(), size)).abs().max().item() > 1e-4, "the solver changes the latents"
 
 
 def test_solver_and_shift_errors_are_one_line(runner, tmp_path, saved_model_dir):
-    cases = [(["--scheduler", "heun"], "Invalid value for '--scheduler'"),
-             (["--flow-shift", "0"], "flow shift must be a number in (0, 100], got 0.0"),
-             (["--flow-shift", "nan"], "flow shift must be a number in (0, 100]")]  # fmt: skip
+    cases = [
+        (["--scheduler", "heun"], "Invalid value for '--scheduler'"),
+        (["--flow-shift", "0"], "flow shift must be a number in (0, 100], got 0.0"),
+        (["--flow-shift", "nan"], "flow shift must be a number in (0, 100]"),
+    ]
     for extra, needle in cases:
         result = runner.invoke(app, ["check", "--model", str(saved_model_dir), "--prompt", "a", *extra])
         assert result.exit_code == 2 and needle in result.stderr, result.stderr
@@ -174,7 +208,16 @@ def test_a_distilled_setting_runs_one_branch_a_step_as_the_pipeline(parity_compo
     pipe = WanPipeline(**parity_components)
     pipe.set_progress_bar_config(disable=True)
     swap_scheduler(pipe, "euler", 5.0)
-    ref = pipe(prompt="a blue square", negative_prompt="blurry", height=32, width=32, num_frames=5,
-               num_inference_steps=4, guidance_scale=1.0, generator=torch.Generator("cpu").manual_seed(7),
-               output_type="latent", max_sequence_length=32).frames  # fmt: skip
+    ref = pipe(
+        prompt="a blue square",
+        negative_prompt="blurry",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=4,
+        guidance_scale=1.0,
+        generator=torch.Generator("cpu").manual_seed(7),
+        output_type="latent",
+        max_sequence_length=32,
+    ).frames
     assert (ours - ref).abs().max().item() <= ATOL

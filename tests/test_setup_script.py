@@ -23,8 +23,13 @@ def which(tmp_path: Path, tools: dict[str, str], *args: str, env: dict | None = 
         tool.chmod(0o755)
     base = {k: v for k, v in os.environ.items() if k != "DITANGO_TORCH_BUILD"}
     path = f"{bin_dir}:/usr/bin:/bin"
-    return subprocess.run(["bash", str(SETUP), "--which", *args], capture_output=True, text=True, timeout=60,
-                          env={**base, "PATH": path, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        ["bash", str(SETUP), "--which", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, "PATH": path, **(env or {})},
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,8 +65,9 @@ def test_the_cpu_wheel_comes_from_the_cpu_index_unless_told(tmp_path):
     """PyPI's Linux torch is a CUDA build (GBs of CUDA libraries): the CPU path asks PyTorch's
     CPU index too, whose +cpu wheel outranks it; CI (a wheel on local disk) turns that off."""
     env = {k: v for k, v in os.environ.items() if k != "DITANGO_TORCH_INDEX"}
-    shown = subprocess.run(["bash", str(SETUP), "--which", "--cpu"], capture_output=True, text=True, timeout=60,
-                           env=env)  # fmt: skip
+    shown = subprocess.run(
+        ["bash", str(SETUP), "--which", "--cpu"], capture_output=True, text=True, timeout=60, env=env
+    )
     assert shown.stdout.strip().endswith("torch from https://download.pytorch.org/whl/cpu"), shown.stdout
     assert (
         which(tmp_path, {}, "--cpu", env={"DITANGO_TORCH_INDEX": ""})

@@ -26,9 +26,10 @@ def _run(runner, out: Path, *extra: str) -> tuple[torch.Tensor, dict]:
 
 
 @pytest.mark.parametrize(
-    "strategy", [["--parallel", "ring"], ["--parallel", "ulysses"], ["--parallel", "ditango", "--group-size", "1"]],
+    "strategy",
+    [["--parallel", "ring"], ["--parallel", "ulysses"], ["--parallel", "ditango", "--group-size", "1"]],
     ids=["ring", "ulysses", "ditango"],
-)  # fmt: skip
+)
 @pytest.mark.distributed
 def test_sharded_weights_give_the_unsharded_latents(runner, tmp_path, strategy):
     whole, whole_report = _run(runner, tmp_path / "whole", *strategy)
@@ -42,8 +43,9 @@ def test_sharded_weights_give_the_unsharded_latents(runner, tmp_path, strategy):
 
 
 def test_shard_weights_refuses_hybrid(runner, tmp_path):
-    result = runner.invoke(app, ["generate", *SMALL, "--out", str(tmp_path / "o"), "--cfg-parallel", "--hybrid",
-                                 "--shard-weights"])  # fmt: skip
+    result = runner.invoke(
+        app, ["generate", *SMALL, "--out", str(tmp_path / "o"), "--cfg-parallel", "--hybrid", "--shard-weights"]
+    )
     assert result.exit_code == 2
     assert "--shard-weights does not combine with --hybrid" in result.stderr
 

@@ -29,8 +29,19 @@ def _require_cluster():
 
 
 def test_two_nodes_two_tasks_match_the_local_run(runner, tmp_path):
-    base = ["generate", "--prompt", "a green circle moving up", "--save-latents", "--gpus", "2", "--nodes", "2",
-            "--parallel", "ring", *STEPS]  # fmt: skip
+    base = [
+        "generate",
+        "--prompt",
+        "a green circle moving up",
+        "--save-latents",
+        "--gpus",
+        "2",
+        "--nodes",
+        "2",
+        "--parallel",
+        "ring",
+        *STEPS,
+    ]
     result = runner.invoke(app, [*base, "--partition", "debug", "--out", str(tmp_path / "slurm")])
     assert result.exit_code == 0, result.stderr
     local = [a if a != "slurm" else "local" for a in base]
@@ -92,8 +103,20 @@ def test_cancel_and_resubmit_skips_finished_items(runner, tmp_path):
     prompts.write_text("".join(f"a {c} ball moving {d}\n" for c in colours for d in ("down", "up")))
     out = tmp_path / "out"
     # Full-size items (~2 s each) so that cancelling after the first one leaves most undone.
-    args = ["generate", "--prompts", str(prompts), "--out", str(out), "--device", "cpu", "--quiet",
-            "--partition", "debug", "--executor", "slurm"]  # fmt: skip
+    args = [
+        "generate",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--quiet",
+        "--partition",
+        "debug",
+        "--executor",
+        "slurm",
+    ]
     result = runner.invoke(app, [*args, "--no-wait"])
     assert result.exit_code == 0 and "submitted job" in result.stdout
 
@@ -173,8 +196,24 @@ def test_time_limit_requeues_and_finishes_the_batch(runner, tmp_path):
     ]
     prompts.write_text("\n".join(lines[:30]) + "\n")
     out = tmp_path / "out"
-    args = ["generate", "--prompts", str(prompts), "--out", str(out), "--device", "cpu", "--quiet",
-            "--partition", "debug", "--executor", "slurm", "--time", "2", "--steps", "90"]  # fmt: skip
+    args = [
+        "generate",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--quiet",
+        "--partition",
+        "debug",
+        "--executor",
+        "slurm",
+        "--time",
+        "2",
+        "--steps",
+        "90",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     assert len(list(out.glob("*.mp4"))) == 30
@@ -231,8 +270,9 @@ def test_gpu_request_of_device_auto_is_recorded_by_slurm(runner, tmp_path, monke
     (job_id,) = submission["job_ids"]
     shown = _scontrol_job(job_id)
     assert "TresPerNode=gres:gpu:2" in shown or "TresPerNode=gres/gpu:2" in shown, shown
-    acct = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "ReqTRES"], capture_output=True,
-                          text=True, timeout=30).stdout  # fmt: skip
+    acct = subprocess.run(
+        ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "ReqTRES"], capture_output=True, text=True, timeout=30
+    ).stdout
     assert "gres/gpu=4" in acct, acct  # 2 nodes x 2
     submitted = (Path(submission["folder"]) / job_id / f"{job_id}_submission.sh").read_text()
     assert submitted == planned["sbatch_script"].replace(planned["folder"], submission["folder"])
@@ -242,12 +282,27 @@ def test_gpu_request_of_device_auto_is_recorded_by_slurm(runner, tmp_path, monke
 
 def test_a_gres_allocation_is_seen_with_its_gpus():
     """salloc --gres=gpu:2 sets no GPU variable in its shell: the count comes from the job record."""
-    probe = "from slurm.allocation import allocation_gpus_per_node as g; print('gpus', g())"
+    probe = "from slurm.launchers.srun import allocation_gpus_per_node as g; print('gpus', g())"
     shown = subprocess.run(
-        ["salloc", "--nodes", "1", "--gres", "gpu:2", "--partition", "debug", "--time", "2",
-         sys.executable, "-c", probe],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent,
-    )  # fmt: skip
+        [
+            "salloc",
+            "--nodes",
+            "1",
+            "--gres",
+            "gpu:2",
+            "--partition",
+            "debug",
+            "--time",
+            "2",
+            sys.executable,
+            "-c",
+            probe,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert shown.returncode == 0, shown.stderr
     assert "gpus 2" in shown.stdout, shown.stdout
 
@@ -276,8 +331,9 @@ def _sacct_end(job_id: str) -> str:
     """The job's End by accounting, which may say 'Unknown' for a few seconds after the end."""
     deadline = time.monotonic() + 60
     while True:
-        out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "End"], capture_output=True, text=True,
-                             timeout=30).stdout.split()  # fmt: skip
+        out = subprocess.run(
+            ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "End"], capture_output=True, text=True, timeout=30
+        ).stdout.split()
         if (out and out[0][:1].isdigit()) or time.monotonic() > deadline:
             return out[0] if out else ""
         time.sleep(1)
@@ -299,8 +355,22 @@ def test_a_failing_rank_ends_the_job_within_the_step_timeout(runner, tmp_path, m
     monkeypatch.setenv("DITANGO_FAULT_KIND", kind)
     monkeypatch.setenv("DITANGO_FAULT_ONCE", str(fired))
     out = tmp_path / "out"
-    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--retries", "0",
-            "--timeout", str(SLURM_STEP_TIMEOUT_S), *SMALL, "--steps", "6"]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a red ball",
+        "--out",
+        str(out),
+        "--gpus",
+        "2",
+        "--retries",
+        "0",
+        "--timeout",
+        str(SLURM_STEP_TIMEOUT_S),
+        *SMALL,
+        "--steps",
+        "6",
+    ]
     result = runner.invoke(app, args)
     returned = time.time() - fired.stat().st_mtime
     assert result.exit_code == 1, result.stderr

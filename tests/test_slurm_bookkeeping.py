@@ -21,8 +21,8 @@ from ditango_cli.app import app
 from runtime.config import Item, RunConfig
 from runtime.outputs import state_dir
 from slurm.jobs import ended_state, jobs_file, live_jobs
+from slurm.launchers.sbatch import submit
 from slurm.options import SlurmOptions
-from slurm.submit import submit
 from tests.conftest import FAST_ARGV
 
 real_slurm = pytest.mark.slurm
@@ -81,10 +81,20 @@ def jobs():
 
     def sbatch(command: str, *args: str) -> str:
         run = subprocess.run(
-            ["sbatch", "--parsable", "--partition=debug", "--time=5", "--job-name=bookkeeping-test",
-             "--output=/dev/null", *args, f"--wrap={command}"],
-            capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
+            [
+                "sbatch",
+                "--parsable",
+                "--partition=debug",
+                "--time=5",
+                "--job-name=bookkeeping-test",
+                "--output=/dev/null",
+                *args,
+                f"--wrap={command}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert run.returncode == 0, run.stderr
         job_id = run.stdout.strip().split(";")[0]
         submitted.append(job_id)
@@ -123,8 +133,10 @@ def test_a_step_srun_refuses_is_one_line_and_leaves_no_steps_folder(runner, tmp_
     taken for a failed item; it is a configuration error with srun's own message."""
     run = subprocess.run(
         ["salloc", "--no-shell", "--nodes=1", "--partition=debug", "--time=5", "--job-name=bookkeeping-test"],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     allocation = run.stderr.split("Granted job allocation")[-1].split()[0]
     assert allocation.isdigit(), run.stderr
     try:
@@ -178,8 +190,17 @@ def test_a_job_record_that_cannot_be_read_is_one_line(runner, tmp_path, monkeypa
 
 
 def _config(out: Path) -> RunConfig:
-    item = Item(id="a-red-ball", prompt="a red ball", negative_prompt="", seed=0, height=32, width=64, frames=5,
-                steps=3, guidance=5.0)  # fmt: skip
+    item = Item(
+        id="a-red-ball",
+        prompt="a red ball",
+        negative_prompt="",
+        seed=0,
+        height=32,
+        width=64,
+        frames=5,
+        steps=3,
+        guidance=5.0,
+    )
     return RunConfig(model="tiny-wan", model_path=None, items=(item,), out_dir=out, device="cpu")
 
 
@@ -353,8 +374,13 @@ def test_live_jobs_keeps_jobs_that_have_not_ended(tmp_path, monkeypatch):
     answer = "1|PENDING\n2|RUNNING\n3|COMPLETED\n4|CANCELLED\n5|SUSPENDED\n6|REQUEUED\n7|COMPLETING\n8|TIMEOUT\n"
     calls = fake_slurm(tmp_path, monkeypatch, squeue=(answer, "", 0))
     out = output_folder(tmp_path, [submission(*"12345678"), submission("9")])
-    assert live_jobs(out) == [("1", "PENDING"), ("2", "RUNNING"), ("5", "SUSPENDED"), ("6", "REQUEUED"),
-                              ("7", "COMPLETING")]  # fmt: skip
+    assert live_jobs(out) == [
+        ("1", "PENDING"),
+        ("2", "RUNNING"),
+        ("5", "SUSPENDED"),
+        ("6", "REQUEUED"),
+        ("7", "COMPLETING"),
+    ]
     assert [c[0] for c in recorded(calls)] == ["squeue"]
     assert ended_state("CANCELLED by 0") and not ended_state("PREEMPTED") and not ended_state("CONFIGURING")
 
@@ -370,14 +396,43 @@ def test_steps_start_beside_a_step_that_holds_the_allocation(tmp_path):
     allocation, the ranks' step was created without --overlap and waited for them for ever.
     Here a `sleep` step holds both CPUs of a one-node allocation while the command runs."""
     out = tmp_path / "out"
-    cli = shlex.join([sys.executable, "-c", "from ditango_cli.app import main; main()", "generate", "--prompt",
-                      "a red ball", "--out", str(out), *SMALL, "--gpus", "2", "--executor", "slurm", "--timeout", "10",
-                      "--setup-timeout", "30"])  # fmt: skip
+    cli = shlex.join(
+        [
+            sys.executable,
+            "-c",
+            "from ditango_cli.app import main; main()",
+            "generate",
+            "--prompt",
+            "a red ball",
+            "--out",
+            str(out),
+            *SMALL,
+            "--gpus",
+            "2",
+            "--executor",
+            "slurm",
+            "--timeout",
+            "10",
+            "--setup-timeout",
+            "30",
+        ]
+    )
     script = f"srun --ntasks 2 sleep 300 & sleep 3; {cli}; code=$?; kill %1; exit $code"
     run = subprocess.run(
-        ["salloc", "--nodes=1", "--ntasks-per-node=2", "--partition=debug", "--time=5",
-         "--job-name=bookkeeping-test", "bash", "-c", script],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            "salloc",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--partition=debug",
+            "--time=5",
+            "--job-name=bookkeeping-test",
+            "bash",
+            "-c",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert json.loads((out / "report.json").read_text())["counts"]["done"] == 1

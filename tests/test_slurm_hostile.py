@@ -45,8 +45,22 @@ def test_hostile_paths_and_options_run_literally(runner, tmp_path, work, saved_m
     prompts.write_text("a red ball moving left\n", encoding="utf-8")
     out = tmp_path / HOSTILE
     # This Slurm does not enforce accounts or QOS: it takes them, so the job runs.
-    args = ["generate", "--model", str(model), "--prompts", str(prompts), "--out", str(out), *SMALL,
-            "--account", HOSTILE, "--qos", HOSTILE, "--slurm-arg", f"comment={HOSTILE}"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        *SMALL,
+        "--account",
+        HOSTILE,
+        "--qos",
+        HOSTILE,
+        "--slurm-arg",
+        f"comment={HOSTILE}",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     assert len(list(out.glob("*.mp4"))) == 1

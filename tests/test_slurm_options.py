@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from planner.layout import ParallelLayout
 from runtime.config import Item, RunConfig
 from slurm.options import SlurmOptions, choose_executor, submitit_parameters
@@ -22,16 +22,25 @@ GOLDEN = Path(__file__).parent / "golden" / "submitit_params.json"
 
 def config(nodes: int, gpus: int) -> RunConfig:
     item = Item("a", "a red circle", "", 0, 480, 832, 81, 50, 5.0)
-    return RunConfig("wan2.1-14b", Path("/models/wan"), (item,), Path("/out"),
-                     layout=ParallelLayout(nodes, gpus, strategy="ring"))  # fmt: skip
+    return RunConfig(
+        "wan2.1-14b", Path("/models/wan"), (item,), Path("/out"), layout=ParallelLayout(nodes, gpus, strategy="ring")
+    )
 
 
 def rendered() -> dict:
     full = SlurmOptions(
-        partition="gpu", account="proj", qos="high", time_min=90, cpus_per_task=8, mem="200G", constraint="h100",
-        extra=SlurmOptions.parse_extra(["exclusive=user", "--mail_type=END"]), job_name="batch", array=8,
+        partition="gpu",
+        account="proj",
+        qos="high",
+        time_min=90,
+        cpus_per_task=8,
+        mem="200G",
+        constraint="h100",
+        extra=SlurmOptions.parse_extra(["exclusive=user", "--mail_type=END"]),
+        job_name="batch",
+        array=8,
         array_parallelism=2,
-    )  # fmt: skip
+    )
     # A config with the host memory build_run_config records (planner/host_memory.py): --mem from
     # it unless given; --cpus-per-task 8 unless given (test_host_memory.py derives 120641751450).
     recorded = replace(config(1, 8), host_memory=120_641_751_450)
@@ -110,8 +119,24 @@ def test_hostile_prompts_round_trip_unchanged(runner, tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in hostile))
     out = tmp_path / "out"
-    args = ["generate", "--prompts", str(f), "--out", str(out), "--device", "cpu", "--quiet",
-            "--steps", "1", "--height", "16", "--width", "16", "--frames", "1"]  # fmt: skip
+    args = [
+        "generate",
+        "--prompts",
+        str(f),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--quiet",
+        "--steps",
+        "1",
+        "--height",
+        "16",
+        "--width",
+        "16",
+        "--frames",
+        "1",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     report = json.loads((out / "report.json").read_text())
@@ -141,21 +166,39 @@ def test_aggregate_task_reports_and_sidecars(tmp_path):
     reports = tmp_path / ".ditango" / "reports"
     reports.mkdir(parents=True)
 
-    (reports / "task-0.json").write_text(json.dumps({
-        "schema": 1, "started_at": "2026-01-01T00:00:00", "layout": {"nodes": 2},
-        "items": [record("a", "done"), record("b", "failed", error="boom")],
-    }))  # fmt: skip
-    (reports / "task-1.json").write_text(json.dumps({
-        "schema": 1, "started_at": "2026-01-01T00:00:05", "items": [record("c", "skipped")],
-    }))  # fmt: skip
+    (reports / "task-0.json").write_text(
+        json.dumps(
+            {
+                "schema": 1,
+                "started_at": "2026-01-01T00:00:00",
+                "layout": {"nodes": 2},
+                "items": [record("a", "done"), record("b", "failed", error="boom")],
+            }
+        )
+    )
+    (reports / "task-1.json").write_text(
+        json.dumps(
+            {
+                "schema": 1,
+                "started_at": "2026-01-01T00:00:05",
+                "items": [record("c", "skipped")],
+            }
+        )
+    )
     for item_id in ("a", "c"):  # sidecars of finished items
         (tmp_path / f"{item_id}.json").write_text(json.dumps(record(item_id, "done")))
     # d: done long ago, skipped by the latest run (its report is newer than its sidecar)
     (tmp_path / "d.json").write_text(json.dumps(record("d", "done")))
     os.utime(tmp_path / "d.json", (1_000_000_000, 1_000_000_000))
-    (reports / "task-2.json").write_text(json.dumps({
-        "schema": 1, "started_at": "2026-01-01T00:00:09", "items": [record("d", "skipped")],
-    }))  # fmt: skip
+    (reports / "task-2.json").write_text(
+        json.dumps(
+            {
+                "schema": 1,
+                "started_at": "2026-01-01T00:00:09",
+                "items": [record("d", "skipped")],
+            }
+        )
+    )
     (tmp_path / ".ditango" / "jobs.json").write_text("[]")
     merged = aggregate(tmp_path)
     statuses = [(i["id"], i["status"]) for i in merged["items"]]
@@ -201,8 +244,22 @@ def test_a_step_srun_cannot_start_is_one_line_after_the_setup_timeout(runner, tm
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "0")
     out = tmp_path / "out"
-    args = ["generate", "--prompt", "a red ball", "--out", str(out), "--gpus", "2", "--device", "cpu", "--quiet",
-            "--timeout", "2", "--setup-timeout", "3"]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a red ball",
+        "--out",
+        str(out),
+        "--gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--quiet",
+        "--timeout",
+        "2",
+        "--setup-timeout",
+        "3",
+    ]
     began = time.monotonic()
     result = runner.invoke(app, args)
     assert time.monotonic() - began < 60

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
+from basics.errors import ConfigError
 from ditango_cli.app import app
 from planner.ditango import DiTangoOptions, PlannerConfig
-from planner.errors import ConfigError
 from planner.layout import ParallelLayout, virtual_node_map
 from planner.strategy import strategy_named
 from runtime.assembly import build_denoiser
@@ -21,7 +21,7 @@ from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
 from runtime.step_cache import StepCache
 from runtime.step_cache_options import parse_step_cache
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from tiny_wan import TinyWanConfig, build_tiny_wan
 
 TIMEOUT_S = 90
@@ -105,8 +105,9 @@ def _ranks_target(rank, world, events, strategy, texts):
     out = {}
     for text in texts:
         spec = parse_step_cache(text)
-        denoiser = build_denoiser(components, resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=comm,
-                                  ditango=ditango, step_cache=spec)  # fmt: skip
+        denoiser = build_denoiser(
+            components, resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=comm, ditango=ditango, step_cache=spec
+        )
         if spec.name == "magcache":
             denoiser.step_cache.mag_ratios = RATIOS
         latents = denoise(denoiser)
@@ -183,8 +184,9 @@ def test_cli_records_skips_quality_and_magcache_ratios(runner, tmp_path):
     reference); the report records them, the skipped steps and the quality vs exact."""
     out = tmp_path / "out"
     args = ["generate", "--prompt", "a red square moving left", *FAST, "--out", str(out)]
-    result = runner.invoke(app, [*args, "--step-cache", "magcache:threshold=0.1,retention_ratio=0.2",
-                                 "--reference", "exact"])  # fmt: skip
+    result = runner.invoke(
+        app, [*args, "--step-cache", "magcache:threshold=0.1,retention_ratio=0.2", "--reference", "exact"]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     ratios = report["step_cache_calibration"]["mag_ratios"]
@@ -198,8 +200,10 @@ def test_cli_records_skips_quality_and_magcache_ratios(runner, tmp_path):
     stored = out / ".ditango" / "calibration" / "magcache-report.json"
     planted = {**json.loads(stored.read_text()), "mag_ratios": [1.0] * 8}
     stored.write_text(json.dumps(planted))
-    result = runner.invoke(app, [*args, "--step-cache", "magcache:threshold=0.1,retention_ratio=0.2",
-                                 "--reference", "exact", "--overwrite"])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [*args, "--step-cache", "magcache:threshold=0.1,retention_ratio=0.2", "--reference", "exact", "--overwrite"],
+    )
     assert result.exit_code == 0, result.output
     again = json.loads((out / "report.json").read_text())
     assert again["step_cache_calibration"]["mag_ratios"] == [1.0] * 8
@@ -254,8 +258,9 @@ def test_two_experts_follow_the_steps_of_the_run():
     then the one-expert schedule goes on."""
     from runtime.models.wan import WanVariant
 
-    two = TinyWanConfig(seed=7, heads=2, head_dim=12, layers=2, ffn_dim=32, text_dim=24, text_heads=2,
-                        experts=2, boundary_ratio=0.8)  # fmt: skip
+    two = TinyWanConfig(
+        seed=7, heads=2, head_dim=12, layers=2, ffn_dim=32, text_dim=24, text_heads=2, experts=2, boundary_ratio=0.8
+    )
     den = Denoiser(build_tiny_wan(two), resolve_placement("cpu"), TEXT_LEN, WanVariant(boundary_ratio=0.8))
     (switch,) = den.switches(den.new_scheduler(GEN["steps"]))
     assert 2 < switch < GEN["steps"] - 2  # mid-run
@@ -271,8 +276,14 @@ def test_two_experts_follow_the_steps_of_the_run():
 def _calibration_target(rank, world, events):
     layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy="ring")
     mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
-    denoiser = build_denoiser(build_tiny_wan(MODEL), resolve_placement("cpu"), TEXT_LEN, mesh=mesh, comm=Comm(mesh),
-                              step_cache=parse_step_cache("magcache"))  # fmt: skip
+    denoiser = build_denoiser(
+        build_tiny_wan(MODEL),
+        resolve_placement("cpu"),
+        TEXT_LEN,
+        mesh=mesh,
+        comm=Comm(mesh),
+        step_cache=parse_step_cache("magcache"),
+    )
     denoiser.step_cache.calibrating = True
     denoise(denoiser)
     return denoiser.step_cache.take_calibration()
@@ -306,8 +317,11 @@ def test_cli_tp_and_cfg_parallel_with_a_step_cache_equal_one_process(runner, tmp
 
     cache = ["--step-cache", "first-block:threshold=0.4", "--save-latents", "--executor", "local"]
     args = ["generate", "--prompt", "a blue circle moving up", *FAST, *cache]
-    runs = {"one": [], "tp": ["--gpus-per-node", "1", "--nodes", "2", "--parallel", "tp"],
-            "cfg": ["--gpus-per-node", "2", "--cfg-parallel"]}  # fmt: skip
+    runs = {
+        "one": [],
+        "tp": ["--gpus-per-node", "1", "--nodes", "2", "--parallel", "tp"],
+        "cfg": ["--gpus-per-node", "2", "--cfg-parallel"],
+    }
     reports, latents = {}, {}
     for name, extra in runs.items():
         result = runner.invoke(app, [*args, "--out", str(tmp_path / name), *extra])

@@ -37,8 +37,9 @@ class Scripted:
                 if item.id in fail_ids:
                     mark_running(self.cfg, item)  # the item in flight when its rank died
                     break
-                record = item_record(item, model="tiny-wan", status="done", video=f"{item.id}.mp4", latents=None,
-                                     timing=None)  # fmt: skip
+                record = item_record(
+                    item, model="tiny-wan", status="done", video=f"{item.id}.mp4", latents=None, timing=None
+                )
                 write_json(output_paths(self.cfg.out_dir, item.id)["sidecar"], record)
             error = None if kind == "done" else f"rank 1 failed: {kind}"
             outcomes.append(Outcome(t, error, 1 if error else None, f"job {t}", kind == "cancel"))

@@ -13,10 +13,44 @@ TARGET = 33.0
 
 
 def _run(runner, prompts, out, *extra):
-    args = ["generate", "--prompts", str(prompts), "--out", str(out), "--device", "cpu", "--steps", "8",
-            "--height", "32", "--width", "32", "--frames", "9", "--gpus", "2", "--nodes", "2", "--executor", "local", "--parallel", "ditango", "--group-size", "1",
-            "--warmup", "1", "--cooldown", "1", "--target-psnr", str(TARGET), "--reference", "exact",
-            "--reuse", "always", *extra]  # fmt: skip
+    args = [
+        "generate",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--steps",
+        "8",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "9",
+        "--gpus",
+        "2",
+        "--nodes",
+        "2",
+        "--executor",
+        "local",
+        "--parallel",
+        "ditango",
+        "--group-size",
+        "1",
+        "--warmup",
+        "1",
+        "--cooldown",
+        "1",
+        "--target-psnr",
+        str(TARGET),
+        "--reference",
+        "exact",
+        "--reuse",
+        "always",
+        *extra,
+    ]
     return runner.invoke(app, args)
 
 
@@ -137,9 +171,10 @@ def test_the_calibration_decodes_as_the_run_with_the_transformer_offloaded_and_t
     # The writer's word reaches every rank: its PSNR (50 dB) for a trial.
     ctx = SimpleNamespace(is_writer=writer, from_writer=lambda obj: events.append(("from_writer",)) or 50.0)
     cfg = SimpleNamespace(
-        ditango=DiTangoOptions(planner, target_psnr=40.0), decode=DecodeOptions(parallel=True, tile_px=128),
+        ditango=DiTangoOptions(planner, target_psnr=40.0),
+        decode=DecodeOptions(parallel=True, tile_px=128),
         offload=("transformer",),
-    )  # fmt: skip
+    )
     item = SimpleNamespace(id="a", steps=4, cfg_scale=5.0, guidance_2=None, sampler=None)
     calibrate.calibrate(denoiser, item, cfg, ctx, ("text", "noise", None), "exact latents")
     decodes = [e[1] for e in events if e[0] == "decode"]

@@ -69,7 +69,19 @@ def test_the_documented_cpu_rank_setting_is_not_refused(runner, login_node, tmp_
     """DITANGO_RANK_DEVICE=cpu: the job asks Slurm for GPUs but its ranks compute on CPUs (a
     cluster of placeholder GPUs, as the Slurm tests have), so the CPU build is what they need."""
     monkeypatch.setenv(rank_mod.RANK_DEVICE_ENV, "cpu")
-    args = ["generate", "--prompt", "a red ball", "--out", str(tmp_path / "out"), "--nodes", "2", "--gpus", "2",
-            *SMALL, "--dry-run", "--json"]  # fmt: skip
+    args = [
+        "generate",
+        "--prompt",
+        "a red ball",
+        "--out",
+        str(tmp_path / "out"),
+        "--nodes",
+        "2",
+        "--gpus",
+        "2",
+        *SMALL,
+        "--dry-run",
+        "--json",
+    ]
     dry = runner.invoke(app, args)
     assert dry.exit_code == 0 and "CPU-only" not in dry.stderr, dry.stderr

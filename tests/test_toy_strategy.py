@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from basics.errors import ConfigError
 from planner.cost_model import HARDWARE, estimate
-from planner.errors import ConfigError
 from planner.layout import ParallelLayout, virtual_node_map
 from planner.memory import estimate_memory
 from planner.models import VideoSize
@@ -25,7 +25,7 @@ from runtime.mesh import build_mesh
 from runtime.models.loading import resolve_placement
 from runtime.models.registry import REGISTRY
 from runtime.strategies.exact import whole_attention
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from tests.test_cost_model import SHAPE
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN, denoise
 from tiny_wan import build_tiny_wan

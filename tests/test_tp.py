@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from basics.errors import ConfigError
 from planner.comparison import compare_layouts
 from planner.cost_model import HARDWARE, estimate
-from planner.errors import ConfigError
 from planner.layout import ParallelLayout, replica_layout, virtual_node_map
 from planner.memory import estimate_memory
 from planner.models import ModelShape, VideoSize
@@ -23,22 +23,41 @@ from runtime.mesh import build_mesh
 from runtime.models import hunyuan
 from runtime.models.loading import resolve_placement
 from runtime.strategies import parallelize
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 from tests.test_cp_pipeline import CP_MODEL, GEN, SIZE, TEXT_LEN, denoise
 from tiny_wan import build_tiny_wan
 
 TP_ATOL = 1e-4  # the exact strategies' bound in float32: the all-reduces change rounding, nothing else may
 TIMEOUT_S = 90
 # CP_MODEL: 12 heads and FFN 48, so tp 2, 3 and 4 are legal; 30 tokens at SIZE.
-SHAPE = ModelShape("tp-test", layers=CP_MODEL.layers, heads=CP_MODEL.heads, head_dim=CP_MODEL.head_dim,
-                   ffn=CP_MODEL.ffn_dim, text_len=TEXT_LEN, text_dim=CP_MODEL.text_dim)  # fmt: skip
+SHAPE = ModelShape(
+    "tp-test",
+    layers=CP_MODEL.layers,
+    heads=CP_MODEL.heads,
+    head_dim=CP_MODEL.head_dim,
+    ffn=CP_MODEL.ffn_dim,
+    text_len=TEXT_LEN,
+    text_dim=CP_MODEL.text_dim,
+)
 TOKENS = 30
 # Wan2.1 I2V's cross-attention: image keys through add_k_proj/add_v_proj (from the C-wide image
 # embedding, so added_kv_proj_dim = C) and norm_added_k.
 # diffusers' processor takes all but the last 512 text tokens for the image, so the text is 512 long.
-I2V = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=36, out_channels=16,
-           text_dim=24, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, image_dim=20,
-           added_kv_proj_dim=32, rope_max_seq_len=32)  # fmt: skip
+I2V = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=4,
+    attention_head_dim=8,
+    in_channels=36,
+    out_channels=16,
+    text_dim=24,
+    freq_dim=32,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    image_dim=20,
+    added_kv_proj_dim=32,
+    rope_max_seq_len=32,
+)
 I2V_TEXT, I2V_IMAGE = 512, 5
 # One launch of 4 ranks on 2 virtual nodes (node map 0, 0, 1, 1; each launch costs its ranks'
 # imports): (name, cfg degree, tp degree). tp over all 4 ranks, and cfg-parallel with tp over
@@ -49,8 +68,12 @@ RUNS = [("tp", 1, 4), ("cfg_tp", 2, 2)]
 
 def forward_inputs(in_channels: int, text_dim: int, text: int, image_dim: int | None = None) -> dict:
     g = torch.Generator().manual_seed(17)
-    kwargs = dict(hidden_states=torch.randn(1, in_channels, 2, 6, 10, generator=g), timestep=torch.tensor([700.0]),
-                  encoder_hidden_states=torch.randn(1, text, text_dim, generator=g), return_dict=False)  # fmt: skip
+    kwargs = dict(
+        hidden_states=torch.randn(1, in_channels, 2, 6, 10, generator=g),
+        timestep=torch.tensor([700.0]),
+        encoder_hidden_states=torch.randn(1, text, text_dim, generator=g),
+        return_dict=False,
+    )
     if image_dim is not None:
         kwargs["encoder_hidden_states_image"] = torch.randn(1, I2V_IMAGE, image_dim, generator=g)
     return kwargs
@@ -84,9 +107,14 @@ def _target(rank, world, events):
         den.parallel.remove()
         with torch.no_grad():
             restored = model(**x)[0]
-        out[name] = dict(forward_err=(forward - reference).abs().max().item(), collectives=_collective_counts(debug),
-                         forward_bytes=forward_bytes, latents=latents, bytes=comm.totals(),
-                         restored=torch.equal(restored, reference))  # fmt: skip
+        out[name] = dict(
+            forward_err=(forward - reference).abs().max().item(),
+            collectives=_collective_counts(debug),
+            forward_bytes=forward_bytes,
+            latents=latents,
+            bytes=comm.totals(),
+            restored=torch.equal(restored, reference),
+        )
 
     torch.manual_seed(5)
     i2v = WanTransformer3DModel(**I2V).eval()
@@ -141,8 +169,9 @@ def test_tp_equals_one_process_and_counts_ring_bytes(reference):
             fwd = got["forward_bytes"]
             assert fwd["intra_node_bytes"] + fwd["inter_node_bytes"] == CP_MODEL.layers * per_block
         measured = sum_comm([per_rank[r][name]["bytes"] for r in range(world)])
-        predicted = predict_traffic(layout, SHAPE, VideoSize(**SIZE), GEN["steps"],
-                                    element_bytes=4, node_of=virtual_node_map(layout))  # fmt: skip
+        predicted = predict_traffic(
+            layout, SHAPE, VideoSize(**SIZE), GEN["steps"], element_bytes=4, node_of=virtual_node_map(layout)
+        )
         assert predicted == measured, name
         forwards = GEN["steps"] * 2 // cfg_degree  # per rank: both CFG branches, or its own
         assert sum(measured["by_purpose"]["tp"].values()) == world * forwards * CP_MODEL.layers * per_block
@@ -151,9 +180,15 @@ def test_tp_equals_one_process_and_counts_ring_bytes(reference):
             assert links["inter_node_bytes"] == links["intra_node_bytes"] > 0
         else:  # each CFG branch's pair inside its node (the CFG exchange crosses)
             assert set(links) == {"intra_node_bytes"} and measured["by_purpose"]["cfg"]["inter_node_bytes"] > 0
-    i2v_shape = ModelShape("i2v-test", layers=I2V["num_layers"], heads=I2V["num_attention_heads"],
-                           head_dim=I2V["attention_head_dim"], ffn=I2V["ffn_dim"], text_len=I2V_TEXT,
-                           image_tokens=I2V_IMAGE)  # fmt: skip
+    i2v_shape = ModelShape(
+        "i2v-test",
+        layers=I2V["num_layers"],
+        heads=I2V["num_attention_heads"],
+        head_dim=I2V["attention_head_dim"],
+        ffn=I2V["ffn_dim"],
+        text_len=I2V_TEXT,
+        image_tokens=I2V_IMAGE,
+    )
     layout = ParallelLayout(nodes, world // nodes, strategy="tp")
     predicted = predict_traffic(layout, i2v_shape, VideoSize(48, 80, 5), 1, guidance=False, element_bytes=4)
     assert predicted == sum_comm([per_rank[r]["i2v"]["forward_bytes"] for r in range(world)])
@@ -215,8 +250,10 @@ def test_cost_model_prices_and_lists_tp():
     assert inside.attention_s == pytest.approx(one.attention_s / 4, rel=1e-9)
     assert one.step_s / 4 < inside.step_s < across.step_s
     _, notes = compare_layouts(hw, shape, 3, 4, ["tp"], "node", VideoSize(480, 832, 81), 50)
-    assert notes == ["tp on 3 node(s): tp degree 12 must divide the model's 40 attention heads; use --parallel ring, "
-                     "or tp over 4 ranks per cp group"]  # fmt: skip
+    assert notes == [
+        "tp on 3 node(s): tp degree 12 must divide the model's 40 attention heads; use --parallel ring, "
+        "or tp over 4 ranks per cp group"
+    ]
     # Memory: 1/n of each block's split weights; the root (embeddings, head) and 11 C a block whole.
     whole = estimate_memory(shape, ParallelLayout(1, 1), VideoSize(480, 832, 81)).stages["weights"]
     assert whole == 2 * shape.params

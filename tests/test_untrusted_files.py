@@ -219,9 +219,10 @@ def test_relative_loras_resolve_beside_the_file_that_names_them(runner, tmp_path
         ({"transformer.target_modules": ["to_q"]}, "lora_adapter_metadata's target_modules leave out"),
         ({"transformer.bogus": 1}, "its lora_adapter_metadata is no peft LoRA config"),
     ],
-)  # fmt: skip
-def test_a_lora_that_cannot_be_applied_is_refused_before_the_run(runner, tmp_path, saved_model_dir, lora, damage,
-                                                                  needle):  # fmt: skip
+)
+def test_a_lora_that_cannot_be_applied_is_refused_before_the_run(
+    runner, tmp_path, saved_model_dir, lora, damage, needle
+):
     """The pre-check compared only the in/out sizes of 2-D factors, and not the peft config the
     file carries (which diffusers builds the adapter from, not from the tensors): these started
     the run and failed at load, with exit 1 and no video, or left a layer's weights unused."""
@@ -238,8 +239,22 @@ def test_a_lora_that_cannot_be_applied_is_refused_before_the_run(runner, tmp_pat
         save_file(damage(tensors), str(bad), metadata=metadata)
     for command in ("check", "generate"):
         out = tmp_path / command
-        result = runner.invoke(app, [command, "--model", str(saved_model_dir), "--prompt", "a", "--lora", str(bad),
-                                     "--out", str(out), "--device", "cpu"])  # fmt: skip
+        result = runner.invoke(
+            app,
+            [
+                command,
+                "--model",
+                str(saved_model_dir),
+                "--prompt",
+                "a",
+                "--lora",
+                str(bad),
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+            ],
+        )
         refused(result, needle)
         assert not out.exists()
 
@@ -336,11 +351,23 @@ def test_status_prints_no_control_character_from_the_files_it_reads(runner, tmp_
     progress.mkdir(parents=True)
     hostile = "\x1b]0;owned\x07\x1b[2J\x9b31m\r\u202e"
     for name, state in (("task-0", "running"), (f"task-1{hostile}", f"ended{hostile}")):
-        beat = {"state": state, "updated": time.time(), "pid": 4_000_000, "host": f"node{hostile}", "done": 1,
-                "failed": 0, "item_index": 1, "items": 2, "item": f"a{hostile}", "step": 1, "steps": 3}  # fmt: skip
+        beat = {
+            "state": state,
+            "updated": time.time(),
+            "pid": 4_000_000,
+            "host": f"node{hostile}",
+            "done": 1,
+            "failed": 0,
+            "item_index": 1,
+            "items": 2,
+            "item": f"a{hostile}",
+            "step": 1,
+            "steps": 3,
+        }
         (progress / f"{name}.json").write_text(json.dumps(beat))
-    (out / "a.json").write_text(json.dumps({"schema": 1, "id": f"a{hostile}", "status": "failed",
-                                            "error": f"boom{hostile}"}))  # fmt: skip
+    (out / "a.json").write_text(
+        json.dumps({"schema": 1, "id": f"a{hostile}", "status": "failed", "error": f"boom{hostile}"})
+    )
     for command in ("status", "report"):
         result = runner.invoke(app, [command, str(out)])
         assert result.exit_code in (0, 1), result.stderr[-2000:]
@@ -350,8 +377,9 @@ def test_status_prints_no_control_character_from_the_files_it_reads(runner, tmp_
         assert not bad, (command, bad, shown)
 
 
-def test_status_reads_a_failed_jobs_error_from_its_logs_never_its_result_pickles(runner, tmp_path, monkeypatch,
-                                                                                  never_unpickled):  # fmt: skip
+def test_status_reads_a_failed_jobs_error_from_its_logs_never_its_result_pickles(
+    runner, tmp_path, monkeypatch, never_unpickled
+):
     """The bug: `status` asked submitit for a failed job's exception, which unpickles each task's
     result file in the output folder (a file anyone who can write there can make); a job record
     naming 10^12 tasks ended in a MemoryError, and tasks with no result waited 15 s each."""
@@ -402,11 +430,12 @@ def test_paths_no_file_system_takes_are_one_line(runner, tmp_path, case):
     args = {
         "nul prompts": (["--config", str(run_file)], "a path holds no NUL byte"),
         "nul jsonl image": (["--model", "wan2.1-i2v-14b-480p", "--prompts", str(batch)], "a path holds no NUL byte"),
-        "image loop": (["--model", "wan2.1-i2v-14b-480p", "--prompt", "a", "--image", str(tmp_path / "a")],
-                       "its symbolic links loop"),
-        "mag_ratios loop": (["--prompt", "a", "--step-cache", f"magcache:mag_ratios={tmp_path / 'a'}"],
-                            "mag_ratios"),
-    }  # fmt: skip
+        "image loop": (
+            ["--model", "wan2.1-i2v-14b-480p", "--prompt", "a", "--image", str(tmp_path / "a")],
+            "its symbolic links loop",
+        ),
+        "mag_ratios loop": (["--prompt", "a", "--step-cache", f"magcache:mag_ratios={tmp_path / 'a'}"], "mag_ratios"),
+    }
     argv, needle = args[case]
     refused(runner.invoke(app, ["check", "--device", "cpu", *argv]), needle)
 
@@ -458,9 +487,11 @@ def test_a_model_config_with_a_size_no_model_has_is_one_line(runner, tmp_path, s
 
 @pytest.mark.parametrize(
     ("line", "needle"),
-    [({"prompt": "a", "guidance": 10**400}, '"guidance" must be a number'),
-     ({"prompt": "a", "loras": [{"source": "x.safetensors", "scale": 10**400}]}, "scale must be a number within")],
-)  # fmt: skip
+    [
+        ({"prompt": "a", "guidance": 10**400}, '"guidance" must be a number'),
+        ({"prompt": "a", "loras": [{"source": "x.safetensors", "scale": 10**400}]}, "scale must be a number within"),
+    ],
+)
 def test_a_number_no_float_holds_is_one_line(runner, tmp_path, line, needle):
     """JSON integers have no bound: 10^400 ended in an OverflowError converting it to a float."""
     batch = tmp_path / "batch.jsonl"

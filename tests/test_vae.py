@@ -17,7 +17,7 @@ from planner.layout import ParallelLayout, virtual_node_map
 from runtime.comm import Comm
 from runtime.mesh import build_mesh
 from runtime.vae import DecodeOptions, TiledDecoder, decode_video
-from slurm.local import run_ranks
+from slurm.launchers.processes import run_ranks
 
 TOL = 1e-5
 TIMEOUT_S = 60
@@ -28,19 +28,38 @@ def build_vae(family: str):
 
     torch.manual_seed(7)
     if family == "wan2.1":
-        vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                               temperal_downsample=[False, True, True])  # fmt: skip
+        vae = AutoencoderKLWan(
+            base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        )
     elif family == "wan2.2":
-        vae = AutoencoderKLWan(base_dim=8, decoder_base_dim=16, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                               temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
-                               out_channels=12, patch_size=2, scale_factor_temporal=4, scale_factor_spatial=16)  # fmt: skip
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            decoder_base_dim=16,
+            z_dim=4,
+            dim_mult=[1, 2, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_temporal=4,
+            scale_factor_spatial=16,
+        )
     else:
         vae = AutoencoderKLHunyuanVideo(
-            in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-            up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-            norm_num_groups=4, spatial_compression_ratio=8, temporal_compression_ratio=4,
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+            block_out_channels=(8, 8, 8, 8),
+            layers_per_block=1,
+            norm_num_groups=4,
+            spatial_compression_ratio=8,
+            temporal_compression_ratio=4,
             mid_block_add_attention=True,
-        )  # fmt: skip
+        )
     return vae.eval()
 
 
@@ -60,8 +79,12 @@ def test_one_process_equals_diffusers_tiled_decode(family, shape, tile):
     ours = decode_video(vae, z, options)
     assert ours.record["tiles"] == (10 if family == "hunyuan" else 5)
     stride = int(tile * 0.75)
-    vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile, tile_sample_stride_height=stride,
-                      tile_sample_stride_width=stride)  # fmt: skip
+    vae.enable_tiling(
+        tile_sample_min_height=tile,
+        tile_sample_min_width=tile,
+        tile_sample_stride_height=stride,
+        tile_sample_stride_width=stride,
+    )
     with torch.no_grad():
         ref = vae.decode(z, return_dict=False)[0]
     assert ours.video_BCFHW.shape == ref.shape
@@ -136,9 +159,34 @@ def test_cli_decodes_tiles_on_two_ranks_and_records_the_cost(runner, tmp_path, s
     from ditango_cli.app import app
 
     out = tmp_path / "out"
-    args = ["generate", "--model", str(saved_model_dir), "--prompt", "a red ball", "--steps", "2", "--height", "64",
-            "--width", "64", "--frames", "5", "--device", "cpu", "--quiet", "--gpus", "2", "--parallel", "ring",
-            "--vae-tile", "32", "--reference", "exact", "--out", str(out)]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(saved_model_dir),
+        "--prompt",
+        "a red ball",
+        "--steps",
+        "2",
+        "--height",
+        "64",
+        "--width",
+        "64",
+        "--frames",
+        "5",
+        "--device",
+        "cpu",
+        "--quiet",
+        "--gpus",
+        "2",
+        "--parallel",
+        "ring",
+        "--vae-tile",
+        "32",
+        "--reference",
+        "exact",
+        "--out",
+        str(out),
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     decode = json.loads((out / "report.json").read_text())["items"][0]["decode"]
@@ -160,9 +208,36 @@ def test_the_exact_reference_is_decoded_tiled_as_the_run(runner, tmp_path, saved
     from ditango_cli.app import app
 
     out = tmp_path / "out"
-    args = ["generate", "--model", str(saved_model_dir), "--prompt", "a red circle", "--out", str(out), "--steps", "2",
-            "--height", "128", "--width", "128", "--frames", "5", "--device", "cpu", "--quiet", "--gpus", "2",
-            "--parallel", "ditango", "--cache-ratio", "0", "--reference", "exact", "--vae-tile", "32"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        str(saved_model_dir),
+        "--prompt",
+        "a red circle",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--height",
+        "128",
+        "--width",
+        "128",
+        "--frames",
+        "5",
+        "--device",
+        "cpu",
+        "--quiet",
+        "--gpus",
+        "2",
+        "--parallel",
+        "ditango",
+        "--cache-ratio",
+        "0",
+        "--reference",
+        "exact",
+        "--vae-tile",
+        "32",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     (item,) = json.loads((out / "report.json").read_text())["items"]

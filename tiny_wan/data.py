@@ -118,9 +118,7 @@ def sample_spec(seed: int) -> VideoSpec:
 
 def all_captions() -> list[str]:
     """Every caption the dataset can produce (the conditioning vocabulary of the model)."""
-    return [
-        caption(c, s, d, b) for c in COLOURS for s in SHAPES for d in DIRECTIONS for b in BACKGROUNDS
-    ]  # fmt: skip
+    return [caption(c, s, d, b) for c in COLOURS for s in SHAPES for d in DIRECTIONS for b in BACKGROUNDS]
 
 
 @dataclass(frozen=True)

@@ -133,9 +133,12 @@ class Trainer:
         tmp = self.run_dir / "checkpoint.safetensors.tmp"
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         meta = {
-            "step": self.step, "compute_s": self.compute_s, "cpu_s": self.cpu_s, "config": asdict(self.cfg),
+            "step": self.step,
+            "compute_s": self.compute_s,
+            "cpu_s": self.cpu_s,
+            "config": asdict(self.cfg),
             "losses": self.losses,
-        }  # fmt: skip
+        }
         (self.run_dir / "checkpoint.json.tmp").write_text(json.dumps(meta))
         os.replace(tmp, self.run_dir / "checkpoint.safetensors")
         os.replace(self.run_dir / "checkpoint.json.tmp", self.run_dir / "checkpoint.json")

@@ -18,10 +18,20 @@ from benchmarks.gpu.runtime_checks import Row, _rand
 
 # Two blocks of Wan2.1-1.3B's width (12 heads x 128): enough for every split, seconds on a GPU.
 WAN_SMALL = dict(
-    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-    eps=1e-6, rope_max_seq_len=1024,
-)  # fmt: skip
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
 
 
 def _one_rank_world(device: torch.device, backend: str) -> None:
@@ -29,14 +39,19 @@ def _one_rank_world(device: torch.device, backend: str) -> None:
 
     bound = {"device_id": device} if device.type == "cuda" else {}
     rdzv = tempfile.mktemp(prefix="ditango-gpu-check-")
-    dist.init_process_group(backend, init_method=f"file://{rdzv}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60), **bound)  # fmt: skip
+    dist.init_process_group(
+        backend, init_method=f"file://{rdzv}", rank=0, world_size=1, timeout=timedelta(seconds=60), **bound
+    )
 
 
 def sharding_rows(
-    device: str = "cuda", backend: str = "nccl", config: dict | None = None, latent_shape=(3, 16, 16),
-    dtype: torch.dtype | None = None, text_len: int = 64,
-) -> list[Row]:  # fmt: skip
+    device: str = "cuda",
+    backend: str = "nccl",
+    config: dict | None = None,
+    latent_shape=(3, 16, 16),
+    dtype: torch.dtype | None = None,
+    text_len: int = 64,
+) -> list[Row]:
     """A random-weight Wan transformer's forward three ways on one rank: whole, FSDP2-sharded
     (runtime/weights.py, `min_degree` 1) and split by DTensor tensor parallelism (wan.install_tp
     with `split_one`); each must equal the whole one, and every TP shard must own only its bytes."""
@@ -87,8 +102,15 @@ def sharding_rows(
         degree = shard_weights({"transformer": sharded}, mesh, dev, min_degree=1)
         fsdp = type(sharded).__name__.startswith("FSDP")
         r = rel(forward(sharded))
-        rows.append(Row("sharding", f"FSDP2 over a one-rank mesh (degree {degree}): forward vs whole (relative)", r,
-                        f"<= {tol:g}", fsdp and r <= tol))  # fmt: skip
+        rows.append(
+            Row(
+                "sharding",
+                f"FSDP2 over a one-rank mesh (degree {degree}): forward vs whole (relative)",
+                r,
+                f"<= {tol:g}",
+                fsdp and r <= tol,
+            )
+        )
 
         split = copy.deepcopy(model)
         tp_mesh = build_mesh(ParallelLayout(strategy="tp"), 0, (0,), device=dev)
@@ -96,8 +118,15 @@ def sharding_rows(
         wan.install_tp(split, tp)
         dtensors = [p for p in split.parameters() if isinstance(p, DTensor)]
         r = rel(forward(split))
-        rows.append(Row("sharding", f"DTensor TP over a one-rank mesh ({len(dtensors)} split parameters): forward vs "
-                        "whole (relative)", r, f"<= {tol:g}", bool(dtensors) and r <= tol))  # fmt: skip
+        rows.append(
+            Row(
+                "sharding",
+                f"DTensor TP over a one-rank mesh ({len(dtensors)} split parameters): forward vs whole (relative)",
+                r,
+                f"<= {tol:g}",
+                bool(dtensors) and r <= tol,
+            )
+        )
         extra = sum(p.to_local().untyped_storage().nbytes() - p.to_local().numel() * p.element_size() for p in dtensors)
         rows.append(Row("sharding", "TP shards: storage bytes beyond their own", extra, "== 0", extra == 0))
     finally:
@@ -132,9 +161,15 @@ def _peak_traced(device: torch.device) -> Callable:
 
 
 def memory_rows(
-    device: str = "cuda", heads: int = 40, head_dim: int = 128, ffn: int = 13824, tokens: int = 75_600,
-    text_len: int = 512, video: tuple[int, int, int] = (720, 1280, 81), tol: float = 0.15,
-) -> list[Row]:  # fmt: skip
+    device: str = "cuda",
+    heads: int = 40,
+    head_dim: int = 128,
+    ffn: int = 13824,
+    tokens: int = 75_600,
+    text_len: int = 512,
+    video: tuple[int, int, int] = (720, 1280, 81),
+    tol: float = 0.15,
+) -> list[Row]:
     """planner/memory.py against the measured peak: one Wan block (Wan2.1-14B's width by default)
     at `tokens` in bfloat16 on GPU (the block's transient: `block_bytes` less the forward's
     full-length inputs), and a random-weight Wan2.1 VAE decode of `video` (height, width,
@@ -172,9 +207,16 @@ def memory_rows(
     _, _, transient = block_bytes(shape, ParallelLayout(), tokens, MemoryOptions(dtype_bytes=e))
     model = transient - forward_inputs_bytes(shape, tokens, e)  # the inputs exist before the measurement
     ratio = got / model
-    rows.append(Row("memory", f"one block C={C} F={ffn} at {tokens} tokens ({str(dtype)[6:]}): peak / model "
-                    f"({got / 2**30:.2f} / {model / 2**30:.2f} GiB)", ratio, f"within {tol:.0%}",
-                    abs(ratio - 1) <= tol))  # fmt: skip
+    rows.append(
+        Row(
+            "memory",
+            f"one block C={C} F={ffn} at {tokens} tokens ({str(dtype)[6:]}): peak / model "
+            f"({got / 2**30:.2f} / {model / 2**30:.2f} GiB)",
+            ratio,
+            f"within {tol:.0%}",
+            abs(ratio - 1) <= tol,
+        )
+    )
     h, w, f = video
     with torch.device(dev):
         vae = AutoencoderKLWan()
@@ -191,7 +233,14 @@ def memory_rows(
             got = peak(lambda: vae.decode(z, return_dict=False)[0])
         model = decode_bytes(vae_shape, latent, tiled, 256)
         ratio = got / model
-        rows.append(Row("memory", f"Wan VAE decode {w}x{h}x{f} {'tiled 256 px' if tiled else 'untiled'}: peak / model "
-                        f"({got / 2**30:.2f} / {model / 2**30:.2f} GiB)", ratio, f"within {tol:.0%}",
-                        abs(ratio - 1) <= tol))  # fmt: skip
+        rows.append(
+            Row(
+                "memory",
+                f"Wan VAE decode {w}x{h}x{f} {'tiled 256 px' if tiled else 'untiled'}: peak / model "
+                f"({got / 2**30:.2f} / {model / 2**30:.2f} GiB)",
+                ratio,
+                f"within {tol:.0%}",
+                abs(ratio - 1) <= tol,
+            )
+        )
     return rows

@@ -82,7 +82,7 @@ def wan_step_s() -> float | str:
         num_layers=30,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
-    )  # fmt: skip  (Wan2.1-T2V-1.3B)
+    )  # Wan2.1-T2V-1.3B
     model = WanTransformer3DModel(**cfg).to("cuda", torch.bfloat16).eval()
     x = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=torch.bfloat16)  # 832x480x81
     text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16)
@@ -115,7 +115,7 @@ def main() -> None:
             "attention_tflops": attn,
             "best_attention_over_matmul": None if best_attn is None else round(best_attn / mm, 3),
             "wan2.1_1.3b_forward_s_832x480x81": wan_step_s(),
-        },  # fmt: skip
+        },
     }
     with open(args.out, "w") as f:
         json.dump(profile, f, indent=2)

@@ -63,11 +63,23 @@ def nccl_rows(device: str = "cuda", backend: str = "nccl") -> list[Row]:
         def mesh_for(layout: ParallelLayout) -> Mesh:
             cp = layout.cp_degree
             return Mesh(
-                layout=layout, rank=0, node_of=(0,) * cp, cp_ranks=(0,) * cp, ulysses_ranks=(0,),
-                ring_ranks=(0,) * cp, near_ranks=(0,) * layout.group, cfg_ranks=(0,), device=device,
-                world_group=world, control_group=control, cp_group=world, ulysses_group=None,
-                ring_group=world, near_group=world if layout.group > 1 else None, cfg_group=None,
-            )  # fmt: skip
+                layout=layout,
+                rank=0,
+                node_of=(0,) * cp,
+                cp_ranks=(0,) * cp,
+                ulysses_ranks=(0,),
+                ring_ranks=(0,) * cp,
+                near_ranks=(0,) * layout.group,
+                cfg_ranks=(0,),
+                device=device,
+                world_group=world,
+                control_group=control,
+                cp_group=world,
+                ulysses_group=None,
+                ring_group=world,
+                near_group=world if layout.group > 1 else None,
+                cfg_group=None,
+            )
 
         ring_mesh = mesh_for(ParallelLayout(nodes=1, gpus_per_node=4, strategy="ring"))
         warm_up(ring_mesh)  # raises on a wrong sum
@@ -139,15 +151,23 @@ def cache_rows(device: str = "cuda", shape: dict = CACHE_14B, name: str = "14B 7
 
     device = torch.device(device, 0) if device == "cuda" else torch.device(device)
     cuda = device.type == "cuda"
-    layers, heads, head_dim, cp, group, branches = (shape[k] for k in ("layers", "heads", "head_dim", "cp", "group",
-                                                                       "branches"))  # fmt: skip
+    layers, heads, head_dim, cp, group, branches = (
+        shape[k] for k in ("layers", "heads", "head_dim", "cp", "group", "branches")
+    )
     local = shape["tokens"] // cp
     dtype = cache_dtype_for(None, device)
     layout = ParallelLayout(nodes=cp // 8 or 1, gpus_per_node=min(cp, 8), strategy="ditango", group_size=group)
     mesh = Mesh(
-        layout=layout, rank=0, node_of=(0,) * cp, cp_ranks=(0,) * cp, ulysses_ranks=(0,), ring_ranks=(0,) * cp,
-        near_ranks=(0,) * group, cfg_ranks=(0,), device=device,
-    )  # fmt: skip
+        layout=layout,
+        rank=0,
+        node_of=(0,) * cp,
+        cp_ranks=(0,) * cp,
+        ulysses_ranks=(0,),
+        ring_ranks=(0,) * cp,
+        near_ranks=(0,) * group,
+        cfg_ranks=(0,),
+        device=device,
+    )
     units = len(unit_offsets(layout.groups, group, PlannerConfig().own_group))  # the own group's others + remote
     expected = branches * layers * (units * unit_bytes(1, local, heads, head_dim, dtype))
     expected += branches * layers * anchor_bytes(1, local, heads)
@@ -163,17 +183,32 @@ def cache_rows(device: str = "cuda", shape: dict = CACHE_14B, name: str = "14B 7
         torch.cuda.synchronize()
     alloc_s = time.perf_counter() - start
     counted = rt.cache.nbytes() + rt.reference_bytes()
-    rows.append(Row("cache", f"{name} {str(dtype)[6:]}: buffers (GB) = formula {expected / 1e9:.3f} GB (k={rt.compose})",
-                    counted / 1e9, f"== {expected / 1e9:.3f}", counted == expected and rt.compose == 1))  # fmt: skip
+    rows.append(
+        Row(
+            "cache",
+            f"{name} {str(dtype)[6:]}: buffers (GB) = formula {expected / 1e9:.3f} GB (k={rt.compose})",
+            counted / 1e9,
+            f"== {expected / 1e9:.3f}",
+            counted == expected and rt.compose == 1,
+        )
+    )
     if cuda:  # the planner's statistics come on top: a few KiB
         held = allocated() - base
-        rows.append(Row("cache", "GPU memory taken beyond the buffers (bytes)", float(held - expected), "0..1 MiB",
-                        0 <= held - expected <= 2**20))  # fmt: skip
+        rows.append(
+            Row(
+                "cache",
+                "GPU memory taken beyond the buffers (bytes)",
+                float(held - expected),
+                "0..1 MiB",
+                0 <= held - expected <= 2**20,
+            )
+        )
     rows.append(Row("cache", "allocation time (s)", alloc_s, "<= 5", alloc_s <= 5))
     rt.end_run()
     left = held_bytes(rt)
-    rows.append(Row("cache", "bytes the runtime holds after the item (freed before decode)", float(left), "== 0",
-                    left == 0))  # fmt: skip
+    rows.append(
+        Row("cache", "bytes the runtime holds after the item (freed before decode)", float(left), "== 0", left == 0)
+    )
     if cuda:
         torch.cuda.empty_cache()
         left = allocated() - base
@@ -184,8 +219,15 @@ def cache_rows(device: str = "cuda", shape: dict = CACHE_14B, name: str = "14B 7
     )
     capped.allocate(local, 1, steps=50, branches=branches, device=device, local_tokens=local)
     held = capped.cache.nbytes() + capped.reference_bytes()
-    rows.append(Row("cache", f"a cap of half the units: composed k={capped.compose}, {capped.units} units (GB held)",
-                    held / 1e9, f"<= {cap / 1e9:.2f}", held <= cap and capped.compose > 1))  # fmt: skip
+    rows.append(
+        Row(
+            "cache",
+            f"a cap of half the units: composed k={capped.compose}, {capped.units} units (GB held)",
+            held / 1e9,
+            f"<= {cap / 1e9:.2f}",
+            held <= cap and capped.compose > 1,
+        )
+    )
     capped.end_run()
     if dtype != torch.float32:
         fp32 = branches * layers * units * unit_bytes(1, local, heads, head_dim, torch.float32)

@@ -8,8 +8,8 @@ step's plan says: fresh, or merged from the state cached when they last were (do
 
 from __future__ import annotations
 
+from basics.errors import ConfigError
 from planner.cost_model import bandwidth, hop_seconds, latency, ring_seconds
-from planner.errors import ConfigError
 from planner.layout import divisors
 from planner.strategy import Degrees, Strategy
 from planner.traffic import Traffic, ditango_units, ring_hops, unit_fractions

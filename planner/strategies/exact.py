@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from basics.errors import ConfigError
 from planner.cost_model import bandwidth, latency, ring_seconds
-from planner.errors import ConfigError
 from planner.layout import divisors
 from planner.strategy import Degrees, Strategy
 from planner.traffic import ring_hops

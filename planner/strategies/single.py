@@ -3,8 +3,8 @@ with diffusers' own attention processor."""
 
 from __future__ import annotations
 
+from basics.errors import ConfigError
 from planner.cost_model import attention_seconds
-from planner.errors import ConfigError
 from planner.strategy import Strategy
 
 

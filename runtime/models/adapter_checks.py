@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 
 # The tensors of one adapted linear layer, as diffusers names them after its conversions.
 FACTORS = ("A.weight", "B.weight", "B.bias")
@@ -114,5 +114,6 @@ def check_metadata(said: str, metadata, factors: dict[str, dict]) -> None:
         if have != want:
             raise ConfigError(f"{said}: {name} has rank {have}, its lora_adapter_metadata says {want}")
         if not check_target_module_exists(config, name):
-            raise ConfigError(f"{said}: its lora_adapter_metadata's target_modules leave out {name}, which it has "
-                              "weights for")  # fmt: skip
+            raise ConfigError(
+                f"{said}: its lora_adapter_metadata's target_modules leave out {name}, which it has weights for"
+            )

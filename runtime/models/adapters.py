@@ -24,9 +24,9 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
+from basics.user_files import Unreadable, user_path
 from planner.strategy import Strategy
-from planner.user_files import Unreadable, user_path
 from runtime.models import hub
 from runtime.models.adapter_checks import check_against
 from runtime.models.weight_files import PICKLE_SUFFIXES, tensor_shapes
@@ -147,8 +147,10 @@ def _file_of(source: str, base: Path | None = None) -> tuple[str, str]:
         found = hub.locate(repo, revision, None, ())
         if found is None:
             at = f" --revision {revision}" if revision else ""
-            raise ValueError(f"not a file or folder here, and not in the Hugging Face cache ({hub.hub_cache()}); "
-                             f"fetch it with: hf download {repo}{at}")  # fmt: skip
+            raise ValueError(
+                f"not a file or folder here, and not in the Hugging Face cache ({hub.hub_cache()}); "
+                f"fetch it with: hf download {repo}{at}"
+            )
         path = found[0]
     if not path.exists():
         raise ValueError(f"no such file or folder ({path})" if base is not None else "no such file or folder")
@@ -156,9 +158,13 @@ def _file_of(source: str, base: Path | None = None) -> tuple[str, str]:
         files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
         if len(files) != 1:
             pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-            what = (f"no .safetensors file (only {', '.join(pickles)}: pickle files are never loaded)" if pickles
-                    else "no .safetensors file" if not files else
-                    f"{len(files)} .safetensors files ({', '.join(p.name for p in files)}); name the file")  # fmt: skip
+            what = (
+                f"no .safetensors file (only {', '.join(pickles)}: pickle files are never loaded)"
+                if pickles
+                else "no .safetensors file"
+                if not files
+                else f"{len(files)} .safetensors files ({', '.join(p.name for p in files)}); name the file"
+            )
             raise ValueError(f"the folder has {what}")
         path = files[0]
     if path.suffix in PICKLE_SUFFIXES:
@@ -186,8 +192,13 @@ def lora_state_dict(pipeline_class, adapter: Adapter, with_metadata: bool = Fals
     torch.load (as `AdapterBank` loads it too)."""
     path = Path(adapter.path)
     assert path.suffix == ".safetensors", path
-    return pipeline_class.lora_state_dict(str(path.parent), weight_name=path.name, use_safetensors=True,
-                                          local_files_only=True, return_lora_metadata=with_metadata)  # fmt: skip
+    return pipeline_class.lora_state_dict(
+        str(path.parent),
+        weight_name=path.name,
+        use_safetensors=True,
+        local_files_only=True,
+        return_lora_metadata=with_metadata,
+    )
 
 
 def adapter_sets(items) -> list[tuple[Adapter, ...]]:
@@ -201,8 +212,10 @@ def check_sets(items, strategy: Strategy, shard_weights: bool) -> None:
     n = len(adapter_sets(items))
     split = f"--parallel {strategy}" if strategy.splits_weights else "--shard-weights" if shard_weights else None
     if n > 1 and split:
-        raise ConfigError(f"the items use {n} adapter sets, which stay unfused and {split} cannot split; with "
-                          f"{split} run one set per run (a batch file per set, or the same loras on every item)")  # fmt: skip
+        raise ConfigError(
+            f"the items use {n} adapter sets, which stay unfused and {split} cannot split; with "
+            f"{split} run one set per run (a batch file per set, or the same loras on every item)"
+        )
 
 
 class AdapterBank:
@@ -222,9 +235,14 @@ class AdapterBank:
             path = Path(adapter.path)
             with warnings.catch_warnings():  # peft warns of a second adapter in a model: here by design
                 warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-                pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name,
-                                       load_into_transformer_2=adapter.expert == 2, use_safetensors=True,
-                                       local_files_only=True)  # fmt: skip
+                pipe.load_lora_weights(
+                    str(path.parent),
+                    weight_name=path.name,
+                    adapter_name=name,
+                    load_into_transformer_2=adapter.expert == 2,
+                    use_safetensors=True,
+                    local_files_only=True,
+                )
         self.fused = len(sets) == 1
         self.current: tuple[Adapter, ...] | None = None
         self.use(sets[0])
@@ -297,5 +315,7 @@ def same_weights(components: dict, ctx) -> None:
     seen = ctx.gather(mine)
     if len(set(seen)) > 1:
         odd = [r for r, h in enumerate(seen) if h != seen[0]]
-        raise RuntimeError(f"the ranks hold different adapted weights (rank(s) {odd} differ from rank 0): "
-                           "each rank must read the same model and LoRA files")  # fmt: skip
+        raise RuntimeError(
+            f"the ranks hold different adapted weights (rank(s) {odd} differ from rank 0): "
+            "each rank must read the same model and LoRA files"
+        )

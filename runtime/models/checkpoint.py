@@ -17,8 +17,8 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import ConfigError
-from planner.user_files import read_json_file
+from basics.errors import ConfigError
+from basics.user_files import read_json_file
 from runtime.errors import ModelDirError
 from runtime.models.families import FAMILIES
 from runtime.models.wan import WanVariant
@@ -124,12 +124,15 @@ def _refuse_unknown_classes(path: Path, components: dict[str, tuple[str, str]]) 
     said here (by `check` too), not met while loading."""
     for name, (library, cls) in components.items():
         if library not in LIBRARIES:
-            raise ModelDirError(f"{path}/model_index.json: {name} comes from {library!r}, not one of "
-                                f"{', '.join(LIBRARIES)}")  # fmt: skip
+            raise ModelDirError(
+                f"{path}/model_index.json: {name} comes from {library!r}, not one of {', '.join(LIBRARIES)}"
+            )
         module = importlib.import_module(library)
         if not hasattr(module, cls):
-            raise ModelDirError(f"{path}/model_index.json: {name} is a {library}.{cls}, which {library} "
-                                f"{module.__version__} does not have")  # fmt: skip
+            raise ModelDirError(
+                f"{path}/model_index.json: {name} is a {library}.{cls}, which {library} "
+                f"{module.__version__} does not have"
+            )
 
 
 def family_of_pipeline(pipeline_class: str) -> str | None:

@@ -22,8 +22,8 @@ import os
 import re
 from pathlib import Path
 
-from planner.errors import ConfigError
-from planner.user_files import read_text, user_path
+from basics.errors import ConfigError
+from basics.user_files import read_text, user_path
 from runtime.errors import ModelDirError
 
 # ORG/NAME as the Hub spells them (huggingface_hub's validate_repo_id: no "--" or "..").
@@ -109,7 +109,7 @@ def _commit(repo: Path, revision: str | None) -> str:
     newline), a unique prefix of a snapshot's commit, or the revision as given. No revision and
     no refs/main (a copied snapshots/ folder): its only snapshot."""
     ref = repo / "refs" / (revision or "main")
-    if os.path.lexists(ref):  # read bounded, a regular file only, as UTF-8 (planner/user_files.py)
+    if os.path.lexists(ref):  # read bounded, a regular file only, as UTF-8 (basics/user_files.py)
         try:
             commit = read_text(ref, "Hugging Face cache ref", 2**12).strip()
         except FileNotFoundError:
@@ -207,13 +207,18 @@ def download(repo_id: str, revision: str | None = None) -> Path:
     """Fetch a snapshot of `repo_id` into the Hugging Face cache (safetensors, configs and
     tokenizers only, never pickles) and return its folder. The submitting host only."""
     if offline():
-        raise ConfigError(f"cannot download {repo_id}: HF_HUB_OFFLINE is set (unset it on a host with internet "
-                          "access, or copy the snapshot here and pass --model-root)")  # fmt: skip
+        raise ConfigError(
+            f"cannot download {repo_id}: HF_HUB_OFFLINE is set (unset it on a host with internet "
+            "access, or copy the snapshot here and pass --model-root)"
+        )
     import huggingface_hub
 
     try:
-        path = Path(huggingface_hub.snapshot_download(
-            repo_id, revision=revision, cache_dir=str(hub_cache()), allow_patterns=ALLOW_PATTERNS))  # fmt: skip
+        path = Path(
+            huggingface_hub.snapshot_download(
+                repo_id, revision=revision, cache_dir=str(hub_cache()), allow_patterns=ALLOW_PATTERNS
+            )
+        )
     except Exception as exc:  # RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, no network, ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         at = f" at revision {revision}" if revision else ""

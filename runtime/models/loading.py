@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from planner.errors import ConfigError
-from planner.user_files import read_json_file
+from basics.errors import ConfigError
+from basics.user_files import read_json_file
 from runtime.errors import ModelDirError
 from runtime.models.checkpoint import LIBRARIES, WEIGHTED
 from runtime.models.hub import hub_offline
@@ -102,8 +102,9 @@ def module_classes(path: Path) -> dict[str, type]:
         entry = index.get(name)
         if isinstance(entry, list) and len(entry) == 2 and None not in entry:
             if entry[0] not in LIBRARIES:  # the file is the user's: import nothing else by its word
-                raise ModelDirError(f"{path}/model_index.json: {name} comes from {entry[0]!r}, not one of "
-                                    f"{', '.join(LIBRARIES)}")  # fmt: skip
+                raise ModelDirError(
+                    f"{path}/model_index.json: {name} comes from {entry[0]!r}, not one of {', '.join(LIBRARIES)}"
+                )
             classes[name] = getattr(importlib.import_module(entry[0]), entry[1])
     return classes
 
@@ -136,8 +137,14 @@ def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[st
         for name, cls in module_classes(path).items():
             device = torch.device("cpu") if name in on_cpu else placement.device
             dtype = torch.float32 if name in FLOAT32 else placement.dtype
-            module = cls.from_pretrained(str(path), subfolder=name, low_cpu_mem_usage=True, device_map={"": device},
-                                         **common, **{_dtype_kwarg(cls): dtype})  # fmt: skip
+            module = cls.from_pretrained(
+                str(path),
+                subfolder=name,
+                low_cpu_mem_usage=True,
+                device_map={"": device},
+                **common,
+                **{_dtype_kwarg(cls): dtype},
+            )
             # One device: no dispatch hooks, but the map would make later moves (offload, FSDP) suspect.
             vars(module).pop("hf_device_map", None)
             modules[name] = module.eval().requires_grad_(False)

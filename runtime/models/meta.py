@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from planner.errors import ConfigError
-from planner.user_files import read_json_file
+from basics.errors import ConfigError
+from basics.user_files import read_json_file
 from runtime.models import registry
 from runtime.models.families import FAMILIES
 from runtime.models.registry import ModelSpec

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from planner.models import ModelShape
 from runtime.models import hub
 from runtime.models.families import FAMILIES
@@ -94,13 +94,27 @@ class ModelSpec:
         """The row of `ditango models --json`."""
         d = self.defaults
         return {
-            "name": self.name, "repo_id": self.repo_id, "family": self.family, "task": self.task,
-            "experts": self.variant.experts, "params": self.params, "heads": self.heads, "layers": self.layers,
+            "name": self.name,
+            "repo_id": self.repo_id,
+            "family": self.family,
+            "task": self.task,
+            "experts": self.variant.experts,
+            "params": self.params,
+            "heads": self.heads,
+            "layers": self.layers,
             "head_dim": self.head_dim,
-            "defaults": {"steps": d.steps, "guidance": d.guidance, "guidance_2": d.guidance_2, "height": d.height,
-                         "width": d.width, "frames": d.frames, "fps": d.fps},
-            "resolves_to": self.resolves_to(root), "description": self.description,
-        }  # fmt: skip
+            "defaults": {
+                "steps": d.steps,
+                "guidance": d.guidance,
+                "guidance_2": d.guidance_2,
+                "height": d.height,
+                "width": d.width,
+                "frames": d.frames,
+                "fps": d.fps,
+            },
+            "resolves_to": self.resolves_to(root),
+            "description": self.description,
+        }
 
 
 # Transformer configs of the public diffusers-format checkpoints (their transformer/config.json;
@@ -192,9 +206,18 @@ def vae_key(config_key: str, family: str) -> str:
 
 
 def _spec(
-    name: str, description: str, config_key: str, dir_name: str | None, variant: WanVariant, vae_stride: int = 8,
-    params: int | None = None, builtin: bool = False, family: str = "wan", org: str = "Wan-AI", **defaults,
-) -> ModelSpec:  # fmt: skip
+    name: str,
+    description: str,
+    config_key: str,
+    dir_name: str | None,
+    variant: WanVariant,
+    vae_stride: int = 8,
+    params: int | None = None,
+    builtin: bool = False,
+    family: str = "wan",
+    org: str = "Wan-AI",
+    **defaults,
+) -> ModelSpec:
     """A registry entry: shape from the transformer config (through its family), defaults from
     diffusers' pipeline (the family's) and the model card, geometry from the config and VAE.
     `dir_name` is also the repo's name on the Hub: its repo id is `org`/`dir_name`."""
@@ -206,14 +229,24 @@ def _spec(
     shape = adapter.shape_of(name, config, n * variant.experts, text_len, (4, vae_stride, vae_stride))
     vae = vae_key(config_key, family)
     shape = with_components(
-        shape, adapter, config, variant, TEXT_ENCODERS[config_key if config_key in TEXT_ENCODERS else family],
-        CLIP_VIT_H_PARAMS if variant.image_encoder else 0, VAE_CONFIGS[vae], VAE_PARAMS[vae],
-        FSDP_GATHERED.get(config_key), FSDP_ROOT_GATHERED.get(config_key),
-    )  # fmt: skip
+        shape,
+        adapter,
+        config,
+        variant,
+        TEXT_ENCODERS[config_key if config_key in TEXT_ENCODERS else family],
+        CLIP_VIT_H_PARAMS if variant.image_encoder else 0,
+        VAE_CONFIGS[vae],
+        VAE_PARAMS[vae],
+        FSDP_GATHERED.get(config_key),
+        FSDP_ROOT_GATHERED.get(config_key),
+    )
     geometry = Defaults(
-        vae_stride=vae_stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
-        image=variant.image, experts=variant.experts,
-    )  # fmt: skip
+        vae_stride=vae_stride,
+        patch=shape.patch,
+        rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
+        image=variant.image,
+        experts=variant.experts,
+    )
     repo = None if dir_name is None else f"{org}/{dir_name}"
     return ModelSpec(
         name, description, shape, replace(geometry, **defaults), dir_name, repo, builtin, variant, family, config_key
@@ -221,10 +254,17 @@ def _spec(
 
 
 def with_components(
-    shape: ModelShape, adapter, config: dict, variant: WanVariant, text: tuple[int, int, int, int],
-    image_params: int, vae_config: dict, vae_params: int, fsdp_gathered: int | None = None,
+    shape: ModelShape,
+    adapter,
+    config: dict,
+    variant: WanVariant,
+    text: tuple[int, int, int, int],
+    image_params: int,
+    vae_config: dict,
+    vae_params: int,
+    fsdp_gathered: int | None = None,
     fsdp_root_gathered: int | None = None,
-) -> ModelShape:  # fmt: skip
+) -> ModelShape:
     """`shape` with what the memory model needs of the transformer's blocks and the other
     components. `fsdp_gathered` None: the family's estimate (the exact count, with the root's
     module lists, is FSDP_GATHERED's)."""
@@ -237,13 +277,20 @@ def with_components(
     except ConfigError:  # a VAE whose scale factor disagrees with its decoder: its decode is not modelled
         vae = None
     return replace(
-        shape, block_params=adapter.block_params(config), root_params=max(0, per_expert - blocks),
+        shape,
+        block_params=adapter.block_params(config),
+        root_params=max(0, per_expert - blocks),
         fsdp_gathered_params=fsdp_gathered,
         fsdp_root_gathered_params=max(0, per_expert - blocks) if fsdp_root_gathered is None else fsdp_root_gathered,
-        text_encoder_params=text[0], text_encoder_block_params=text[1], text_encoder_root_params=text[2],
-        text_encoder_whole_params=text[3], image_encoder_params=image_params,
-        image_tokens=CLIP_IMAGE_TOKENS if image_params else 0, per_token_time=variant.expand_timesteps, vae=vae,
-    )  # fmt: skip
+        text_encoder_params=text[0],
+        text_encoder_block_params=text[1],
+        text_encoder_root_params=text[2],
+        text_encoder_whole_params=text[3],
+        image_encoder_params=image_params,
+        image_tokens=CLIP_IMAGE_TOKENS if image_params else 0,
+        per_token_time=variant.expand_timesteps,
+        vae=vae,
+    )
 
 
 T2V, I2V = WanVariant(), WanVariant(pipeline="WanImageToVideoPipeline", image_encoder=True)
@@ -251,32 +298,88 @@ P720 = {"height": 720, "width": 1280}
 REGISTRY: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
-        _spec("tiny-wan", "built-in tiny Wan trained on moving shapes (runtime/models/tiny/weights)", "tiny-wan",
-              None, T2V, vae_stride=4, max_text_len=32, params=2_712_816, builtin=True, steps=25, guidance=2.5,
-              height=64, width=64, frames=17, fps=8, negative_prompt=""),  # trained without one
+        _spec(
+            "tiny-wan",
+            "built-in tiny Wan trained on moving shapes (runtime/models/tiny/weights)",
+            "tiny-wan",
+            None,
+            T2V,
+            vae_stride=4,
+            max_text_len=32,
+            params=2_712_816,
+            builtin=True,
+            steps=25,
+            guidance=2.5,
+            height=64,
+            width=64,
+            frames=17,
+            fps=8,
+            negative_prompt="",
+        ),  # trained without one
         # Wan2.1: diffusers' WanPipeline / WanImageToVideoPipeline defaults (50 steps, guidance 5.0, 81 frames).
         _spec("wan2.1-1.3b", "Wan2.1 text-to-video 1.3B", "wan2.1-1.3b", "Wan2.1-T2V-1.3B-Diffusers", T2V),
         _spec("wan2.1-14b", "Wan2.1 text-to-video 14B", "wan2.1-14b", "Wan2.1-T2V-14B-Diffusers", T2V),
-        _spec("wan2.1-i2v-14b-480p", "Wan2.1 image-to-video 14B, 480p (CLIP image encoder)", "wan2.1-i2v-14b",
-              "Wan2.1-I2V-14B-480P-Diffusers", I2V),
-        _spec("wan2.1-i2v-14b-720p", "Wan2.1 image-to-video 14B, 720p (CLIP image encoder)", "wan2.1-i2v-14b",
-              "Wan2.1-I2V-14B-720P-Diffusers", I2V, **P720),
+        _spec(
+            "wan2.1-i2v-14b-480p",
+            "Wan2.1 image-to-video 14B, 480p (CLIP image encoder)",
+            "wan2.1-i2v-14b",
+            "Wan2.1-I2V-14B-480P-Diffusers",
+            I2V,
+        ),
+        _spec(
+            "wan2.1-i2v-14b-720p",
+            "Wan2.1 image-to-video 14B, 720p (CLIP image encoder)",
+            "wan2.1-i2v-14b",
+            "Wan2.1-I2V-14B-720P-Diffusers",
+            I2V,
+            **P720,
+        ),
         # Wan2.2 (the model cards' settings): two 14B experts switched at boundary_ratio x 1000.
-        _spec("wan2.2-t2v-a14b", "Wan2.2 text-to-video, two 14B experts", "wan2.2-t2v-a14b",
-              "Wan2.2-T2V-A14B-Diffusers", WanVariant(boundary_ratio=0.875), steps=40, guidance=4.0,
-              guidance_2=3.0, **P720),
-        _spec("wan2.2-i2v-a14b", "Wan2.2 image-to-video, two 14B experts", "wan2.2-i2v-a14b",
-              "Wan2.2-I2V-A14B-Diffusers", WanVariant(pipeline="WanImageToVideoPipeline", boundary_ratio=0.9),
-              steps=40, guidance=3.5, guidance_2=3.5),
-        _spec("wan2.2-ti2v-5b", "Wan2.2 text/image-to-video 5B, per-token timesteps, 16x VAE", "wan2.2-ti2v-5b",
-              "Wan2.2-TI2V-5B-Diffusers", WanVariant(expand_timesteps=True), vae_stride=16, height=704,
-              width=1280, frames=121, fps=24),
+        _spec(
+            "wan2.2-t2v-a14b",
+            "Wan2.2 text-to-video, two 14B experts",
+            "wan2.2-t2v-a14b",
+            "Wan2.2-T2V-A14B-Diffusers",
+            WanVariant(boundary_ratio=0.875),
+            steps=40,
+            guidance=4.0,
+            guidance_2=3.0,
+            **P720,
+        ),
+        _spec(
+            "wan2.2-i2v-a14b",
+            "Wan2.2 image-to-video, two 14B experts",
+            "wan2.2-i2v-a14b",
+            "Wan2.2-I2V-A14B-Diffusers",
+            WanVariant(pipeline="WanImageToVideoPipeline", boundary_ratio=0.9),
+            steps=40,
+            guidance=3.5,
+            guidance_2=3.5,
+        ),
+        _spec(
+            "wan2.2-ti2v-5b",
+            "Wan2.2 text/image-to-video 5B, per-token timesteps, 16x VAE",
+            "wan2.2-ti2v-5b",
+            "Wan2.2-TI2V-5B-Diffusers",
+            WanVariant(expand_timesteps=True),
+            vae_stride=16,
+            height=704,
+            width=1280,
+            frames=121,
+            fps=24,
+        ),
         # HunyuanVideo: HunyuanVideoPipeline's defaults (720x1280, 129 frames, 50 steps, embedded guidance 6.0).
-        _spec("hunyuanvideo", "HunyuanVideo text-to-video 13B (joint text-video attention)", "hunyuanvideo",
-              "HunyuanVideo", WanVariant(pipeline="HunyuanVideoPipeline"), family="hunyuanvideo",
-              org="hunyuanvideo-community"),
+        _spec(
+            "hunyuanvideo",
+            "HunyuanVideo text-to-video 13B (joint text-video attention)",
+            "hunyuanvideo",
+            "HunyuanVideo",
+            WanVariant(pipeline="HunyuanVideoPipeline"),
+            family="hunyuanvideo",
+            org="hunyuanvideo-community",
+        ),
     )
-}  # fmt: skip
+}
 
 # Short names users type for a registry entry (--model takes them).
 ALIASES = {"wan2.2-a14b": "wan2.2-t2v-a14b"}

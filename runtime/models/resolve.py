@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
+from basics.user_files import user_path
 from planner.models import ModelShape
-from planner.user_files import user_path
 from runtime.errors import ModelDirError
 from runtime.models import hub
 from runtime.models.checkpoint import ModelDirInfo, count_params, inspect_model_dir
@@ -65,8 +65,10 @@ def resolve_model(
         raise ModelDirError(f"--model {model}: not a directory (expected a diffusers-format model directory)")
     repo_id = spec.repo_id if spec is not None else name if hub.is_repo_id(name) else None
     if repo_id is None:
-        raise ConfigError(f"unknown model {model!r}: use one of {', '.join(REGISTRY)}, a Hugging Face repo id "
-                          "(ORG/NAME), or a path to a diffusers-format directory")  # fmt: skip
+        raise ConfigError(
+            f"unknown model {model!r}: use one of {', '.join(REGISTRY)}, a Hugging Face repo id "
+            "(ORG/NAME), or a path to a diffusers-format directory"
+        )
     base = model_root(root)
     found = hub.locate(repo_id, revision, base, () if spec is None else (spec.dir_name,))
     if found is None and not download:
@@ -110,12 +112,15 @@ def spec_from_dir(path: Path, info: ModelDirInfo) -> ModelSpec:
     adapter = FAMILIES[info.family]
 
     def components(shape: ModelShape) -> ModelShape:
-        counts = {n: count_params(sorted((path / n).glob("*.safetensors"))) if (path / n).is_dir() else 0
-                  for n in ("text_encoder", "text_encoder_2", "image_encoder", "vae")}  # fmt: skip
+        counts = {
+            n: count_params(sorted((path / n).glob("*.safetensors"))) if (path / n).is_dir() else 0
+            for n in ("text_encoder", "text_encoder_2", "image_encoder", "vae")
+        }
         text = counts["text_encoder"] + counts["text_encoder_2"]  # a known encoder's blocks, or only its size
         known = next((t for t in TEXT_ENCODERS.values() if t[0] == text), (text, 0, 0, counts["text_encoder_2"]))
-        return with_components(shape, adapter, config, variant, known, counts["image_encoder"], _vae_config(path),
-                               counts["vae"])  # fmt: skip
+        return with_components(
+            shape, adapter, config, variant, known, counts["image_encoder"], _vae_config(path), counts["vae"]
+        )
 
     pipeline = adapter.PIPELINE_DEFAULTS  # the pipeline's defaults where they differ from `Defaults`
     text_len = pipeline.get("max_text_len", Defaults.max_text_len)
@@ -124,15 +129,20 @@ def spec_from_dir(path: Path, info: ModelDirInfo) -> ModelSpec:
     except (TypeError, ValueError) as exc:  # a value of the wrong type in the user's config
         raise ModelDirError(f"{path}/transformer/config.json: a value is not what diffusers expects ({exc})") from None
     defaults = Defaults(
-        vae_stride=stride, patch=shape.patch, rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
-        image=variant.image, experts=variant.experts, **pipeline,
-    )  # fmt: skip
-    return ModelSpec(str(path), "local diffusers-format directory", shape, defaults, variant=variant,
-                     family=info.family)  # fmt: skip
+        vae_stride=stride,
+        patch=shape.patch,
+        rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
+        image=variant.image,
+        experts=variant.experts,
+        **pipeline,
+    )
+    return ModelSpec(
+        str(path), "local diffusers-format directory", shape, defaults, variant=variant, family=info.family
+    )
 
 
 def _vae_config(path: Path) -> dict:
-    from planner.user_files import read_json_file
+    from basics.user_files import read_json_file
 
     try:
         config = read_json_file(path / "vae" / "config.json", "model file")

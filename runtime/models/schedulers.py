@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 
 # name -> (diffusers class, the settings that make it a flow-matching solver)
 SOLVERS: dict[str, tuple[str, dict]] = {
@@ -70,10 +70,15 @@ def check(name: str | None, shift: float | None, base, by_sigmas: bool, where: s
 
         cls = getattr(diffusers, SOLVERS[name][0])
         if "sigmas" not in inspect.signature(cls.set_timesteps).parameters:
-            takes = [n for n, (c, _) in SOLVERS.items()
-                     if "sigmas" in inspect.signature(getattr(diffusers, c).set_timesteps).parameters]  # fmt: skip
-            raise ConfigError(f"{where}: scheduler {name} does not apply to this model, whose pipeline sets the "
-                              f"schedule's sigmas, which {cls.__name__} does not take; use {' or '.join(takes)}")  # fmt: skip
+            takes = [
+                n
+                for n, (c, _) in SOLVERS.items()
+                if "sigmas" in inspect.signature(getattr(diffusers, c).set_timesteps).parameters
+            ]
+            raise ConfigError(
+                f"{where}: scheduler {name} does not apply to this model, whose pipeline sets the "
+                f"schedule's sigmas, which {cls.__name__} does not take; use {' or '.join(takes)}"
+            )
     return Sampler(name, own.flow_shift if shift is None else float(shift))
 
 

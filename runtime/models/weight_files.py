@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.errors import ConfigError
-from planner.user_files import require_regular_file
+from basics.errors import ConfigError
+from basics.user_files import require_regular_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # How pickles begin: a protocol 2+ pickle's PROTO opcode, or the zip archive torch.save writes.

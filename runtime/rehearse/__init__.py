@@ -61,8 +61,9 @@ def modelled_phases(cfg: RunConfig, shape, rank: int, dtype_bytes: int) -> dict[
     """The memory model's bytes of each phase on `rank` for the first item (the writer decodes
     alone unless the decode is parallel; the others hold only what stays)."""
     size, options = next(item_memory_options(replace(cfg, items=cfg.items[:1]), dtype_bytes))
-    options = replace(options, offload_text_encoder="text_encoder" in cfg.offload,
-                      offload_transformer="transformer" in cfg.offload)  # fmt: skip
+    options = replace(
+        options, offload_text_encoder="text_encoder" in cfg.offload, offload_transformer="transformer" in cfg.offload
+    )
     est = estimate_memory(shape, cfg.layout, size, options)
     nccl = est.stages["nccl"]  # NCCL's buffers: estimated, a fake process group has none to trace
     phases = {"load": est.phases["load"] - nccl, **{p: est.phases[m] - nccl for p, m in MODEL_PHASE.items()}}
@@ -75,8 +76,9 @@ def modelled_phases(cfg: RunConfig, shape, rank: int, dtype_bytes: int) -> dict[
     return phases
 
 
-def modelled_step_bytes(cfg: RunConfig, shape, rank: int, plan: StepPlan | None, dtype_bytes: int,
-                        roots: int = 0, step: int = 0) -> dict:  # fmt: skip
+def modelled_step_bytes(
+    cfg: RunConfig, shape, rank: int, plan: StepPlan | None, dtype_bytes: int, roots: int = 0, step: int = 0
+) -> dict:
     """planner/traffic.py's bytes received by `rank` in one step of `plan` (None: exact); `roots`:
     transformers whose first forward it is (FSDP gathers their root units then)."""
     from planner.traffic import predict_traffic
@@ -87,12 +89,26 @@ def modelled_step_bytes(cfg: RunConfig, shape, rank: int, plan: StepPlan | None,
     if plan is not None:
         forwards = 1 if cfg.layout.cfg_degree == 2 else (2 if guidance else 1)
         planner = cfg.ditango.planner
-        extra = {"plan_bits": [plan.compute_LU.tolist()] * forwards, "plan_kinds": [plan.kind],
-                 "own_group": planner.own_group, "planner": planner.planner}  # fmt: skip
-    return predict_traffic(cfg.layout, shape, item.size, 1, guidance=guidance,
-                           element_bytes=dtype_bytes, rank=rank, shard_weights=cfg.shard_weights, roots=roots,
-                           step_cache=None if cfg.step_cache is None else cfg.step_cache.name, first_step=step == 0,
-                           **extra)  # fmt: skip
+        extra = {
+            "plan_bits": [plan.compute_LU.tolist()] * forwards,
+            "plan_kinds": [plan.kind],
+            "own_group": planner.own_group,
+            "planner": planner.planner,
+        }
+    return predict_traffic(
+        cfg.layout,
+        shape,
+        item.size,
+        1,
+        guidance=guidance,
+        element_bytes=dtype_bytes,
+        rank=rank,
+        shard_weights=cfg.shard_weights,
+        roots=roots,
+        step_cache=None if cfg.step_cache is None else cfg.step_cache.name,
+        first_step=step == 0,
+        **extra,
+    )
 
 
 def _on_component(watch: Watch, components: dict) -> None:
@@ -105,8 +121,16 @@ def _on_component(watch: Watch, components: dict) -> None:
         module.register_forward_hook(lambda m, a, o: setattr(watch, "component", None))
 
 
-def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_run: list[int],
-                  plans: dict[int, StepPlan] | None, experts: list[int]) -> dict:  # fmt: skip
+def rehearse_rank(
+    cfg: RunConfig,
+    spec,
+    path,
+    rank: int,
+    gpu_bytes: int,
+    steps_run: list[int],
+    plans: dict[int, StepPlan] | None,
+    experts: list[int],
+) -> dict:
     """One rank's rehearsal (see the module doc): its report."""
     from torch._subclasses import fake_tensor
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
@@ -135,8 +159,14 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
     device = torch.device("cuda", rank % layout.gpus_per_node)
     placement = placement_on(device, cfg.dtype)
     dtype = placement.dtype
-    expected = {"transformer": dtype, "transformer_2": dtype, "text_encoder": dtype, "text_encoder_2": dtype,
-                "vae": torch.float32, "image_encoder": torch.float32}  # fmt: skip
+    expected = {
+        "transformer": dtype,
+        "transformer_2": dtype,
+        "text_encoder": dtype,
+        "text_encoder_2": dtype,
+        "vae": torch.float32,
+        "image_encoder": torch.float32,
+    }
     watch = Watch(rank, device, node_of, expected)
     tracker = inference_tracker()
     traced: dict[str, int] = {}
@@ -189,11 +219,16 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
                     for name, module in components.items():
                         if isinstance(module, torch.nn.Module):
                             materialize(module, torch.device("cpu") if name in on_cpu else device)
-                    backend = "diffusers" if layout.strategy.runtime is None else resolve_backend(
-                        cfg.attention_backend, device, dtype)  # fmt: skip
+                    backend = (
+                        "diffusers"
+                        if layout.strategy.runtime is None
+                        else resolve_backend(cfg.attention_backend, device, dtype)
+                    )
                     # modules moved to the GPU as for fake tensors (see move_fake_states)
-                    with mock.patch.object(torch.nn.Module, "to", fake_module_to), \
-                            mock.patch.object(assembly, "move_unsplit", fake_module_to):  # fmt: skip
+                    with (
+                        mock.patch.object(torch.nn.Module, "to", fake_module_to),
+                        mock.patch.object(assembly, "move_unsplit", fake_module_to),
+                    ):
                         if cfg.shard_weights and ctx.distributed:
                             shard_weights(components, mesh, device)
                         denoiser = denoiser_for_run(cfg, ctx, spec, components, placement, backend)
@@ -213,17 +248,28 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
                         later = [s for s in steps_run if s >= done]
                         watch.step = later[0] if listener is None and later else None
 
-                    result = denoiser.denoise(latents, text, item.steps, item.cfg_scale, on_step=step_done,
-                                              condition=condition, guidance_2=item.guidance_2,
-                                              run_steps=frozenset(steps_run), sampler=item.sampler)  # fmt: skip
+                    result = denoiser.denoise(
+                        latents,
+                        text,
+                        item.steps,
+                        item.cfg_scale,
+                        on_step=step_done,
+                        condition=condition,
+                        guidance_2=item.guidance_2,
+                        run_steps=frozenset(steps_run),
+                        sampler=item.sampler,
+                    )
                 with phase("decode"):
                     options = before_decode(denoiser, cfg, ctx)
                     if options is not None:
                         decode_video(denoiser.vae, denoiser.vae_input(result.latents_BCFHW), options, ctx)
             except Exception as exc:  # what a real run would have raised on this rank
                 error = exc
-                frames = [f for f in traceback.extract_tb(exc.__traceback__)
-                          if f.filename.startswith(OURS) and not f.filename.startswith(NOT_SITES)]  # fmt: skip
+                frames = [
+                    f
+                    for f in traceback.extract_tb(exc.__traceback__)
+                    if f.filename.startswith(OURS) and not f.filename.startswith(NOT_SITES)
+                ]
                 where = f"{os.path.relpath(frames[-1].filename, ROOT)}:{frames[-1].lineno}" if frames else "?"
                 first = (str(exc).strip().splitlines() or [""])[0][:300]
                 watch.problems[f"{type(exc).__name__}: {first} at {where} ({watch.phase})"] += 1
@@ -232,8 +278,9 @@ def rehearse_rank(cfg: RunConfig, spec, path, rank: int, gpu_bytes: int, steps_r
     return rank_report(cfg, spec, rank, traced, watch, plans, steps_run, dtype.itemsize, error is not None, experts)
 
 
-def rank_report(cfg, spec, rank, traced, watch: Watch, plans, steps_run, dtype_bytes, failed: bool,
-                experts: list[int]) -> dict:  # fmt: skip
+def rank_report(
+    cfg, spec, rank, traced, watch: Watch, plans, steps_run, dtype_bytes, failed: bool, experts: list[int]
+) -> dict:
     modelled = modelled_phases(cfg, spec.shape, rank, dtype_bytes)
     phases = {}
     for name in PHASES:
@@ -247,37 +294,56 @@ def rank_report(cfg, spec, rank, traced, watch: Watch, plans, steps_run, dtype_b
         plan = plans.get(step) if plans else None
         first = step == next(s for s in steps_run if experts[s] == experts[step])  # the expert's first forward
         model = modelled_step_bytes(cfg, spec.shape, rank, plan, dtype_bytes, roots=int(first), step=step)
-        steps.append({"step": step, "kind": plan.kind if plan else "exact",
-                      "intra_node_bytes": got.intra_node_bytes, "inter_node_bytes": got.inter_node_bytes,
-                      "modelled_intra_node_bytes": model["intra_node_bytes"],
-                      "modelled_inter_node_bytes": model["inter_node_bytes"],
-                      "collectives": dict(sorted(got.collectives.items()))})  # fmt: skip
+        steps.append(
+            {
+                "step": step,
+                "kind": plan.kind if plan else "exact",
+                "intra_node_bytes": got.intra_node_bytes,
+                "inter_node_bytes": got.inter_node_bytes,
+                "modelled_intra_node_bytes": model["intra_node_bytes"],
+                "modelled_inter_node_bytes": model["inter_node_bytes"],
+                "collectives": dict(sorted(got.collectives.items())),
+            }
+        )
     problems = [f"{what}" + (f" ({n} times)" if n > 1 else "") for what, n in sorted(watch.problems.items())]
     peak = None
     if phases and not failed:  # the rank's peak, over its phases, is what the pre-flight budgets
         traced_peak = max(p["traced_bytes"] for p in phases.values())
         modelled_peak = max(p["modelled_bytes"] for p in phases.values())
-        peak = {"traced_bytes": traced_peak, "modelled_bytes": modelled_peak,
-                "ratio": round(traced_peak / modelled_peak, 4) if modelled_peak else None}  # fmt: skip
+        peak = {
+            "traced_bytes": traced_peak,
+            "modelled_bytes": modelled_peak,
+            "ratio": round(traced_peak / modelled_peak, 4) if modelled_peak else None,
+        }
         if peak["ratio"] is None or abs(peak["ratio"] - 1) > TOLERANCE:
-            problems.append(f"traced peak {traced_peak / GIB:.2f} GiB, the memory model says "
-                            f"{modelled_peak / GIB:.2f} GiB ({peak['ratio']}x)")  # fmt: skip
+            problems.append(
+                f"traced peak {traced_peak / GIB:.2f} GiB, the memory model says "
+                f"{modelled_peak / GIB:.2f} GiB ({peak['ratio']}x)"
+            )
     if not failed:
         for s in steps:
             for link in ("intra_node_bytes", "inter_node_bytes"):
                 if s[link] != s[f"modelled_{link}"]:
-                    problems.append(f"step {s['step']} ({s['kind']}): {s[link]} {link.replace('_', ' ')} received, "
-                                    f"planner/traffic.py counts {s[f'modelled_{link}']}")  # fmt: skip
+                    problems.append(
+                        f"step {s['step']} ({s['kind']}): {s[link]} {link.replace('_', ' ')} received, "
+                        f"planner/traffic.py counts {s[f'modelled_{link}']}"
+                    )
     count = max(1, len(steps))
     return {
-        "rank": rank, "node": virtual_node_map(cfg.layout)[rank], "phases": phases, "peak": peak,
+        "rank": rank,
+        "node": virtual_node_map(cfg.layout)[rank],
+        "phases": phases,
+        "peak": peak,
         "bytes_per_step": {k: sum(s[k] for s in steps) // count for k in ("intra_node_bytes", "inter_node_bytes")},
-        "modelled_bytes_per_step": {k: sum(s[f"modelled_{k}"] for s in steps) // count
-                                    for k in ("intra_node_bytes", "inter_node_bytes")},
+        "modelled_bytes_per_step": {
+            k: sum(s[f"modelled_{k}"] for s in steps) // count for k in ("intra_node_bytes", "inter_node_bytes")
+        },
         "steps": steps,
-        "host_reads": [{"phase": p, "device": d, "site": site, "count": n} for (p, d, site), n in sorted(watch.reads.items())],
+        "host_reads": [
+            {"phase": p, "device": d, "site": site, "count": n} for (p, d, site), n in sorted(watch.reads.items())
+        ],
         "problems": problems,
-    }  # fmt: skip
+    }
 
 
 def rehearse(cfg: RunConfig, spec, path, gpu_bytes: int, all_ranks: bool = False, on_rank=None) -> dict:
@@ -293,8 +359,9 @@ def rehearse(cfg: RunConfig, spec, path, gpu_bytes: int, all_ranks: bool = False
 
         scheduler = meta_scheduler(spec, path)
         scheduler.set_timesteps(item.steps, device="cpu")
-        experts = FAMILIES[spec.family].expert_schedule(spec.variant, scheduler.timesteps.tolist(),
-                                                         scheduler.config.num_train_timesteps)  # fmt: skip
+        experts = FAMILIES[spec.family].expert_schedule(
+            spec.variant, scheduler.timesteps.tolist(), scheduler.config.num_train_timesteps
+        )
     switches = switch_steps(experts)
     plans = None
     if cfg.ditango is not None:
@@ -309,10 +376,19 @@ def rehearse(cfg: RunConfig, spec, path, gpu_bytes: int, all_ranks: bool = False
     if len(reports) == cfg.layout.world_size:
         totals = {k: sum(r["bytes_per_step"][k] for r in reports) for k in ("intra_node_bytes", "inter_node_bytes")}
     return {
-        "model": cfg.model, "item": {"height": item.height, "width": item.width, "frames": item.frames,
-                                      "steps": item.steps, "tokens": item.tokens()},
-        "layout": cfg.layout.to_json(), "gpu_memory_bytes": gpu_bytes, "offload": list(cfg.offload),
+        "model": cfg.model,
+        "item": {
+            "height": item.height,
+            "width": item.width,
+            "frames": item.frames,
+            "steps": item.steps,
+            "tokens": item.tokens(),
+        },
+        "layout": cfg.layout.to_json(),
+        "gpu_memory_bytes": gpu_bytes,
+        "offload": list(cfg.offload),
         "steps_rehearsed": [{"step": s, "kind": plans[s].kind if plans else "exact"} for s in steps_run],
-        "ranks": reports, "bytes_per_step_all_ranks": totals,
+        "ranks": reports,
+        "bytes_per_step_all_ranks": totals,
         "problems": sorted({f"rank {r['rank']}: {p}" for r in reports for p in r["problems"]}),
-    }  # fmt: skip
+    }

@@ -11,7 +11,7 @@ from unittest import mock
 
 import torch
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 
 # Host tensors this small carry their values through the fake mode (torch's limit is 1 element):
 # a replayed DiTango plan [layers, units] is read on the host every layer.
@@ -33,8 +33,10 @@ def cuda_device_guard():
         registry = (ctypes.c_void_p * 32).in_dll(lib, "_ZN3c104impl26device_guard_impl_registryE")
         register = lib._ZN3c104impl19registerDeviceGuardENS_10DeviceTypeEPKNS0_24DeviceGuardImplInterfaceE
     except (OSError, ValueError, AttributeError) as exc:
-        raise ConfigError(f"ditango rehearse: this torch build's libc10 does not offer its device guard registry "
-                          f"({exc}); rehearse with a Linux torch") from None  # fmt: skip
+        raise ConfigError(
+            f"ditango rehearse: this torch build's libc10 does not offer its device guard registry "
+            f"({exc}); rehearse with a Linux torch"
+        ) from None
     register.argtypes = [ctypes.c_int8, ctypes.c_void_p]
     cuda, meta = 1, 14  # c10::DeviceType
     if registry[cuda]:
@@ -59,15 +61,18 @@ def gpu_sdpa(original):
             key, value = (t.repeat_interleave(query.shape[-3] // t.shape[-3], dim=-3) for t in (key, value))
         d = query.shape[-1]
         if query.dtype in (torch.float16, torch.bfloat16) and attn_mask is None and d <= 256 and d % 8 == 0:
-            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
-                                                             scale=scale)[0]  # fmt: skip
+            return aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale
+            )[0]
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                ~attn_mask, float("-inf"))  # fmt: skip
+                ~attn_mask, float("-inf")
+            )
         if attn_mask is not None:
             attn_mask = attn_mask.expand(query.shape[0], query.shape[-3], query.shape[-2], key.shape[-2])
-        return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, False, dropout_p,
-                                                            is_causal, scale=scale)[0]  # fmt: skip
+        return aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, False, dropout_p, is_causal, scale=scale
+        )[0]
 
     return sdpa
 
@@ -88,8 +93,12 @@ def tile_shapes(comm, mesh, mine: dict, tiles: list) -> list[dict]:
         return (f - 1) * ratio + 1 if size(ref.frames) > 1 else f * sample[-3]
 
     def shape(tile) -> tuple[int, ...]:
-        return (*sample[:-3], frames(size(tile.frames)), sample[-2] * size(tile.rows) // size(ref.rows),
-                sample[-1] * size(tile.cols) // size(ref.cols))  # fmt: skip
+        return (
+            *sample[:-3],
+            frames(size(tile.frames)),
+            sample[-2] * size(tile.rows) // size(ref.rows),
+            sample[-1] * size(tile.cols) // size(ref.cols),
+        )
 
     return [{k: shape(tiles[k]) for k in range(r, len(tiles), ranks)} for r in range(ranks)]
 
@@ -194,18 +203,28 @@ def fake_cuda(gpus_per_node: int, local: int, gpu_bytes: int, allocated):
     host before the fake mode moves it (the runtime reads devices from the placement)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    props = SimpleNamespace(total_memory=gpu_bytes, name="rehearsal GPU", major=9, minor=0,
-                            multi_processor_count=132)  # fmt: skip
+    props = SimpleNamespace(total_memory=gpu_bytes, name="rehearsal GPU", major=9, minor=0, multi_processor_count=132)
     patches = {
-        "device_count": lambda: gpus_per_node, "current_device": lambda: local, "is_initialized": lambda: True,
-        "set_device": lambda device: None, "synchronize": lambda device=None: None, "empty_cache": lambda: None,
-        "get_device_properties": lambda device=None: props, "get_device_capability": lambda device=None: (9, 0),
-        "is_bf16_supported": lambda *a, **k: True, "mem_get_info": lambda device=None: (gpu_bytes - allocated(), gpu_bytes),
-        "memory_allocated": lambda device=None: allocated(), "max_memory_allocated": lambda device=None: allocated(),
-        "memory_reserved": lambda device=None: allocated(), "reset_peak_memory_stats": lambda device=None: None,
-        "Stream": _Stream, "Event": _Stream, "current_stream": lambda device=None: _Stream(),
-        "default_stream": lambda device=None: _Stream(), "stream": lambda stream=None: contextlib.nullcontext(),
-    }  # fmt: skip
+        "device_count": lambda: gpus_per_node,
+        "current_device": lambda: local,
+        "is_initialized": lambda: True,
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "get_device_properties": lambda device=None: props,
+        "get_device_capability": lambda device=None: (9, 0),
+        "is_bf16_supported": lambda *a, **k: True,
+        "mem_get_info": lambda device=None: (gpu_bytes - allocated(), gpu_bytes),
+        "memory_allocated": lambda device=None: allocated(),
+        "max_memory_allocated": lambda device=None: allocated(),
+        "memory_reserved": lambda device=None: allocated(),
+        "reset_peak_memory_stats": lambda device=None: None,
+        "Stream": _Stream,
+        "Event": _Stream,
+        "current_stream": lambda device=None: _Stream(),
+        "default_stream": lambda device=None: _Stream(),
+        "stream": lambda stream=None: contextlib.nullcontext(),
+    }
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.multiple(torch.cuda, **patches))
         stack.enter_context(cuda_device_guard())

@@ -122,7 +122,7 @@ def replay_on(selective, plans: dict[int, StepPlan] | None) -> None:
         plan = selective.step_plan
         group, ranks = selective._plan_group()
         if group is not None and selective.planner.observes(plan.kind):
-            stats = torch.zeros(selective.layers * selective.units + 1, device=selective._device)
+            stats = torch.zeros(selective.layers * selective.units + 1, device=selective.control_device)
             selective.comm.all_reduce(stats, dist.ReduceOp.SUM, group, ranks)
 
     selective.allocate = replayed_allocate

@@ -170,16 +170,23 @@ class Watch(TorchDispatchMode):
             self.problem(f"{func} in float64 on the GPU")
         name = func.__name__.split(".")[0]
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if (self.phase != "load" and outs and all(t.device.type == "cpu" for t in outs) and name not in CPU_OK
-                and sum(t.numel() * t.element_size() for t in outs) >= CPU_OP_BYTES):  # fmt: skip
+        if (
+            self.phase != "load"
+            and outs
+            and all(t.device.type == "cpu" for t in outs)
+            and name not in CPU_OK
+            and sum(t.numel() * t.element_size() for t in outs) >= CPU_OP_BYTES
+        ):
             self.problem(f"{func} ran on the CPU ({tuple(outs[0].shape)} {outs[0].dtype})")
         if func in MATMUL_OPS and cuda and self.component in self.expected:
             dtype = next(t.dtype for t in cuda if t.is_floating_point())
             want = self.expected[self.component]
             running = set() if self.modules is None else {p for fqn in self.modules.parents for p in fqn.split(".")}
             if dtype != want and not (dtype == torch.float32 and running & self.keep_float32):
-                self.problem(f"{func} in {str(dtype).removeprefix('torch.')} in the {self.component} "
-                             f"(configured {str(want).removeprefix('torch.')})")  # fmt: skip
+                self.problem(
+                    f"{func} in {str(dtype).removeprefix('torch.')} in the {self.component} "
+                    f"(configured {str(want).removeprefix('torch.')})"
+                )
 
     def problem(self, what: str) -> None:
         self.problems[f"{what} at {call_site()} ({self.phase})"] += 1

@@ -56,9 +56,16 @@ class ExactAttention:
         if r > 1:
             spans = [sum(ctx.seq_sizes[i * u : (i + 1) * u]) for i in range(r)]
             state = ring_attention(
-                q_BSHD, k_BSHD, v_BSHD, scale=scale, backend=backend, comm=comm,
-                ring_ranks=mesh.ring_ranks, ring_group=mesh.ring_group, kv_sizes=spans,
-            )  # fmt: skip
+                q_BSHD,
+                k_BSHD,
+                v_BSHD,
+                scale=scale,
+                backend=backend,
+                comm=comm,
+                ring_ranks=mesh.ring_ranks,
+                ring_group=mesh.ring_group,
+                kv_sizes=spans,
+            )
             out = with_extra(state, q_BSHD, extra_kv, scale, backend).out_BSHD.to(dtype)
         else:  # Ulysses alone: every member holds the whole sequence of its heads
             out = whole_attention(q_BSHD, k_BSHD, v_BSHD, scale, backend, extra_kv)

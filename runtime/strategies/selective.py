@@ -46,12 +46,11 @@ from runtime.cache import (
     unit_bytes,
 )
 from runtime.comm import Comm
-from runtime.kernels import Backend, attention
+from runtime.kernels import Backend
 from runtime.mesh import Mesh
-from runtime.profiling import region
-from runtime.state import AttentionState, merge, merge_all
+from runtime.state import AttentionState
 from runtime.strategies.exact import EXACT, with_extra
-from runtime.strategies.ring import ring_attention
+from runtime.strategies.selective_layer import selective_layer
 
 
 class SelectiveRuntime:
@@ -87,7 +86,7 @@ class SelectiveRuntime:
         self.step_plan: StepPlan | None = None
         self.branch = 0
         self.cache_peak_bytes = 0
-        self._device = torch.device("cpu")
+        self.control_device = torch.device("cpu")
         # A step cache (runtime/step_cache.py) may skip whole layers on a step: then the layers
         # that ran are agreed at the end of each step, and the plan and the ages follow them.
         self.partial_steps = False
@@ -123,9 +122,14 @@ class SelectiveRuntime:
         sizes = chunk_sizes(tokens, len(self.mesh.cp_ranks))
         self.reuse = self._reuse_check(tokens, latents_BCFHW.device)
         self.allocate(
-            max(sizes), latents_BCFHW.shape[0], steps, branches, latents_BCFHW.device,
-            local_tokens=sizes[self.mesh.cp_index], switches=switches,
-        )  # fmt: skip
+            max(sizes),
+            latents_BCFHW.shape[0],
+            steps,
+            branches,
+            latents_BCFHW.device,
+            local_tokens=sizes[self.mesh.cp_index],
+            switches=switches,
+        )
 
     @property
     def exact_only(self) -> bool:
@@ -158,7 +162,7 @@ class SelectiveRuntime:
         `local_tokens`: this rank's chunk (the buffers' S; default `max_tokens`); `switches`:
         steps where another expert takes over (anchors: nothing cached crosses one). Without a
         user cap on CUDA the cap is the free memory, agreed (minimum) over the plan group."""
-        self._device = device = torch.device("cpu") if device is None else torch.device(device)
+        self.control_device = device = torch.device("cpu") if device is None else torch.device(device)
         local_tokens = max_tokens if local_tokens is None else local_tokens
         dtype = self.cache_dtype or cache_dtype_for(None, device)
         limit = self.cache_limit_bytes
@@ -205,7 +209,7 @@ class SelectiveRuntime:
         group, ranks = self._plan_group()
         if group is None:
             return value
-        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        t = torch.tensor([value], dtype=torch.int64, device=self.control_device)
         self.comm.all_reduce(t, dist.ReduceOp.MIN, group, ranks)
         return int(t.item())
 
@@ -215,7 +219,7 @@ class SelectiveRuntime:
         skipped counts as not run: its cache there is older than a plan computing it assumes."""
         if not self.partial_steps:
             return torch.ones(self.layers, dtype=torch.bool)
-        ran = self.ran_NL.all(0).to(self._device, torch.int32)
+        ran = self.ran_NL.all(0).to(self.control_device, torch.int32)
         group, ranks = self._plan_group()
         if group is not None:
             self.comm.all_reduce(ran, dist.ReduceOp.MIN, group, ranks)
@@ -237,7 +241,7 @@ class SelectiveRuntime:
         if group is None:
             return
         h = plan.fingerprint()
-        t = torch.tensor([h, -h], dtype=torch.int64, device=self._device)
+        t = torch.tensor([h, -h], dtype=torch.int64, device=self.control_device)
         self.comm.all_reduce(t, dist.ReduceOp.MAX, group, ranks)
         high, low = int(t[0]), -int(t[1])
         if high != low:
@@ -286,82 +290,7 @@ class SelectiveRuntime:
 
     def attention(self, layer: int, q_BSHD, k_BSHD, v_BSHD, scale: float, seq_sizes: Sequence[int]) -> AttentionState:
         """Attention of the local queries over the whole sequence under this step's plan."""
-        plan = self.step_plan
-        assert plan is not None and self.cache is not None
-        self._device = q_BSHD.device
-        mesh = self.mesh
-        cp = len(mesh.cp_ranks)
-        c = mesh.cp_index
-        g, i = divmod(c, self.group_size)
-
-        def group_sizes(group: int) -> list[int]:
-            return [seq_sizes[(group % self.groups) * self.group_size + j] for j in range(self.group_size)]
-
-        def group_state(qk, kk, vv, group: int, include_own: bool = True) -> AttentionState:
-            if self.group_size == 1:
-                return attention(qk, kk, vv, scale, self.backend)
-            return ring_attention(
-                qk, kk, vv, scale=scale, backend=self.backend, comm=self.comm, ring_ranks=mesh.near_ranks,
-                ring_group=mesh.near_group, kv_sizes=group_sizes(group), include_own=include_own,
-            )  # fmt: skip
-
-        units = self.unit_list
-        compute_U = plan.compute_LU[layer].tolist() if plan.kind == "selective" else [True] * len(units)
-        offsets = [d for u, offs in enumerate(units) if compute_U[u] for d in offs if d > 0]
-        self.ran_NL[self.branch, layer] = True
-        own_computed = not self.own_unit or compute_U[0]  # the own group whole, or the own chunk only
-        fresh_groups = {(g + d) % self.groups for d in offsets} | ({g} if own_computed else set())
-        fresh_tokens = sum(sum(group_sizes(x)) for x in fresh_groups) + (0 if own_computed else seq_sizes[c])
-        self.kv_fresh += fresh_tokens / sum(seq_sizes)
-        self.evaluations += 1
-
-        B, _, H, D = k_BSHD.shape
-
-        def fetch(d: int):
-            # Symmetric: every rank sends its own chunk back by I*d and receives from I*d ahead.
-            src_index = (c + self.group_size * d) % cp
-            shape = (B, seq_sizes[src_index], H, D)
-            return self.comm.exchange(
-                (k_BSHD, v_BSHD),
-                dst=mesh.cp_ranks[(c - self.group_size * d) % cp],
-                src=mesh.cp_ranks[src_index],
-                recv_shape=(shape, shape),
-                group=mesh.cp_group,
-            )
-
-        fresh: dict[int, AttentionState] = {}
-        # A fetch (cp communicator) is in flight while the group ring (group communicator) runs:
-        # two communicators used at once, which NCCL allows when every rank issues their
-        # operations in the same order. Here every rank posts the fetch first, then its group
-        # ring, at every offset; both communicators exist since the mesh's warm-up.
-        pending = fetch(offsets[0]) if offsets else None  # in flight while the own group computes
-        if self.own_unit:
-            local = attention(q_BSHD, k_BSHD, v_BSHD, scale, self.backend)  # the own chunk
-            if compute_U[0]:
-                fresh[0] = group_state(q_BSHD, k_BSHD, v_BSHD, g, include_own=False)
-        else:
-            local = group_state(q_BSHD, k_BSHD, v_BSHD, g)
-        for n, d in enumerate(offsets):
-            block = pending.wait()
-            pending = fetch(offsets[n + 1]) if n + 1 < len(offsets) else None  # prefetch
-            fresh[d] = group_state(q_BSHD, *block, g + d)
-
-        with region("bookkeeping"):
-            cached = {u: self.cache.get(self.branch, layer, u) for u in range(len(units)) if not compute_U[u]}
-        unit_states = [
-            merge_all([fresh[d] for d in offs]) if compute_U[u] else cached[u] for u, offs in enumerate(units)
-        ]
-        out = local
-        for state in unit_states:
-            out = merge(out, state)
-        with region("bookkeeping"):
-            self.stats.measure(self.branch, layer, plan, local, unit_states, compute_U, out,
-                               lambda u: self.cache.get(self.branch, layer, u))  # fmt: skip
-            if plan.kind != "exact" or self.planner.keeps_exact_states:
-                for u in range(len(units)):
-                    if compute_U[u]:
-                        self.cache.put(self.branch, layer, u, unit_states[u])
-        return out
+        return selective_layer(self, layer, q_BSHD, k_BSHD, v_BSHD, scale, seq_sizes)
 
     def item_report(self) -> dict:
         assert self.planner is not None

@@ -26,7 +26,7 @@ import contextlib
 
 import torch
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from runtime.models.hunyuan.checkpoint import (
     COMPONENTS,
     PIPELINES,

@@ -106,8 +106,10 @@ class HunyuanModel:
         return transformer(
             hidden_states=latents_BCFHW.to(transformer.dtype),
             timestep=t.expand(latents_BCFHW.shape[0]).to(latents_BCFHW.dtype),
-            guidance=text.guidance, return_dict=False, **text.inputs,
-        )[0]  # fmt: skip
+            guidance=text.guidance,
+            return_dict=False,
+            **text.inputs,
+        )[0]
 
     def final_latents(self, latents_BCFHW: torch.Tensor, condition) -> torch.Tensor:
         return latents_BCFHW

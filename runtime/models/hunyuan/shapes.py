@@ -75,10 +75,20 @@ def vae_shape_of(config: dict, params: int) -> VaeShape:
     levels = [max(widths[max(i - 1, 0)], w) for i, w in enumerate(widths)]
     time_up = tuple(n - 1 - 2 <= i < n - 1 for i in range(n))
     return VaeShape(
-        params, int(config.get("latent_channels", 16)), spatial, temporal, 1, tuple(levels),
-        (0,) * n, time_up, chunk_frames=16 // temporal + 1, chunk_stride=12 // temporal, masked_attention=True,
-        causal_frames=False, activation_factor=VAE_ACTIVATION_FACTOR,
-    )  # fmt: skip
+        params,
+        int(config.get("latent_channels", 16)),
+        spatial,
+        temporal,
+        1,
+        tuple(levels),
+        (0,) * n,
+        time_up,
+        chunk_frames=16 // temporal + 1,
+        chunk_stride=12 // temporal,
+        masked_attention=True,
+        causal_frames=False,
+        activation_factor=VAE_ACTIVATION_FACTOR,
+    )
 
 
 def count_params(config: dict) -> int:

@@ -62,12 +62,17 @@ def dir_variant(path: Path, index: dict, components: dict, configs: dict) -> Wan
     if not isinstance(expand, bool):
         raise ModelDirError(f"{where}: expand_timesteps must be true or false, got {expand!r}")
     if (ratio is None) != (config_2 is None):
-        what = "a second expert (transformer_2) but no boundary_ratio" if ratio is None else (
-            f"boundary_ratio {ratio} but no second expert (transformer_2)")  # fmt: skip
+        what = (
+            "a second expert (transformer_2) but no boundary_ratio"
+            if ratio is None
+            else (f"boundary_ratio {ratio} but no second expert (transformer_2)")
+        )
         raise ModelDirError(f"{where} has {what}: diffusers would not run both experts; ditango refuses it")
     if config_2 is not None and (differ := same_architecture(config, config_2)):
-        raise ModelDirError(f"{path}: transformer and transformer_2 differ in {', '.join(differ)}; ditango needs "
-                            "experts of one architecture")  # fmt: skip
+        raise ModelDirError(
+            f"{path}: transformer and transformer_2 differ in {', '.join(differ)}; ditango needs "
+            "experts of one architecture"
+        )
     pipeline = index["_class_name"]
     wants_image = config.get("image_dim") is not None
     if wants_image and "image_encoder" not in components:
@@ -79,9 +84,13 @@ def dir_variant(path: Path, index: dict, components: dict, configs: dict) -> Wan
     if wants_image and "image_processor" not in components:
         raise ModelDirError(f"{where} lists an image_encoder but no image_processor")
     if pipeline == "WanImageToVideoPipeline" and not expand and config.get("in_channels") == config.get("out_channels"):
-        raise ModelDirError(f"{path}: a WanImageToVideoPipeline whose transformer takes no condition channels "
-                            f"(in_channels = out_channels = {config.get('in_channels')})")  # fmt: skip
+        raise ModelDirError(
+            f"{path}: a WanImageToVideoPipeline whose transformer takes no condition channels "
+            f"(in_channels = out_channels = {config.get('in_channels')})"
+        )
     return WanVariant(
-        pipeline=pipeline, boundary_ratio=None if ratio is None else float(ratio), expand_timesteps=expand,
+        pipeline=pipeline,
+        boundary_ratio=None if ratio is None else float(ratio),
+        expand_timesteps=expand,
         image_encoder="image_encoder" in components,
-    )  # fmt: skip
+    )

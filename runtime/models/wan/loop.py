@@ -53,9 +53,12 @@ class WanModel:
     def encode_text(self, prompt: str, negative_prompt: str | None, guidance: float, embedded: float | None = None):
         """`embedded`: a distilled guidance scale (none in Wan; ignored)."""
         cond, uncond = (self.image_pipe or self.pipe).encode_prompt(
-            prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=guidance > 1.0,
-            max_sequence_length=self.max_text_len, device=self.device,
-        )  # fmt: skip
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            do_classifier_free_guidance=guidance > 1.0,
+            max_sequence_length=self.max_text_len,
+            device=self.device,
+        )
         dtype = self.transformers[0].dtype
         return TextEmbeds(cond.to(dtype), None if uncond is None else uncond.to(dtype))
 
@@ -119,9 +122,12 @@ class WanModel:
             _, ph, pw = transformer.config.patch_size
             timestep = (mask[0][0][:, ::ph, ::pw] * t).flatten().unsqueeze(0).expand(batch, -1)
         return transformer(
-            hidden_states=x.to(transformer.dtype), timestep=timestep, encoder_hidden_states=text_BLE,
-            encoder_hidden_states_image=None if condition is None else condition.image_BLE, return_dict=False,
-        )[0]  # fmt: skip
+            hidden_states=x.to(transformer.dtype),
+            timestep=timestep,
+            encoder_hidden_states=text_BLE,
+            encoder_hidden_states_image=None if condition is None else condition.image_BLE,
+            return_dict=False,
+        )[0]
 
     def final_latents(self, latents_BCFHW: torch.Tensor, condition) -> torch.Tensor:
         """TI2V returns the image's first frame in place of the denoised one, as diffusers does."""

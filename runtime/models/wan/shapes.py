@@ -113,9 +113,16 @@ def vae_shape_of(config: dict, params: int) -> VaeShape:
     cached[-1] += dims[-1]  # conv_out
     patch = int(config.get("patch_size") or 1)
     return VaeShape(
-        params, z, int(config.get("scale_factor_spatial", 8)), int(config.get("scale_factor_temporal", 4)),
-        patch, tuple(widths), tuple(cached), tuple(grows), activation_factor=VAE_ACTIVATION_FACTOR,
-    )  # fmt: skip
+        params,
+        z,
+        int(config.get("scale_factor_spatial", 8)),
+        int(config.get("scale_factor_temporal", 4)),
+        patch,
+        tuple(widths),
+        tuple(cached),
+        tuple(grows),
+        activation_factor=VAE_ACTIVATION_FACTOR,
+    )
 
 
 def count_params(config: dict) -> int:

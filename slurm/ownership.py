@@ -1,9 +1,7 @@
-"""The executor a run asks for (local processes, srun steps of an allocation, sbatch jobs),
-and the output folder's ownership for the run's whole length.
-
-The CLI picks `where` (slurm/options.py `choose_executor`), takes the folder with
-`own_output_folder` and hands `executor_for(...)` to the supervisor (slurm/supervise.py).
-"""
+"""The output folder's ownership for a run's whole length: one run writes a folder at a time
+(runtime/lock.py), and no run takes a folder that live Slurm jobs still write (slurm/jobs.py).
+The CLI takes the folder with `own_output_folder`, then hands the executor
+(slurm/launchers/) to the supervisor (slurm/supervise.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +10,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runtime.config import RunConfig
 from runtime.lock import FolderBusy, FolderLock, remove_partials
-from runtime.outputs import check_foreign_files, progress_line
+from runtime.outputs import check_foreign_files
 from slurm.jobs import live_jobs
-from slurm.options import SlurmOptions
 
 
 def own_output_folder(out_dir: Path, wait: bool, say: Callable[[str], None], poll_s: float = 30.0) -> FolderLock:
@@ -58,27 +54,3 @@ def _owned_by_jobs(out_dir: Path, live: list[tuple[str, str]]) -> FolderBusy:
         f"{out_dir} belongs to Slurm job(s) {_listed(live)} submitted from it; wait for them to end, "
         f"`ditango cancel {shlex.quote(str(out_dir))}`, or pass --wait-for-lock"
     )
-
-
-def executor_for(cfg: RunConfig, opts: SlurmOptions, where: str, wait: bool, observer, say: Callable[[str], None]):
-    """The executor of `where`; `observer` draws local progress, `say` prints Slurm's (a line
-    when the job states or the item counts change)."""
-    if where == "local":
-        from slurm.launch import LocalExecutor
-
-        return LocalExecutor(cfg, opts.array, observer)
-    last: list[str | None] = [None]
-
-    def show(states: list[str]) -> None:
-        line = progress_line(cfg, states)
-        if line != last[0]:
-            say(line)
-            last[0] = line
-
-    if where == "srun":
-        from slurm.allocation import SrunExecutor
-
-        return SrunExecutor(cfg, opts, show, say)
-    from slurm.submit import SbatchExecutor
-
-    return SbatchExecutor(cfg, opts, wait, show, say)

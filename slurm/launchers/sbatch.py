@@ -29,7 +29,7 @@ import submitit
 import torch.distributed as dist
 from submitit.core.utils import FailedJobError, FailedSubmissionError
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from runtime.config import RunConfig
 from runtime.context import SilentObserver
 from runtime.progress import LogObserver
@@ -59,7 +59,7 @@ from slurm.rank import (
 from slurm.sharding import shard
 from slurm.supervise import Outcome, task_report, tasks_with_work
 
-CODE_PACKAGES = ("ditango_cli", "runtime", "planner", "slurm")
+CODE_PACKAGES = ("ditango_cli", "runtime", "planner", "slurm", "basics")
 
 
 def snapshot_code(dest: Path) -> Path:
@@ -122,8 +122,17 @@ class SlurmRun(submitit.helpers.Checkpointable):
             return None
         # The writer (of each replica) logs its progress as plain lines into its stderr, the job's log.
         observer = LogObserver(sys.stderr) if rank == 0 else SilentObserver()
-        return run_rank(replace(cfg, items=items), rank, tuple(node_of), replica, task_report(task), observer,
-                        global_rank, device, decided=decided)  # fmt: skip
+        return run_rank(
+            replace(cfg, items=items),
+            rank,
+            tuple(node_of),
+            replica,
+            task_report(task),
+            observer,
+            global_rank,
+            device,
+            decided=decided,
+        )
 
 
 def absolute_paths(cfg: RunConfig) -> RunConfig:

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 from runtime.config import RunConfig
 from runtime.context import Observer, RankContext, SilentObserver
-from runtime.outputs import plan_resume
+from runtime.resume import plan_resume
 from runtime.run import execute, settled_report
 from slurm.aggregate import aggregate
 from slurm.entry import run_rank
 from slurm.faults import with_faults
-from slurm.local import EventSink, RankFailed, run_ranks
+from slurm.launchers.processes import EventSink, RankFailed, run_ranks
 from slurm.rank import current_device, select_device
 from slurm.sharding import shard
 from slurm.supervise import Outcome, task_report
@@ -46,8 +46,18 @@ def rank_main(
     rank: int, world: int, events: EventSink, cfg: RunConfig, skipped: dict, report_name: str, decided: dict
 ) -> dict | None:
     """Entry point of one local rank (after its replica's process group is up)."""
-    return run_rank(cfg, rank, node_map(cfg, events.replica), events.replica, report_name, _Forwarding(events),
-                    events.rank, current_device(), skipped, decided)  # fmt: skip
+    return run_rank(
+        cfg,
+        rank,
+        node_map(cfg, events.replica),
+        events.replica,
+        report_name,
+        _Forwarding(events),
+        events.rank,
+        current_device(),
+        skipped,
+        decided,
+    )
 
 
 class LocalExecutor:
@@ -86,10 +96,16 @@ class LocalExecutor:
                 continue
             try:
                 reports = run_ranks(
-                    rank_main, cfg.world_size, (cfg, skipped, name, decided), timeout_s=cfg.setup_timeout_s,
-                    device=cfg.device, log_dir=cfg.out_dir / "logs", on_event=self._event, replicas=cfg.replicas,
+                    rank_main,
+                    cfg.world_size,
+                    (cfg, skipped, name, decided),
+                    timeout_s=cfg.setup_timeout_s,
+                    device=cfg.device,
+                    log_dir=cfg.out_dir / "logs",
+                    on_event=self._event,
+                    replicas=cfg.replicas,
                     stale_s=cfg.timeout_s,
-                )  # fmt: skip
+                )
             except RankFailed as exc:
                 outcomes.append(Outcome(task, str(exc), exc.rank))
                 continue

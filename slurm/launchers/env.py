@@ -38,13 +38,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from planner.errors import ConfigError
-from planner.user_files import read_text
+from basics.errors import ConfigError
+from basics.user_files import read_text
 from runtime.config import RunConfig
 from runtime.context import Observer
 from runtime.errors import OutputWriteError
-from runtime.outputs import STATE_DIR, fs_clock, plan_resume, read_record, settled_since
+from runtime.outputs import STATE_DIR, fs_clock, read_record, settled_since
 from runtime.report import SCHEMA
+from runtime.resume import plan_resume
 from runtime.video import write_json
 from slurm.rank import LaunchedRank, apply_environment, exit_soon, is_peer_failure, join, select_device
 
@@ -78,8 +79,10 @@ def run_launched(
     """Run `cfg` as rank `launched.rank`; the run report on rank 0, None elsewhere. Raises
     `LaunchedRankFailed` (one line, the rank and its error) once the failure is recorded."""
     if cfg.world_size != launched.world_size or cfg.replicas > 1:  # the CLI made it so (generate.py launcher_args)
-        raise ConfigError(f"the run has {cfg.world_size} rank(s) in {cfg.replicas} replica(s), the launcher started "
-                          f"{launched.world_size} for one")  # fmt: skip
+        raise ConfigError(
+            f"the run has {cfg.world_size} rank(s) in {cfg.replicas} replica(s), the launcher started "
+            f"{launched.world_size} for one"
+        )
     apply_environment(cfg.out_dir)
     device = select_device(cfg.device, launched.local_rank, launched.local_size)
     previous = signal.signal(signal.SIGTERM, _terminated)  # the launcher ends the others so: record, then go
@@ -107,8 +110,13 @@ def run_launched(
 
 def _join(cfg: RunConfig, launched: LaunchedRank, device: torch.device) -> None:
     try:
-        join(device, rank=launched.rank, world_size=launched.world_size, timeout_s=cfg.setup_timeout_s,
-             init_method="env://")  # fmt: skip
+        join(
+            device,
+            rank=launched.rank,
+            world_size=launched.world_size,
+            timeout_s=cfg.setup_timeout_s,
+            init_method="env://",
+        )
     except Exception as exc:
         if launched.restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's restarts reuse its rendezvous store, where a restarted process group
@@ -166,11 +174,11 @@ class Series:
 
 
 def _own_folder(cfg: RunConfig, launched: LaunchedRank, say) -> tuple[object, Series | None, dict]:
-    """Rank 0 takes the output folder (slurm/executors.py), records what the previous launch of
+    """Rank 0 takes the output folder (slurm/ownership.py), records what the previous launch of
     this series left running (under NCCL a rank blocked in a collective cannot record its
     failure; a killed one never does), and decides what earlier launches settled (done, given
     up). Every rank learns that, or why the folder was refused."""
-    from slurm.executors import own_output_folder
+    from slurm.ownership import own_output_folder
 
     lock = series = None
     refused, decided = None, {}
@@ -211,8 +219,17 @@ def _tasks(cfg: RunConfig, launched: LaunchedRank, tasks: int, device: torch.dev
     for task in range(tasks):
         items = tuple(shard(cfg.items, task, tasks))
         if items:
-            report = run_rank(replace(cfg, items=items), launched.rank, placed, 0, task_report(task, tasks), observer,
-                              launched.rank, device, decided=decided)  # fmt: skip
+            report = run_rank(
+                replace(cfg, items=items),
+                launched.rank,
+                placed,
+                0,
+                task_report(task, tasks),
+                observer,
+                launched.rank,
+                device,
+                decided=decided,
+            )
     dist.destroy_process_group()
     if not launched.writer:
         return None

@@ -5,7 +5,7 @@ the other inside the allocation (as `--array` does locally). A step runs the sam
 `SlurmRun` call as a submitted job, on a snapshot of the code; the call travels as a
 pickle file in the output folder, never as a shell line, so prompts never reach a shell.
 
-    python -m slurm.allocation CALL.pkl   (what each srun task runs)
+    python -m slurm.launchers.srun CALL.pkl   (what each srun task runs)
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from planner.errors import ConfigError
-from planner.user_files import digits
+from basics.errors import ConfigError
+from basics.user_files import digits
 from runtime.config import RunConfig
 from slurm.aggregate import aggregate
 from slurm.heartbeat import BeatWatch, kill_step, stopped_failure
@@ -45,7 +45,7 @@ def run_steps(
     start at all (more nodes than the allocation has, say) is a ConfigError with srun's own
     message; its folder goes when no step ran before it."""
     from slurm.jobs import discard_folder, slurm_message
-    from slurm.submit import absolute_paths, snapshot_code
+    from slurm.launchers.sbatch import absolute_paths, snapshot_code
 
     cfg = absolute_paths(cfg)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
@@ -148,10 +148,18 @@ def srun_command(cfg: RunConfig, folder: Path, task: int, call: Path) -> list[st
     shell holds them all; without it the new step waits for them for ever)."""
     gpus = [f"--gpus-per-node={cfg.gpus_per_node}"] if cfg.device == "cuda" else []
     return [
-        "srun", f"--nodes={cfg.nodes}", f"--ntasks-per-node={cfg.gpus_per_node}", *gpus, "--overlap",
-        "--kill-on-bad-exit=1", f"--output={folder}/task-{task}-rank-%t.log",
-        sys.executable, "-m", "slurm.allocation", str(call),
-    ]  # fmt: skip
+        "srun",
+        f"--nodes={cfg.nodes}",
+        f"--ntasks-per-node={cfg.gpus_per_node}",
+        *gpus,
+        "--overlap",
+        "--kill-on-bad-exit=1",
+        f"--output={folder}/task-{task}-rank-%t.log",
+        sys.executable,
+        "-m",
+        "slurm.launchers.srun",
+        str(call),
+    ]
 
 
 def _ending(srun_log: Path) -> bool:
@@ -258,7 +266,7 @@ def _step_environment() -> None:
 
 
 def main(call: Path) -> None:
-    from slurm.submit import SlurmRun
+    from slurm.launchers.sbatch import SlurmRun
 
     with open(call, "rb") as f:
         cfg, task, tasks, decided = pickle.load(f)  # written by run_steps for this step

@@ -8,7 +8,7 @@ import re
 import stat
 from pathlib import Path
 
-from planner.errors import ConfigError
+from basics.errors import ConfigError
 
 
 def require_regular_file(path: Path, what: str) -> None:
