@@ -5,14 +5,17 @@ as pages; tests/test_manual.py holds them to the code."""
 
 from __future__ import annotations
 
+import html
+
 import typer
 
 from planner.strategy import STRATEGIES
 
 
 def _cell(text: str) -> str:
-    """A markdown table cell: one line, pipes escaped."""
-    return " ".join(text.split()).replace("|", "\\|")
+    """A markdown table cell: one line, HTML-escaped, a pipe as its entity (the table's
+    separator otherwise)."""
+    return html.escape(" ".join(text.split()), quote=False).replace("|", "&#124;")
 
 
 def root_context(app: typer.Typer):
@@ -53,7 +56,7 @@ def cli_reference(app: typer.Typer) -> str:
             panels.setdefault(panel, []).append(record)
         for panel, records in panels.items():
             lines += [f"**{panel}**", "", "| option | what it does |", "|---|---|"]
-            lines += [f"| `{_cell(flags)}` | {_cell(text)} |" for flags, text in records]
+            lines += [f"| <code>{_cell(flags)}</code> | {_cell(text)} |" for flags, text in records]
             lines.append("")
     return "\n".join(lines)
 

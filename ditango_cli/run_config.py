@@ -18,6 +18,7 @@ from planner.ditango import DiTangoOptions, run_planner_config
 from planner.hybrid import HybridConfig
 from planner.layout import replica_layout
 from planner.memory import parse_bytes
+from planner.strategy import STRATEGIES, Strategy
 from runtime.config import DecodeOptions, RunConfig
 from runtime.errors import ModelDirError
 from runtime.items import Overrides, build_items, fit_to_model
@@ -208,8 +209,10 @@ def decode_options(args: RunOptions, layout) -> DecodeOptions:
 
 
 def checked_rules(args: RunOptions, layout, step_cache, where: str, given: Given) -> set[str]:
-    """Which options need which others (ditango_cli/requires.py): a typed option that means
-    nothing in this run is refused; a run file's is returned, to be left at its default."""
+    """The settings that do not run together (runtime/config.py `check_combination`), then which
+    options need which others (ditango_cli/requires.py): a typed option that means nothing in
+    this run is refused; a run file's is returned, to be left at its default."""
+    check_combination(layout.strategy, args.guidance.hybrid, args.memory.shard_weights, step_cache)
     setting = RunSetting(
         where=where,
         model_from=model_source(args.model.model),
@@ -223,6 +226,26 @@ def checked_rules(args: RunOptions, layout, step_cache, where: str, given: Given
         vae_parallel=args.memory.vae_parallel,
     )
     return check_given(GENERATE_RULES, given, setting)
+
+
+def check_combination(strategy: Strategy, hybrid: bool, shard_weights: bool, step_cache) -> None:
+    """The settings that do not run together, each refused with what would."""
+    if hybrid and shard_weights:
+        raise ConfigError("--shard-weights does not combine with --hybrid (its segments run different blocks)")
+    if hybrid and not strategy.with_hybrid:
+        takers = ", ".join(n for n, s in STRATEGIES.items() if s.with_hybrid and s.runtime is not None)
+        raise ConfigError(f"--hybrid does not combine with --parallel {strategy}; use {takers}")
+    if shard_weights and strategy.splits_weights:
+        raise ConfigError(
+            f"--shard-weights does not combine with --parallel {strategy} ({strategy} already splits the block weights)"
+        )
+    if step_cache is not None and hybrid:
+        raise ConfigError("--step-cache does not combine with --hybrid (its segments run different blocks)")
+    if step_cache is not None and step_cache.name in ("first-block", "magcache") and shard_weights:
+        raise ConfigError(
+            f"--step-cache {step_cache.name} does not combine with --shard-weights (FSDP wraps the "
+            "blocks it hooks); use pab or taylorseer, or drop --shard-weights"
+        )
 
 
 def with_model(cfg: RunConfig, args: RunOptions, spec, resolved, placement, where: str, warn):

@@ -16,7 +16,6 @@ from planner.ditango import DiTangoOptions
 from planner.hybrid import HybridConfig
 from planner.layout import ParallelLayout, token_count
 from planner.models import VideoSize
-from planner.strategy import STRATEGIES, Strategy
 from runtime.models.adapters import Adapter, check_sets
 from runtime.models.schedulers import Sampler
 from runtime.step_cache_options import StepCacheSpec
@@ -85,26 +84,6 @@ def check_timeouts(step_s: float, setup_s: float | None) -> None:
                 f"{flag} must be a finite number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S} (7 days), "
                 f"got {seconds:g}"
             )
-
-
-def check_combination(strategy: Strategy, hybrid: bool, shard_weights: bool, step_cache) -> None:
-    """The settings that do not run together, each refused with what would."""
-    if hybrid and shard_weights:
-        raise ConfigError("--shard-weights does not combine with --hybrid (its segments run different blocks)")
-    if hybrid and not strategy.with_hybrid:
-        takers = ", ".join(n for n, s in STRATEGIES.items() if s.with_hybrid and s.runtime is not None)
-        raise ConfigError(f"--hybrid does not combine with --parallel {strategy}; use {takers}")
-    if shard_weights and strategy.splits_weights:
-        raise ConfigError(
-            f"--shard-weights does not combine with --parallel {strategy} ({strategy} already splits the block weights)"
-        )
-    if step_cache is not None and hybrid:
-        raise ConfigError("--step-cache does not combine with --hybrid (its segments run different blocks)")
-    if step_cache is not None and step_cache.name in ("first-block", "magcache") and shard_weights:
-        raise ConfigError(
-            f"--step-cache {step_cache.name} does not combine with --shard-weights (FSDP wraps the "
-            "blocks it hooks); use pab or taylorseer, or drop --shard-weights"
-        )
 
 
 def setup_timeout(step_s: float, given: float | None = None) -> float:
@@ -276,7 +255,6 @@ class RunConfig:
         if self.retries < 0:
             raise ConfigError(f"--retries must be >= 0, got {self.retries}")
         check_timeouts(self.timeout_s, self.setup_timeout_s)
-        check_combination(self.layout.strategy, self.hybrid is not None, self.shard_weights, self.step_cache)
         check_sets(self.items, self.layout.strategy, self.shard_weights)
         if self.setup_timeout_s < self.timeout_s:
             raise ConfigError(

@@ -33,7 +33,7 @@ def test_the_cli_reference_lists_every_option_of_every_command():
             if param.get_help_record(ctx) is None:
                 continue
             for flag in param.opts + param.secondary_opts:
-                assert re.search(rf"`[^`]*{re.escape(flag)}\b", text), (name, flag)
+                assert re.search(rf"<code>[^<]*{re.escape(flag)}\b", text), (name, flag)
                 listed += 1
     assert listed > 250  # generate, check, rehearse and simulate alone take well over a hundred
 
@@ -43,12 +43,23 @@ def test_the_strategy_table_is_the_registry():
     assert [re.match(r"\| `([^`]+)`", r).group(1) for r in rows] == list(STRATEGIES)
 
 
+SHELL = {"", "bash", "sh", "shell", "console"}  # a fence's language: shell commands (untagged too)
+
+
 def examples(text: str) -> list[str]:
-    """Every `ditango ...` command in the fenced shell blocks and inline code of a page."""
+    """Every `ditango ...` command in the shell blocks and the inline code of a page."""
     found: list[str] = []
-    for block in re.findall(r"```(?:bash|sh|shell)?\n(.*?)```", text, re.S):
-        joined = block.replace("\\\n", " ")
-        found += [line for line in joined.splitlines() if re.search(r"(^|[\s/])ditango\s", line)]
+    block: list[str] | None = None  # the lines of the shell block open now
+    fenced = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            if fenced and block is not None:
+                joined = "\n".join(block).replace("\\\n", " ")
+                found += [c for c in joined.splitlines() if re.search(r"(^|[\s/])ditango\s", c)]
+            block = [] if not fenced and line.lstrip()[3:].strip() in SHELL else None
+            fenced = not fenced
+        elif fenced and block is not None:
+            block.append(line)
     # inline code that gives options (a bare `ditango status` is a name in prose)
     found += re.findall(r"(?<!`)`(ditango [a-z]+ [^`]*--[^`]*)`", text)
     return found

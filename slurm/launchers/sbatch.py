@@ -65,7 +65,7 @@ CODE_PACKAGES = ("ditango_cli", "runtime", "planner", "slurm", "basics")
 def snapshot_code(dest: Path) -> Path:
     """Copy the project's packages as they are now, so a queued job does not run whatever
     is checked out when it starts."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # slurm/launchers/sbatch.py: the checkout
     for name in CODE_PACKAGES:
         shutil.copytree(root / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
     return dest
