@@ -7,8 +7,10 @@ Ulysses innermost (cp_index = ring_index * ulysses_degree + ulysses_index), so a
 group is a run of adjacent ranks, which share a node whenever ulysses_degree divides the
 GPUs per node.
 
-Tensor parallelism (`tp`) uses the cp axis as its group: every rank of it holds the whole
-token sequence and 1/cp of each block's heads and FFN width (runtime/strategies/tensor.py).
+The layout's strategy (a registered object, planner/strategy.py) derives the cp axis's
+degrees (Ulysses, ring, tensor-parallel, DiTango's group) and adds its own rules. Tensor
+parallelism (`tp`) uses the cp axis as its group: every rank of it holds the whole token
+sequence and 1/cp of each block's heads and FFN width (runtime/strategies/tensor.py).
 
 Token chunks are uneven and contiguous, with no padding: rank i of P gets S // P tokens plus
 one more when i < S % P (32,760 tokens over 16 ranks: 8 ranks of 2,048 and 8 of 2,047).
