@@ -153,7 +153,8 @@ def report(out: OutArg, as_json: JsonOpt = False) -> int:
     console = plain_console()
     layout = merged.get("layout") or {}
     if layout:
-        known = STRATEGIES.get(layout.get("strategy"))
+        name = layout.get("strategy")
+        known = STRATEGIES.get(name) if isinstance(name, str) else None  # a damaged report's may be anything
         group = f", group size {layout.get('group_size')}" if known and "group_size" in known.options else ""
         console.print(
             f"{merged.get('model')}: {layout.get('world_size')} rank(s) on {layout.get('nodes')} node(s), "
