@@ -229,7 +229,7 @@ def _joint_text_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: in
     t = attention_seconds(hw, q, n, H, D) + attention_seconds(hw, n, q, H, D) + attention_seconds(hw, n, n, H, D)
     if P > 1:
         cp_ranks = topo.groups["cp"][0]
-        link = "inter_node" if len({topo.node_of[r] for r in cp_ranks}) > 1 else "intra_node"
+        link = topo.group_link(cp_ranks)
         t += (P - 1) * n * H * (D + 1) * 4 / bandwidth(hw, link) + latency(hw, link)
     return t
 
@@ -278,12 +278,12 @@ def estimate(
     gather = 0.0
     if layout.cp_degree > 1 and not strategy.splits_weights:
         cp_ranks = topo.groups["cp"][0]
-        link = "inter_node" if len({topo.node_of[r] for r in cp_ranks}) > 1 else "intra_node"
+        link = topo.group_link(cp_ranks)
         gather = (layout.cp_degree - 1) * max(sizes) * shape.out_channels * element_bytes / bandwidth(hw, link)
     step = forwards * (shape.layers * (attn + rest) + gather)
     if shard_weights and layout.cp_degree > 1:  # FSDP gathers every block each forward, prefetched beside compute
         cp_ranks = topo.groups["cp"][0]
-        link = "inter_node" if len({topo.node_of[r] for r in cp_ranks}) > 1 else "intra_node"
+        link = topo.group_link(cp_ranks)
         n = layout.cp_degree
         weights = (n - 1) * (shape.fsdp_gathered_params // n) * element_bytes / bandwidth(hw, link)
         step = max(step, forwards * weights)

@@ -62,6 +62,10 @@ class Topology:
     def link(self, a: int, b: int) -> str:
         return "intra_node" if self.node_of[a] == self.node_of[b] else "inter_node"
 
+    def group_link(self, ranks) -> str:
+        """The slowest link class inside a group of `ranks`: inter_node when they span nodes."""
+        return "inter_node" if len({self.node_of[r] for r in ranks}) > 1 else "intra_node"
+
 
 def ring_all_reduce_bytes(nbytes: int, n: int) -> int:
     """What each of `n` ranks receives in a ring all-reduce of `nbytes` (NCCL's ring: a

@@ -48,7 +48,7 @@ class ExactCP(Strategy):
         t = 0.0
         if u > 1:
             uly = topo.groups["ulysses"][0]
-            link = "inter_node" if len({topo.node_of[r] for r in uly}) > 1 else "intra_node"
+            link = topo.group_link(uly)
             a2a = (3 + 1) * max(sizes) * h * D * e * (u - 1)
             t += a2a / bandwidth(hw, link) + 2 * (u - 1) * latency(hw, link)
         spans = [sum(sizes[i * u : (i + 1) * u]) for i in range(layout.ring)]

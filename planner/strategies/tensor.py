@@ -56,7 +56,7 @@ class TensorParallel(Strategy):
         if n == 1:
             return 0.0
         ranks = topo.groups["cp"][0]
-        link = "inter_node" if len({topo.node_of[r] for r in ranks}) > 1 else "intra_node"
+        link = topo.group_link(ranks)
         per_step = [b / n / bandwidth(hw, link) + latency(hw, link) for b in tp_all_reduces(shape, tokens, e)]
         return sum(2 * (n - 1) * s for s in per_step)
 
