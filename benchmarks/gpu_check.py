@@ -6,18 +6,21 @@ On one CUDA GPU (sized for a few minutes on an H200; the budget is 10). Needs th
 dependencies (diffusers, transformers, submitit, imageio, imageio-ffmpeg; flash-attn when
 installed). Prints one markdown table and exits 1 when any row fails. Sections:
 
-1. kernels: every attention backend (torch's fused kernels; flash-attn when it imports) in
-   bf16, fp16 and fp32 (flash: no fp32 kernel), head dims 48 and 128, on odd lengths, a
-   1-token query and a 1-token key block, and permuted (non-contiguous) strides: the
-   state's lse is [B, S, H] float32 and finite, out and lse match float64, and merging the
-   states of an uneven split of the keys equals one-shot attention;
+1. kernels: every attention kernel this GPU runs (sdpa; flash where flash-attn imports; flash3
+   on Hopper where FlashAttention-3 imports) in bf16, fp16 and fp32 (flash, flash3: no fp32
+   kernel), head dims 48 and 128, on odd lengths, a 1-token query and a 1-token key block, and
+   permuted (non-contiguous) strides: the state's lse is [B, S, H] float32 and finite, out and
+   lse match float64 (and sdpa's, for the others), the output-only call matches the state's
+   out, and merging the states of an uneven split of the keys equals one-shot attention;
 2. nccl: a one-rank NCCL world (device bound) and a hand-built mesh whose ring members are
    all this rank: the real `Comm` (P2P to itself, gather), ring attention and the DiTango
    runtime (fetch, cache, reuse, plan check) run over NCCL; with every member holding the
    same KV, attention over k copies equals attention over one, lse + log k;
 3. processor: Wan2.1-1.3B geometry (12 heads x 128, 30 layers) with random weights at
    832x480x81 (32,760 tokens) in bf16: our context-parallel processor (one rank) against
-   diffusers' own, relative difference, time per forward and peak memory;
+   diffusers' own, relative difference, time per forward and peak memory; diffusers' own
+   attention set to every other kernel (one rank, runtime/kernels.py use_on_one_rank) against
+   its native SDPA;
 4. cache: DiTango's cache allocated at its target size (Wan2.1-14B, 1280x720x81 = 75,600
    tokens, CP 16, groups of 2, two CFG branches, bf16): bytes equal the formula, the
    automatic cap from free memory, a user cap that composes, memory returned after the item;
@@ -29,11 +32,20 @@ installed). Prints one markdown table and exits 1 when any row fails. Sections:
    equals the whole model's, and every TP shard owns only its own bytes;
 7. memory: the memory model against `torch.cuda.max_memory_allocated` for one
    Wan2.1-14B-width block at 75,600 tokens in bf16 and a random-weight Wan VAE decode at
-   1280x720x81, untiled and tiled.
+   1280x720x81, untiled and tiled;
+8. compile: `--compile` on a 2-block Wan2.1-1.3B-width random transformer (bf16, 8,190 tokens,
+   ring over one rank: the `ditango::` custom ops): no graph break or fallback, one graph for
+   the blocks, compiled vs eager relative L2 and max error, median time per forward;
+9. fp8 (compute capability >= 8.9; one line saying so below): `Fp8Linear` vs the bf16 Linear
+   at Wan2.1-14B's widths and 8k-32k tokens (relative error; time eager and compiled), and a
+   2-block Wan forward quantized whole vs bf16.
 
-Sections 2 and 4 are in benchmarks/gpu/runtime_checks.py, 6 and 7 in benchmarks/gpu/model_checks.py.
-The CPU suite runs sections 1, 3, 4, 6 and 7 on the CPU at small sizes (7's peak traced by torch's
-MemTracker), and section 2's bring-up and collectives over gloo (tests/test_gpu_check.py);
+Section 1 is in benchmarks/gpu/kernel_checks.py, 2 and 4 in benchmarks/gpu/runtime_checks.py, 6 and 7
+in benchmarks/gpu/model_checks.py, 8 in benchmarks/gpu/compile_checks.py, 9 in
+benchmarks/gpu/fp8_checks.py.
+The CPU suite runs sections 1, 3, 4, 6, 7, 8 and 9 on the CPU at small sizes (7's peak traced by
+torch's MemTracker; 8 traced by dynamo's "eager" backend; 9's times only printed), and section 2's
+bring-up and collectives over gloo (tests/test_gpu_check.py);
 section 5 and the P2P of section 2 need CUDA.
 """
 
@@ -54,86 +66,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from basics.errors import ConfigError  # noqa: E402
+from benchmarks.gpu.compile_checks import compile_rows  # noqa: E402
+from benchmarks.gpu.fp8_checks import fp8_rows  # noqa: E402
+from benchmarks.gpu.kernel_checks import available_kernels, kernel_rows  # noqa: E402
 from benchmarks.gpu.model_checks import memory_rows, sharding_rows  # noqa: E402
 from benchmarks.gpu.runtime_checks import Row, _rand, cache_rows, nccl_rows  # noqa: E402
-from runtime.kernels import attention, flash_attn_available, reference_attention  # noqa: E402
-from runtime.state import merge_all  # noqa: E402
+from runtime.kernels import flash3_available, flash_attn_available, resolve_backend, use_on_one_rank  # noqa: E402
 
 GENERATE_TIMEOUT_S = 300  # one built-in-model run takes seconds on a GPU; a hang fails its row
-# Max abs error of out against float64, per compute dtype (inputs ~ N(0, 1)).
-OUT_TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-LSE_TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
-
-
-# -- 1. kernels -------------------------------------------------------------------------------
-def kernel_rows(
-    device: str = "cuda",
-    backends: list[str] | None = None,
-    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32),
-    head_dims: tuple[int, ...] = (48, 128),
-    lengths: tuple[int, int] = (333, 1000),
-) -> list[Row]:
-    """The attention-state contract of every backend (see the module docstring)."""
-    if backends is None:
-        backends = ["torch"] + (["flash"] if device == "cuda" and flash_attn_available() else [])
-    g = torch.Generator(device=device).manual_seed(0)
-    S, K = lengths
-    B, H = 2, 3
-    rows = []
-    for backend in backends:
-        for dtype in dtypes:
-            if backend == "flash" and dtype == torch.float32:
-                continue  # flash-attn has no fp32 kernel
-            for D in head_dims:
-                scale = D**-0.5
-                cases = {
-                    f"S={S} K={K}": (S, K, False),
-                    "1-token query": (1, K, False),
-                    "1-token keys": (S, 1, False),
-                    "permuted strides": (S, K, True),
-                }
-                for case, (s, k_len, permuted) in cases.items():
-                    if permuted:  # [B, H, S, D] storage seen as [B, S, H, D]: non-contiguous
-                        q, k, v = (_rand((B, H, n, D), dtype, device, g).transpose(1, 2) for n in (s, k_len, k_len))
-                    else:
-                        q, k, v = (_rand((B, n, H, D), dtype, device, g) for n in (s, k_len, k_len))
-                    name = f"{backend} {str(dtype).removeprefix('torch.')} D={D} {case}"
-                    rows.extend(_kernel_case(name, q, k, v, scale, backend, dtype))
-    return rows
-
-
-def _kernel_case(name, q, k, v, scale, backend, dtype) -> list[Row]:
-    ref_out, ref_lse = reference_attention(q, k, v, scale)
-    state = attention(q, k, v, scale, backend)
-    B, S, H, _ = q.shape
-    contract = (
-        state.lse_BSH.shape == (B, S, H)
-        and state.lse_BSH.dtype == torch.float32
-        and state.out_BSHD.dtype == torch.float32
-        and bool(torch.isfinite(state.lse_BSH).all())
-        and bool(torch.isfinite(state.out_BSHD).all())
-    )
-    out_err = (state.out_BSHD.double() - ref_out).abs().max().item()
-    lse_err = (state.lse_BSH.double() - ref_lse).abs().max().item()
-    K = k.shape[1]
-    cuts = sorted({0, min(1, K), K // 3, K // 3 + 1, (2 * K) // 3 + 5, K} & set(range(K + 1)))
-    parts = [attention(q, k[:, a:b], v[:, a:b], scale, backend) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
-    merged = merge_all(parts)
-    merge_err = (merged.out_BSHD - state.out_BSHD).abs().max().item()
-    merge_lse_err = (merged.lse_BSH - state.lse_BSH).abs().max().item()
-    tol, lse_tol = OUT_TOL[dtype], LSE_TOL[dtype]
-    return [
-        Row("kernels", f"{name}: lse [B,S,H] float32, finite", float(contract), "1", contract),
-        Row("kernels", f"{name}: out vs float64", out_err, f"<= {tol:g}", out_err <= tol),
-        Row("kernels", f"{name}: lse vs float64", lse_err, f"<= {lse_tol:g}", lse_err <= lse_tol),
-        Row(
-            "kernels",
-            f"{name}: merge of {len(parts)} uneven splits vs one-shot (out, lse)",
-            max(merge_err, merge_lse_err),
-            f"<= {tol:g}",
-            merge_err <= tol and merge_lse_err <= lse_tol,
-        ),
-    ]
 
 
 # -- 3. our processor against diffusers' --------------------------------------------------------
@@ -215,6 +156,7 @@ def processor_rows(
         return out.float(), (time.perf_counter() - start) / reps, peak
 
     ref, ref_s, ref_peak = measure()
+    rows = one_rank_rows(model, forward, ref, device, dtype, rel_tol)
     backend = resolve_backend("auto", torch.device(device), dtype)
     mesh = build_mesh(ParallelLayout(strategy="ring"), 0, (0,), device=torch.device(device))
     handles = parallelize(model, mesh, Comm(mesh), backend)
@@ -223,7 +165,7 @@ def processor_rows(
     handles.remove()
     rel = ((ours - ref).norm() / ref.norm()).item()
     tokens = F * (Hl // 2) * (Wl // 2)
-    rows = [
+    rows += [
         Row(
             "processor",
             f"{tokens} tokens, ours ({backend}) vs diffusers: relative difference",
@@ -249,6 +191,28 @@ def processor_rows(
                 ours_peak <= 1.5 * max(1, ref_peak),
             ),
         ]
+    return rows
+
+
+def one_rank_rows(model, forward, ref, device: str, dtype: torch.dtype, rel_tol: float) -> list[Row]:
+    """diffusers' own attention (one rank) set to each kernel other than sdpa that `--attention`
+    accepts here for one rank, against its native SDPA (`ref`); left on native after."""
+    rows = []
+    for kernel in available_kernels(device, dtype)[1:]:
+        try:
+            resolve_backend(kernel, torch.device(device), dtype, one_rank=True)
+        except ConfigError as exc:  # diffusers' dispatch does not find it: said, not failed
+            rows.append(Row("processor", f"one rank, {kernel}: {exc}", math.nan, "-", True))
+            continue
+        use_on_one_rank([model], kernel)
+        with torch.no_grad():
+            got = forward().float()
+        use_on_one_rank([model], "sdpa")
+        rel = ((got - ref).norm() / ref.norm()).item()
+        ok = rel <= rel_tol and bool(torch.isfinite(got).all())
+        rows.append(
+            Row("processor", f"one rank, diffusers' attention on {kernel} vs native", rel, f"<= {rel_tol:g}", ok)
+        )
     return rows
 
 
@@ -307,6 +271,8 @@ SECTIONS: dict[str, Callable[[], list[Row]]] = {
     "generate": generate_rows,
     "sharding": sharding_rows,
     "memory": memory_rows,
+    "compile": compile_rows,
+    "fp8": fp8_rows,
 }
 
 
@@ -318,7 +284,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check (the CPU-checkable parts run in tests/test_gpu_check.py)")
         return 1
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flash-attn: {flash_attn_available()}\n")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flash-attn: {flash_attn_available()}, "
+        f"FlashAttention-3: {flash3_available()}, kernels: {', '.join(available_kernels('cuda'))}\n"
+    )
     rows: list[Row] = []
     for name, section in SECTIONS.items():
         if name in args.skip:

@@ -6,7 +6,9 @@ The video is priced at the batch's largest item; the batch is the items one job 
 task) runs. Exact layouts only unless reuse is allowed (`--allow-reuse`, or a DiTango option
 given): an automatic choice never makes videos lossy behind the user's back. The GPU is the
 local one's profile when it has one (planner/cost_model.py HARDWARE), else `--hardware`, else
-h20's.
+h20's; `--quantize fp8` on a profile without an FP8 peak is refused (planner/precision.py).
+Attention is priced as the run's `--attention` runs it: flash3, or auto on a profile with a
+`flash3_efficiency` (Hopper), under FlashAttention-3; sdpa, flash and reference as flash-attn 2.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def choose_layout(args, spec, items, array: int = 1):
     from planner.cost_model import load_hardware
     from planner.ditango import RUN_DEFAULTS
     from planner.memory import parse_bytes
+    from planner.precision import attention_pricing
     from planner.search import Problem, search, why
 
     given = [
@@ -82,6 +85,9 @@ def choose_layout(args, spec, items, array: int = 1):
         reuse,
         parse_bytes(memory.gpu_memory, "--gpu-memory") if memory.gpu_memory else 0,
         source,
+        args.model.quantize.value,
+        args.model.compile is not False,  # unset: on, as on every GPU a profile prices
+        attention_pricing(parallel.attention_backend.value, hw),
     )
     choices, notes = search(hw, problem)
     if not choices:

@@ -9,6 +9,7 @@ from enum import Enum
 import typer
 
 from basics.errors import ConfigError
+from planner.precision import QUANTIZE
 from planner.search import OBJECTIVES
 from planner.strategy import STRATEGIES
 from runtime.kernels import BACKENDS
@@ -37,6 +38,7 @@ BackendChoice = _choices("BackendChoice", BACKENDS)
 SolverChoice = _choices("SolverChoice", tuple(SOLVERS))
 LayoutChoice = _choices("LayoutChoice", ("auto",))
 ObjectiveChoice = _choices("ObjectiveChoice", OBJECTIVES)
+QuantizeChoice = _choices("QuantizeChoice", QUANTIZE)
 CACHE_DTYPES = ("float32", "bfloat16")  # DiTangoOptions.cache_dtype
 REFERENCES = ("exact",)
 

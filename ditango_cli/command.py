@@ -20,6 +20,7 @@ from basics.errors import ConfigError
 from basics.user_files import user_path
 from ditango_cli.options import GROUPS, SECTIONS, RunOptions
 from ditango_cli.requires import Given
+from runtime.kernels import OLD_NAMES
 
 
 def section(group: type) -> str:
@@ -114,6 +115,8 @@ def run_file_values(ctx: typer.Context, path: Path, groups: tuple[type, ...]) ->
     params = {p.name: p for p in ctx.command.params}
     out = {}
     for key, raw in flat.items():
+        if isinstance(raw, str):  # a value an option had under an older name
+            raw = RENAMED_VALUES.get(key, {}).get(raw, raw)
         if problem := _wrong_type(params[key], raw):  # typer would convert true to 1, 5 to "5"
             raise ConfigError(f"--config {path}: {key} = {raw!r}: {problem}")  # wrong even where overridden
         source = ctx.get_parameter_source(key)
@@ -128,6 +131,7 @@ def run_file_values(ctx: typer.Context, path: Path, groups: tuple[type, ...]) ->
 
 
 PATH_OPTIONS = ("prompts", "image", "model_root", "out")  # the options that name files or folders
+RENAMED_VALUES = {"attention_backend": OLD_NAMES}  # --attention torch is sdpa since the rename
 
 
 def _from_folder(flat: dict, folder: Path) -> None:

@@ -23,7 +23,7 @@ from ditango_cli.run_config import build_run_config, slurm_options
 from ditango_cli.tables import plain_console, print_tables, say_error
 from runtime.config import RunConfig
 from runtime.errors import ModelDirError
-from runtime.kernels import resolve_backend
+from runtime.kernels import passes_attention_mask, resolve_backend
 from runtime.models.loading import placement_on, quiet_loading_bars
 from slurm.launchers.env import launcher_layout
 from slurm.options import SlurmOptions, choose_executor, host_request
@@ -195,10 +195,10 @@ def check(args: RunOptions, options: dict, given: Given) -> int:
     check_output_folder_free(cfg.out_dir)  # generate would refuse an OUT that another run or live jobs own
     skipped = plan_resume(cfg) if cfg.out_dir.is_dir() else {}
     spec = resolved.spec
-    backend = (
-        "diffusers"
-        if cfg.layout.strategy.runtime is None
-        else resolve_backend(cfg.attention_backend, placement.device, placement.dtype, where == "local")
+    one_rank = cfg.layout.strategy.runtime is None
+    masked = one_rank and passes_attention_mask(spec.family)
+    backend = resolve_backend(
+        cfg.attention_backend, placement.device, placement.dtype, where == "local", one_rank, masked
     )
     summary = {
         "model": cfg.model,

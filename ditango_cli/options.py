@@ -25,6 +25,7 @@ from ditango_cli.choices import (
     LayoutChoice,
     ObjectiveChoice,
     ParallelChoice,
+    QuantizeChoice,
     SolverChoice,
     _o,
     canonical_model,
@@ -69,6 +70,17 @@ class ModelArgs:
         DeviceChoice,
         _o("--device", help="auto: CUDA when this machine (or the allocation) has GPUs; a Slurm submission: GPUs."),
     ] = DeviceChoice.auto
+    compile: Annotated[
+        bool | None,
+        _o(
+            "--compile/--no-compile",
+            help="Compile the repeated transformer block (torch.compile) [on CUDA, off on CPU].",
+        ),
+    ] = None
+    quantize: Annotated[
+        QuantizeChoice,
+        _o("--quantize", help="fp8: the transformer blocks' linear layers in float8 (e4m3), scaled per channel."),
+    ] = QuantizeChoice.none
 
 
 @dataclass
@@ -188,7 +200,13 @@ class ParallelArgs:
         _o("--setup-timeout", help=f"Bring-up and waits on rank 0, seconds [max({SETUP_TIMEOUT_S:g}, --timeout)]."),
     ] = None
     attention_backend: Annotated[
-        BackendChoice, _o("--attention-backend", help="Attention kernel for parallel strategies.")
+        BackendChoice,
+        _o(
+            "--attention",
+            "--attention-backend",
+            help="Attention kernel on each GPU: auto is flash3 on Hopper, else flash, else sdpa "
+            "(one rank: through diffusers' attention).",
+        ),
     ] = BackendChoice.auto
     step_cache: Annotated[
         str | None,

@@ -55,8 +55,8 @@ def rehearse(args: RunOptions, run: RehearseArgs, options: dict, given: Given) -
         path = resolve_model(args.model.model, args.model.model_root).path
     dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[cfg.dtype or "bfloat16"]
     cfg = plan_memory(cfg, spec.shape, gpu_bytes, dtype_bytes, cfg.model)  # what each rank's pre-flight decides
-    if cfg.attention_backend in ("auto", "flash"):
-        cfg = replace(cfg, attention_backend="torch")  # torch's flash kernel: flash-attn's has no fake kernel
+    if cfg.attention_backend in ("auto", "flash", "flash3"):
+        cfg = replace(cfg, attention_backend="sdpa")  # torch's flash kernel: flash-attn's have no fake kernel
     if cfg.replicas > 1:
         cfg = replace(cfg, replicas=1)  # every replica runs the same program
     err = plain_console(stderr=True, soft_wrap=True)

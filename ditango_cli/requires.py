@@ -106,6 +106,7 @@ class RunSetting:
     tiled_decode: bool
     step_cache: bool
     vae_parallel: bool | None
+    quantized: bool = False  # --quantize other than none
 
 
 DITANGO_ONLY = ("planner", "cache_ratio", "target_psnr", "warmup", "cooldown", "group_size", "tau_max",
@@ -131,8 +132,8 @@ GENERATE_RULES = (
     Rule(DITANGO_ONLY, "to --parallel ditango", lambda s: s.strategy.reuses),
     Rule(
         ("reference",),
-        "to what it measures against exact: --parallel ditango, a --step-cache or a tiled decode",
-        lambda s: s.strategy.reuses or s.step_cache or s.tiled_decode,
+        "to what it measures against exact: --parallel ditango, a --step-cache, --quantize or a tiled decode",
+        lambda s: s.strategy.reuses or s.step_cache or s.quantized or s.tiled_decode,
     ),
     Rule(HYBRID_TUNING, "with --hybrid", lambda s: s.hybrid),
     Rule(
@@ -147,11 +148,6 @@ GENERATE_RULES = (
         ("vae_parallel",),
         "on more than one rank (one rank decodes alone)",
         lambda s: s.world_size > 1 or s.vae_parallel is False,
-    ),
-    Rule(
-        ("attention_backend",),
-        "to a parallel strategy (one rank runs diffusers' own attention)",
-        lambda s: s.strategy.runtime is not None,
     ),
     Rule(
         SLURM_JOB,

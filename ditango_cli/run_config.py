@@ -22,7 +22,7 @@ from planner.strategy import STRATEGIES, Strategy
 from runtime.config import DecodeOptions, RunConfig
 from runtime.errors import ModelDirError
 from runtime.items import Overrides, build_items, fit_to_model
-from runtime.kernels import resolve_backend
+from runtime.kernels import passes_attention_mask, resolve_backend
 from runtime.memory_plan import check_local_cpu_ranks, memory_preflight, plan_host_memory
 from runtime.models.loading import check_torch, placement_on
 from runtime.models.registry import REGISTRY
@@ -108,11 +108,18 @@ def build_run_config(
             raise ConfigError(problem)
         warn(f"warning: {problem}")
     placement = placement_on(torch.device(device), None if args.model.dtype is None else args.model.dtype.value)
+    if problem := fp8_device_problem(args.model.quantize.value, placement.device, where):
+        if warn is None:
+            raise ConfigError(problem)
+        warn(f"warning: {problem}")
     ditango = ditango_options(args.ditango) if layout.strategy.reuses else None
     if ditango is not None:  # fail now, not inside the ranks
         check_cache_limit(ditango, items, layout, spec.heads, spec.head_dim, spec.layers, placement.device)
-    if layout.strategy.runtime is not None:
-        resolve_backend(args.parallel.attention_backend.value, placement.device, placement.dtype, where == "local")
+    one_rank = layout.strategy.runtime is None  # diffusers' attention runs the kernel
+    masked = one_rank and passes_attention_mask(spec.family)
+    resolve_backend(
+        args.parallel.attention_backend.value, placement.device, placement.dtype, where == "local", one_rank, masked
+    )
     cfg = RunConfig(  # its own rules (runtime/config.py) checked here, once
         model=args.model.model,
         model_path=None,
@@ -136,6 +143,8 @@ def build_run_config(
         alloc_gpus_per_node=args.parallel.gpus_per_node,
         decode=decode_options(args, layout),
         shard_weights=args.memory.shard_weights,
+        compile=placement.device.type == "cuda" if args.model.compile is None else args.model.compile,
+        quantize=args.model.quantize.value,
         layout_choice=choice,
         options=options or {},
     )
@@ -150,6 +159,21 @@ def build_run_config(
     if not weights and resolved is None:
         return cfg, None
     return with_model(cfg, args, spec, resolved, placement, where, warn)
+
+
+def fp8_device_problem(quantize: str, device: torch.device, where: str) -> str | None:
+    """`--quantize fp8` on this machine's GPU without FP8 matmuls (compute capability below 8.9,
+    planner/precision.py): the refusal, or None. Only a local run's GPU is here to ask; a
+    submission's ranks refuse on theirs (and --layout auto checks its --hardware profile)."""
+    from planner.precision import check_fp8_device
+
+    if quantize != "fp8" or device.type != "cuda" or where != "local" or not torch.cuda.is_available():
+        return None
+    try:
+        check_fp8_device(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def model_and_items(args: RunOptions, array: int, warn) -> tuple:
@@ -212,7 +236,9 @@ def checked_rules(args: RunOptions, layout, step_cache, where: str, given: Given
     """The settings that do not run together (runtime/config.py `check_combination`), then which
     options need which others (ditango_cli/requires.py): a typed option that means nothing in
     this run is refused; a run file's is returned, to be left at its default."""
-    check_combination(layout.strategy, args.guidance.hybrid, args.memory.shard_weights, step_cache)
+    check_combination(
+        layout.strategy, args.guidance.hybrid, args.memory.shard_weights, step_cache, args.model.quantize.value
+    )
     setting = RunSetting(
         where=where,
         model_from=model_source(args.model.model),
@@ -223,13 +249,21 @@ def checked_rules(args: RunOptions, layout, step_cache, where: str, given: Given
         hybrid=args.guidance.hybrid,
         tiled_decode=decode_options(args, layout).tiled,
         step_cache=step_cache is not None,
+        quantized=args.model.quantize.value != "none",
         vae_parallel=args.memory.vae_parallel,
     )
     return check_given(GENERATE_RULES, given, setting)
 
 
-def check_combination(strategy: Strategy, hybrid: bool, shard_weights: bool, step_cache) -> None:
+def check_combination(
+    strategy: Strategy, hybrid: bool, shard_weights: bool, step_cache, quantize: str = "none"
+) -> None:
     """The settings that do not run together, each refused with what would."""
+    if quantize != "none" and strategy.splits_weights:
+        raise ConfigError(
+            f"--quantize {quantize} does not combine with --parallel {strategy} (it splits the layers fp8 replaces); "
+            "use ring, ulysses, usp or ditango"
+        )
     if hybrid and shard_weights:
         raise ConfigError("--shard-weights does not combine with --hybrid (its segments run different blocks)")
     if hybrid and not strategy.with_hybrid:

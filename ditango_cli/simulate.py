@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from basics.errors import ConfigError
-from ditango_cli.choices import ObjectiveChoice, canonical_model, planner_choice
+from ditango_cli.choices import ObjectiveChoice, QuantizeChoice, canonical_model, planner_choice
 from ditango_cli.options import PATH
 from ditango_cli.requires import SIMULATE_RULES, Given, SimulateSetting, check_given
 from ditango_cli.tables import plain_console, print_tables
@@ -57,6 +57,17 @@ ReuseOpt = Annotated[bool, typer.Option("--allow-reuse", help="Ranking: DiTango'
 InterOpt = Annotated[float | None, typer.Option("--inter-node-gbps", help="Inter-node GB/s per GPU [the profile's].")]
 OverlapOpt = Annotated[float | None, typer.Option("--overlap", help="Transfer hidden behind compute, 0-1 [1].")]
 GuidanceOpt = Annotated[float | None, typer.Option("--guidance", help="CFG scale; <= 1: one branch [the model's].")]
+QuantizeOpt = Annotated[QuantizeChoice, typer.Option("--quantize", help="fp8: the blocks' linear layers in float8.")]
+CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="The repeated block compiled, as on CUDA.")]
+AttentionChoice = Enum("AttentionChoice", {v: v for v in ("auto", "flash", "flash3")}, type=str)  # type: ignore[misc]
+AttentionOpt = Annotated[
+    AttentionChoice, typer.Option("--attention", help="Kernel priced: auto is flash3 where the profile prices it.")
+]
+# Published end-to-end times (s) next to which the precision section prints the modelled ones:
+# (model, width, height, frames, steps, profile, GPUs) -> (seconds, where).
+PUBLISHED = {
+    ("wan2.1-14b", 1280, 720, 81, 50, "h100", 8): (287.9, "Wan2.1's published T2V-14B 720p time on 8 GPUs"),
+}
 TOP = 10  # ranking rows shown (--json: all)
 
 
@@ -101,13 +112,17 @@ def simulate(
     inter_node_gbps: InterOpt = None,
     overlap: OverlapOpt = None,
     guidance: GuidanceOpt = None,
+    quantize: QuantizeOpt = QuantizeChoice.none,
+    compile: CompileOpt = True,
+    attention: AttentionOpt = AttentionChoice.auto,
 ) -> int:
     """Price strategies on a hardware profile: per-step attention, step and end-to-end time, bytes, peak memory."""
-    from planner.comparison import compare_layouts, memory_options, simulate_assumptions
+    from planner.comparison import compare_layouts, memory_options, precision_rows, simulate_assumptions
     from planner.cost_model import load_hardware, with_overrides
     from planner.layout import parse_group_size
     from planner.memory import parse_bytes
     from planner.models import VideoSize
+    from planner.precision import attention_pricing, check_fp8_hardware
     from runtime.models.registry import REGISTRY
 
     if model not in REGISTRY:
@@ -122,6 +137,8 @@ def simulate(
     check_given(SIMULATE_RULES, Given.of(ctx), priced)  # no run file: every rule broken is refused
     spec = REGISTRY[model]  # one expert runs at a time: per-step costs are one transformer's (memory: all)
     hw = with_overrides(load_hardware(str(hardware_file) if hardware_file else hardware), inter_node_gbps, overlap)
+    check_fp8_hardware(hw, quantize.value)
+    attn = attention_pricing(attention.value, hw)  # flash or flash3, as generate's --attention runs
     d = spec.defaults  # one set of defaults: a run of generate with the same options is what is priced
     height, width, frames, steps = (
         d.height if height is None else height,
@@ -155,9 +172,12 @@ def simulate(
             allow_reuse,
             parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else 0,
             source,
+            quantize.value,
+            compile,
+            attn,
         )
         return print_ranking(hw, problem, model, as_json)
-    memory = memory_options(shard_weights, spec.defaults.cfg_scale, vae_tiling, cache_dtype.value)
+    memory = memory_options(shard_weights, spec.defaults.cfg_scale, vae_tiling, cache_dtype.value, quantize.value)
     rows, notes = compare_layouts(
         hw,
         spec.shape,
@@ -171,13 +191,21 @@ def simulate(
         memory,
         vae_parallel,
         parse_bytes(gpu_memory, "--gpu-memory") if gpu_memory else None,
+        compile,
+        attn,
     )
     if not rows:
         raise ConfigError("nothing to price: " + "; ".join(notes))
     assumptions = simulate_assumptions(hw, model, spec.shape.tokens(size), steps, source, notes)
-    assumptions.update(height=height, width=width, frames=frames)
+    assumptions.update(
+        height=height, width=width, frames=frames, quantize=quantize.value, compile=compile, attention=attn
+    )
+    precision = precision_rows(hw, rows, spec.shape, size, steps, shard_weights)
+    published = PUBLISHED.get((model, width, height, frames, steps, hw.name, nodes * gpus_per_node))
+    if precision and published:
+        precision.update(published_s=published[0], published=published[1])
     if as_json:
-        print(json.dumps({"schema": 1, "assumptions": assumptions, "rows": rows}, indent=2))
+        print(json.dumps({"schema": 1, "assumptions": assumptions, "rows": rows, "precision": precision}, indent=2))
         return 0
     console = plain_console()
     console.print(
@@ -221,10 +249,29 @@ def simulate(
             {None: "-", True: "yes", False: "no"}[r["fits"]],
         )
     plan_notes = dict.fromkeys(n for r in rows for n in r.get("ditango", {}).get("notes", []))
-    print_tables(console, table, memory)
+    print_tables(console, table, memory, *precision_table(precision))
     for line in [*(f"skipped: {note}" for note in notes), *(f"note: {n}" for n in plan_notes)]:
         console.print(line)
     return 0
+
+
+def precision_table(precision: dict) -> list[Table]:
+    """The fastest exact layout's modelled time eager and compiled, bf16 and fp8 (flash-attn 2
+    class attention), compiled under FlashAttention-3 where the profile prices it, beside a
+    published time where one is known for this case."""
+    if not precision:
+        return []
+    names = {"none": "bf16", "none_compiled": "bf16 + compile", "fp8": "fp8", "fp8_compiled": "fp8 + compile"}
+    names.update({f"{k}_flash3": f"{v} + FA3" for k, v in names.items()})
+    priced = precision["e2e_s"]
+    published = ["published (s)"] if "published_s" in precision else []
+    title = f"precision: {precision['strategy']} on {precision['nodes']} node(s), e2e (s), modelled"
+    table = Table("strategy", "nodes", *(f"{names[k]} (s)" for k in priced), *published, title=title)
+    cells = [f"{v:.1f}" for v in priced.values()] + ([f"{precision['published_s']:.1f}"] if published else [])
+    table.add_row(precision["strategy"], str(precision["nodes"]), *cells)
+    if published:
+        table.caption = f"published: {precision['published']}"
+    return [table]
 
 
 def print_ranking(hw, p, model: str, as_json: bool) -> int:

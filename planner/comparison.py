@@ -37,13 +37,17 @@ def simulate_assumptions(
     }
 
 
-def memory_options(shard_weights: bool, cfg_scale: float, vae_tiling: bool, cache_dtype: str) -> MemoryOptions:
-    """simulate's memory options: bf16 weights, CFG branches in turn on each rank (no cfg-parallel)."""
+def memory_options(
+    shard_weights: bool, cfg_scale: float, vae_tiling: bool, cache_dtype: str, quantize: str = "none"
+) -> MemoryOptions:
+    """simulate's memory options: bf16 weights (fp8 ones with `quantize`), CFG branches in turn on
+    each rank (no cfg-parallel)."""
     return MemoryOptions(
         shard_weights=shard_weights,
         cfg_branches_per_rank=cfg_branches(cfg_scale, 1),
         vae_tiling=vae_tiling,
         cache_bytes=4 if cache_dtype == "float32" else 2,
+        quantize=quantize,
     )
 
 
@@ -85,13 +89,17 @@ def compare_layouts(
     memory: MemoryOptions = MemoryOptions(),
     vae_parallel: bool | None = None,
     gpu_memory_bytes: int | None = None,
+    compile: bool = False,
+    attention: str = "flash",
 ) -> tuple[list[dict], list[str]]:
     """`ditango simulate`'s rows: every strategy on 1..`nodes` nodes, with the speedup over the
     best exact one and the predicted peak memory per GPU; and a note per illegal layout.
     DiTango replays `source`'s plan on each layout (default: the recorded
     shapes of the run defaults' planner and cache ratio); its row's `ditango` says what the replay computed, with
     notes where the recording did not cover the layout or ratio.
-    `gpu_memory_bytes` (default: the profile's) decides `fits`."""
+    `gpu_memory_bytes` (default: the profile's) decides `fits`. `memory.quantize` and `compile`
+    price the blocks as `--quantize` and `--compile` run them, `attention` (flash or flash3) the
+    attention kernel (planner/precision.py)."""
     priced = [n for n, s in STRATEGIES.items() if s.runtime is not None]
     for s in strategies:
         if s not in priced:
@@ -109,10 +117,13 @@ def compare_layouts(
                     group = parse_group_size(group_size, gpus_per_node)
                 layout = ParallelLayout(n, gpus_per_node, 1, strategy, None, group).with_defaults(shape.heads)
                 layout.check_model(shape.heads, shape.ffn, shape.joint_text)
+                if memory.quantize != "none" and layout.strategy.splits_weights:
+                    raise ConfigError(f"--quantize {memory.quantize} does not combine with it")
             except (ConfigError, ValueError) as exc:
                 notes.append(f"{s} on {n} node(s): {exc}")
                 continue
-            est, plan = _priced(hw, layout, shape, size, steps, source, memory.shard_weights)
+            precision = {"quantize": memory.quantize, "compile": compile, "attention": attention}
+            est, plan = _priced(hw, layout, shape, size, steps, source, memory.shard_weights, precision)
             mem = memory_row(shape, layout, size, memory, vae_parallel, gpu_memory_bytes)
             summary = _plan_summary(plan)
             found.append((est, mem, summary and {**summary, "group_size": layout.group}, layout.strategy))
@@ -145,16 +156,18 @@ def _priced(
     steps: int,
     source: PlanSource,
     shard: bool = False,
+    precision: dict | None = None,
 ) -> tuple[Estimate, PlanReplay | float | None]:
     """One layout's estimate; for DiTango, with the plan replayed on it; `shard`: --shard-weights
-    (its weight gathers counted in the bytes)."""
+    (its weight gathers counted in the bytes); `precision`: `estimate`'s quantize, compile and attention."""
     shard = shard and not layout.strategy.splits_weights
+    kwargs = {"shard_weights": shard, **(precision or {})}
     if not layout.strategy.reuses:
-        return estimate(hw, layout, shape, size, steps, shard_weights=shard), None
+        return estimate(hw, layout, shape, size, steps, **kwargs), None
     plan = source.replay(layout, shape.layers, steps)
     if not isinstance(plan, PlanReplay):  # a flat fraction: no step kinds, no control bytes
         return estimate(
-            hw, layout, shape, size, steps, compute_fraction=plan, own_group=source.own_group, shard_weights=shard
+            hw, layout, shape, size, steps, compute_fraction=plan, own_group=source.own_group, **kwargs
         ), plan
     est = estimate(
         hw,
@@ -166,7 +179,7 @@ def _priced(
         own_group=source.own_group,
         plan_kinds=plan.kinds,
         planner=plan.planner,
-        shard_weights=shard,
+        **kwargs,
     )
     return est, plan
 
@@ -182,3 +195,25 @@ def _plan_summary(plan: PlanReplay | float | None) -> dict | None:
         "steps": None,
         "notes": [],
     }
+
+
+def precision_rows(hw: Hardware, rows: list[dict], shape: ModelShape, size: VideoSize, steps: int, shard: bool) -> dict:
+    """The fastest exact row's layout priced eager and compiled, in bf16 and (where the profile has
+    an FP8 peak and the layout keeps whole weights) fp8, with flash-attn 2 class attention; and
+    compiled under FlashAttention-3 (`_flash3`) where the profile has a `flash3_efficiency`:
+    `ditango simulate`'s precision section."""
+    exact = [r for r in rows if not STRATEGIES[r["strategy"]].reuses]
+    if not exact:
+        return {}
+    best = min(exact, key=lambda r: r["e2e_s"])
+    layout = ParallelLayout(best["nodes"], best["gpus_per_node"], 1, best["strategy"]).with_defaults(shape.heads)
+    quantize = ["none"] + (["fp8"] if hw.fp8_tflops is not None and not layout.strategy.splits_weights else [])
+    cases = [(q, c, "flash") for q in quantize for c in (False, True)]
+    cases += [(q, True, "flash3") for q in quantize] if hw.flash3_efficiency is not None else []
+    priced = {
+        f"{q}{'_compiled' if c else ''}{'_flash3' if a == 'flash3' else ''}": round(
+            estimate(hw, layout, shape, size, steps, shard_weights=shard, quantize=q, compile=c, attention=a).e2e_s, 4
+        )
+        for q, c, a in cases
+    }
+    return {"strategy": best["strategy"], "nodes": best["nodes"], "e2e_s": priced}

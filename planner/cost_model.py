@@ -18,6 +18,7 @@ from basics.user_files import read_json_file, user_path
 from planner.layout import ParallelLayout, chunk_sizes
 from planner.memory import GIB
 from planner.models import ModelShape, VideoSize
+from planner.precision import attention_efficiency, block_compute_seconds, experts, transformer_bytes
 from planner.traffic import Topology, predict_traffic, unit_fractions
 
 # -- hardware -----------------------------------------------------------------------------
@@ -42,23 +43,46 @@ class Hardware:
     # its bf16_tflops is the achieved matmul rate, attention its measured share of it.
     matmul_efficiency: float = 0.7
     attention_efficiency: float = 0.5
+    # Dense FP8 (e4m3) tensor-core peak, TFLOPS; None: the GPU has none (A100), --quantize fp8 is
+    # refused on it (planner/precision.py). Matmuls reach matmul_efficiency of it too.
+    fp8_tflops: float | None = None
+    # The block's elementwise work compiled (--compile) over eager (planner/precision.py): 1 where
+    # not known (a profile file without it), a measured one from benchmarks/gpu/profile.py.
+    compile_factor: float = 1.0
+    # Attention's achieved / peak under FlashAttention-3 (`--attention flash3`, or auto on it):
+    # None where the GPU does not run it (not Hopper) or no figure is known; attention_efficiency
+    # prices it there (planner/precision.py `attention_efficiency`).
+    flash3_efficiency: float | None = None
 
 
-# Public datasheet numbers (dense bf16, no sparsity). NVLink "900 GB/s" is bidirectional:
-# 450 GB/s per direction. NICs: the common 8-GPU server build of each generation, one NIC
-# per GPU (400 Gb/s NDR = 50 GB/s; 200 Gb/s HDR = 25 GB/s).
+# Public datasheet numbers (dense bf16 and fp8: the datasheets' "with sparsity" figures halved,
+# e.g. H100 SXM FP8 3,958 -> 1,979). NVLink "900 GB/s" is bidirectional: 450 GB/s per direction.
+# NICs: the common 8-GPU server build of each generation, one NIC per GPU (400 Gb/s NDR =
+# 50 GB/s; 200 Gb/s HDR = 25 GB/s). Compile factor: COMPILE_FACTOR on every CUDA profile.
+COMPILE_FACTOR = 0.8  # conservative: inductor fuses the block's elementwise chains; measured ones are lower
+# FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608, abstract): on H100 "FP16 reaching up to
+# 740 TFLOPs/s (75% utilization)" of the 989 peak, where "FlashAttention-2 achiev[es] only 35%
+# utilization"; forward, head dim 128, long sequences. H100 and H200 (same SMs); H20 has no figure.
+FLASH3_EFFICIENCY = 0.75
 HARDWARE: dict[str, Hardware] = {
-    "h20": Hardware("h20", 148.0, 4.0, 450.0, 50.0, 10.0, "NVIDIA H20 datasheet: 148 TFLOPS bf16, 4.0 TB/s, NVLink 900 GB/s, 96 GB", 96 * GIB),
-    "h100": Hardware("h100", 989.0, 3.35, 450.0, 50.0, 10.0, "NVIDIA H100 SXM datasheet: 989 TFLOPS bf16, 3.35 TB/s, NVLink 900 GB/s, 80 GB", 80 * GIB),
-    "h200": Hardware("h200", 989.0, 4.8, 450.0, 50.0, 10.0, "NVIDIA H200 SXM datasheet: 989 TFLOPS bf16, 4.8 TB/s, NVLink 900 GB/s, 141 GB", 141 * GIB),
-    "a100": Hardware("a100", 312.0, 2.0, 300.0, 25.0, 10.0, "NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS bf16, 2.0 TB/s, NVLink 600 GB/s", 80 * GIB),
-    "l40s": Hardware("l40s", 362.0, 0.864, 32.0, 25.0, 10.0, "NVIDIA L40S datasheet: 362 TFLOPS bf16, 864 GB/s; PCIe Gen4 x16, no NVLink, 48 GB", 48 * GIB),
+    "h20": Hardware("h20", 148.0, 4.0, 450.0, 50.0, 10.0, "NVIDIA H20 datasheet: 148 TFLOPS bf16, 296 fp8 (dense), 4.0 TB/s, NVLink 900 GB/s, 96 GB", 96 * GIB, fp8_tflops=296.0, compile_factor=COMPILE_FACTOR),
+    "h100": Hardware("h100", 989.0, 3.35, 450.0, 50.0, 10.0, "NVIDIA H100 SXM datasheet: 989 TFLOPS bf16, 1979 fp8 (dense), 3.35 TB/s, NVLink 900 GB/s, 80 GB", 80 * GIB, fp8_tflops=1979.0, compile_factor=COMPILE_FACTOR, flash3_efficiency=FLASH3_EFFICIENCY),
+    "h200": Hardware("h200", 989.0, 4.8, 450.0, 50.0, 10.0, "NVIDIA H200 SXM datasheet: 989 TFLOPS bf16, 1979 fp8 (dense), 4.8 TB/s, NVLink 900 GB/s, 141 GB", 141 * GIB, fp8_tflops=1979.0, compile_factor=COMPILE_FACTOR, flash3_efficiency=FLASH3_EFFICIENCY),
+    "a100": Hardware("a100", 312.0, 2.0, 300.0, 25.0, 10.0, "NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS bf16, no fp8, 2.0 TB/s, NVLink 600 GB/s", 80 * GIB, compile_factor=COMPILE_FACTOR),
+    "l40s": Hardware("l40s", 362.0, 0.864, 32.0, 25.0, 10.0, "NVIDIA L40S datasheet: 362 TFLOPS bf16, 733 fp8 (dense), 864 GB/s; PCIe Gen4 x16, no NVLink, 48 GB", 48 * GIB, fp8_tflops=733.0, compile_factor=COMPILE_FACTOR),
 }  # fmt: skip
 
 ASSUMPTIONS = {
     "matmul_efficiency": 0.7,  # achieved / peak for projections and FFN (1 for a measured profile)
     "attention_efficiency": 0.5,  # achieved / peak for attention (flash-attn class; a measured profile's share)
+    "flash3_efficiency": "achieved / peak for attention under FlashAttention-3 (--attention flash3, or auto on a "
+    "profile with one): 0.75 on h100 and h200 (arXiv 2407.08608: 740 of 989 TFLOPS, forward); elsewhere "
+    "attention_efficiency",
     "link_efficiency": 0.8,  # achieved / nominal bandwidth
+    "precision": "planner/precision.py: a block's elementwise work (about 180 passes of C and 2 of F over its "
+    "tokens, eager) at 80% of HBM bandwidth, times the profile's compile_factor with --compile; --quantize fp8: "
+    "the blocks' linear layers at matmul_efficiency of fp8_tflops, plus a per-token quantization pass over each "
+    "one's input (read twice, written once as fp8); attention stays bf16",
     "overlap": "ring/DiTango hops: max(compute, transfer) + (1 - overlap) x min(compute, transfer) + latency (next "
     "block prefetched); the profile's overlap, 1 unless given (--overlap)",
     "block_overhead_us": 150,  # kernel launches and host work per block and forward (not hidden by a graph)
@@ -115,13 +139,20 @@ def load_hardware(name_or_file: str) -> Hardware:
     if isinstance(memory, bool) or not isinstance(memory, int) or not 0 <= memory <= 2**50:
         raise ConfigError(f"{where}: memory_bytes must be a whole number of bytes (0: not known), got {memory!r}")
     check_overlap(data.get("overlap", 1.0), f"{where}: overlap")
+    fp8 = data.get("fp8_tflops")  # absent or null: no FP8 peak known (--quantize fp8 refused)
+    if fp8 is not None and (isinstance(fp8, bool) or not isinstance(fp8, int | float) or not 0 < fp8 < 1e9):
+        raise ConfigError(f"{where}: fp8_tflops must be a positive number below 1e9 or null, got {fp8!r}")
+    factor = data.get("compile_factor", 1.0)
+    if not check_overlap(factor, f"{where}: compile_factor"):  # in (0, 1]: compiled never slower
+        raise ConfigError(f"{where}: compile_factor must be above 0")
     for key in ("name", "source"):
         if not isinstance(data.get(key, ""), str):
             raise ConfigError(f"{where}: {key} must be a string, got {data[key]!r}")
     measured = data.get("measured") if isinstance(data.get("measured"), dict) else {}
     share = measured.get("best_attention_over_matmul")
     calibrated = {"matmul_efficiency": 1.0, "attention_efficiency": share} if isinstance(share, int | float) else {}
-    given = {k: data[k] for k in ("matmul_efficiency", "attention_efficiency") if k in data}
+    shares = ("matmul_efficiency", "attention_efficiency", "flash3_efficiency")  # flash3: absent or null, none
+    given = {k: data[k] for k in shares if k in data and not (k == "flash3_efficiency" and data[k] is None)}
     for key, value in {**given, **calibrated}.items():
         if not check_overlap(value, f"{where}: {key}"):  # a share in (0, 1]
             raise ConfigError(f"{where}: {key} must be above 0")
@@ -234,19 +265,23 @@ def _joint_text_time(hw: Hardware, topo: Topology, shape: ModelShape, tokens: in
     return t
 
 
-def rest_of_block_time(hw: Hardware, shape: ModelShape, local_tokens: int) -> float:
-    """Projections, cross-attention and FFN of one block on one rank's tokens (joint-text
-    models: no cross-attention; the text tokens' projections and FFN run on every rank)."""
-    n, hid = local_tokens, shape.hidden
+def rest_of_block_time(
+    hw: Hardware, shape: ModelShape, local_tokens: int, e: int = 2, quantize: str = "none", compile: bool = False
+) -> float:
+    """Projections, cross-attention, FFN and the elementwise work of one block on one rank's
+    tokens (joint-text models: no cross-attention; the text tokens' projections and FFN run on
+    every rank), priced under `quantize` and `compile` by planner/precision.py."""
+    n, hid, text = local_tokens, shape.hidden, shape.text_len
+    rows = {"video": n, "text": text, "joint": n + text, "image": shape.image_tokens, "once": 1}
     if shape.joint_text:
-        tokens = n + shape.text_len
+        tokens = n + text
         flops = 2 * tokens * 4 * hid * hid + 2 * tokens * 2 * hid * shape.ffn
-        return flops / (hw.bf16_tflops * 1e12 * hw.matmul_efficiency)
+        return block_compute_seconds(hw, shape, flops, rows, e, quantize, compile)
     flops = 2 * n * 4 * hid * hid  # self-attention q, k, v, o
-    flops += 2 * n * 2 * hid * hid + 2 * shape.text_len * 2 * shape.text_dim * hid  # cross-attn q, o; k, v of text
+    flops += 2 * n * 2 * hid * hid + 2 * text * 2 * shape.text_dim * hid  # cross-attn q, o; k, v of text
     flops += 2 * n * 2 * hid * shape.ffn  # FFN up and down
-    matmul = flops / (hw.bf16_tflops * 1e12 * hw.matmul_efficiency)
-    return matmul + attention_seconds(hw, n, shape.text_len, shape.heads, shape.head_dim)
+    rest = block_compute_seconds(hw, shape, flops, rows, e, quantize, compile)
+    return rest + attention_seconds(hw, n, text, shape.heads, shape.head_dim)
 
 
 def estimate(
@@ -263,17 +298,24 @@ def estimate(
     plan_kinds: list[str] | None = None,
     planner: str = "hpdc",
     shard_weights: bool = False,
+    quantize: str = "none",
+    compile: bool = False,
+    attention: str = "flash",
 ) -> Estimate:
     """Time and bytes of one item. DiTango computes `compute_fraction` of each decision unit
     over all steps (see `attention_time`), or exactly `plan_bits`; `plan_kinds` (each step's
-    kind) adds the planner's control bytes."""
+    kind) adds the planner's control bytes. `quantize` and `compile` as `--quantize` and
+    `--compile` (planner/precision.py): the blocks' matmuls and elementwise work; `attention`
+    the kernel's pricing (flash or flash3, planner/precision.py `attention_efficiency`)."""
+    hw = replace(hw, attention_efficiency=attention_efficiency(hw, attention))  # every attention priced below
     topo = Topology(layout)
     tokens = shape.tokens(size)
     sizes = chunk_sizes(tokens, layout.cp_degree)
     forwards = 1 if layout.cfg_degree == 2 else 2
     attn = attention_time(hw, topo, shape, tokens, element_bytes, compute_fraction, own_group)
     strategy = layout.strategy  # a weight-splitting one: 1/tp of every matmul, then its collectives
-    rest = rest_of_block_time(hw, shape, strategy.block_tokens(tokens, sizes)) / layout.tp
+    local = strategy.block_tokens(tokens, sizes)
+    rest = rest_of_block_time(hw, shape, local, element_bytes, quantize, compile) / layout.tp
     rest += strategy.weight_time(hw, topo, shape, tokens, element_bytes)
     gather = 0.0
     if layout.cp_degree > 1 and not strategy.splits_weights:
@@ -285,7 +327,9 @@ def estimate(
         cp_ranks = topo.groups["cp"][0]
         link = topo.group_link(cp_ranks)
         n = layout.cp_degree
-        weights = (n - 1) * (shape.fsdp_gathered_params // n) * element_bytes / bandwidth(hw, link)
+        gathered = shape.fsdp_gathered_params * element_bytes  # fp8: less what one expert's quantization saves
+        gathered -= (shape.params * element_bytes - transformer_bytes(shape, element_bytes, quantize)) // experts(shape)
+        weights = (n - 1) * (gathered // n) / bandwidth(hw, link)
         step = max(step, forwards * weights)
     if layout.cfg_degree == 2:
         pair = topo.groups["cfg"][0]

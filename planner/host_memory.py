@@ -10,7 +10,9 @@ into its dtype onto its device, meta-device init, from the mapped safetensors fi
             cuts its slices there, runtime/assembly.py); and the file being read (`file_transient`:
             the largest component's file, at most one shard of `SHARD_BYTES`, float32 on disk);
   run       the components the GPU pre-flight offloads to the CPU (planner/preflight.py):
-            the text encoders after encoding, the transformers before the decode;
+            the text encoders after encoding, the transformers before the decode (with
+            --quantize fp8 as quantized: planner/precision.py; the load reads them in the run's
+            dtype before quantizing, so the load stays counted at it);
   CPU rank  the device is the host: the memory model's whole peak (planner/memory.py).
 Per rank: base + max(load, run). Per node: the ranks on it x per rank, with
 `HOST_HEADROOM_FRACTION` for what is not modelled (allocator, pinned staging buffers, the video
@@ -30,6 +32,7 @@ from basics.errors import ConfigError
 from planner.layout import ParallelLayout
 from planner.memory import F32, GIB, MemoryOptions
 from planner.models import ModelShape
+from planner.precision import transformer_bytes
 
 # A CPU rank before its model (the CPU wheel: 369 MiB measured; runtime/config.py says the same).
 RANK_BASE_CPU_BYTES = 512 * 2**20
@@ -89,6 +92,7 @@ def host_memory(
         raise ConfigError(f"host memory: ranks per node must be >= 1, got {ranks_per_node}")
     e = options.dtype_bytes
     transformer, text = shape.params * e, shape.text_encoder_params * e
+    held = transformer_bytes(shape, e, options.quantize)  # what an offloaded transformer holds (fp8: quantized)
     vae = shape.vae.params if shape.vae is not None else 0
     largest = max(shape.params, shape.text_encoder_params, vae, shape.image_encoder_params)
     parts = {
@@ -106,5 +110,5 @@ def host_memory(
     elif layout.world_size > 1 and layout.strategy.splits_weights:
         parts["load"] = transformer
     if not options.shard_weights:  # sharded modules stay where FSDP put them
-        parts["run"] = text * options.offload_text_encoder + transformer * options.offload_transformer
+        parts["run"] = text * options.offload_text_encoder + held * options.offload_transformer
     return HostEstimate(parts, ranks_per_node)

@@ -39,6 +39,8 @@ from basics.errors import ConfigError
 from planner.decode_memory import decode_bytes
 from planner.layout import ParallelLayout, chunk_sizes, rank_groups
 from planner.models import ModelShape, VideoSize
+from planner.precision import block_bytes as quantized_block_bytes
+from planner.precision import check_quantize, transformer_bytes
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}  # fmt: skip
@@ -138,8 +140,10 @@ class MemoryOptions:
     tile_px: int = 256  # the tile's side in output pixels; stride 3/4 of it, as diffusers' enable_tiling
     offload_text_encoder: bool = False  # the (unsharded) text encoders go to the CPU after encoding
     offload_transformer: bool = False  # the (unsharded) transformer goes to the CPU before the decode
+    quantize: str = "none"  # "fp8": the blocks' linear weights at one byte and their scales (planner/precision.py)
 
     def __post_init__(self) -> None:
+        check_quantize(self.quantize)
         for name in ("dtype_bytes", "cache_bytes"):
             if getattr(self, name) not in (2, 4):
                 raise ConfigError(
@@ -214,27 +218,29 @@ def weight_parts(shape: ModelShape, layout: ParallelLayout, options: MemoryOptio
     root unit): the shard; the root's parameters, gathered at the first forward and left
     gathered (FSDP2 does not reshard a root after its forward); and two blocks in flight (the
     one computing, the next prefetched). The float32 pieces the runtime keeps whole (norms,
-    modulation tables) are a small share, counted as sharded."""
-    e, n = options.dtype_bytes, shard_degree(layout, options)
+    modulation tables) are a small share, counted as sharded. Under `quantize` the blocks' linear
+    weights count one byte each and their scales four a row (planner/precision.py)."""
+    e, n, q = options.dtype_bytes, shard_degree(layout, options), options.quantize
     te, whole = shape.text_encoder_params, shape.text_encoder_whole_params
+    block, root = quantized_block_bytes(shape, e, q), shape.root_params * e  # the root is never quantized
     if n == 1:
-        split = tp_split_params(shape) if layout.tp > 1 else 0  # tp: each rank keeps 1/n of these
-        params = shape.params - split + -(-split // layout.tp)
+        split = tp_split_params(shape) if layout.tp > 1 else 0  # tp: each rank keeps 1/n of these (never fp8)
+        transformer = transformer_bytes(shape, e, q) - (split - -(-split // layout.tp)) * e
         return {
-            "weights": params * e,
+            "weights": transformer,
             "weights_root": 0,
             "weights_blocks": 0,
             "text_encoder": te * e,
             "text_encoder_root": 0,
             "text_encoder_blocks": 0,
             "offload_text": te * e,
-            "offload_transformer": params * e,
+            "offload_transformer": transformer,
         }
     sharded_te = te - whole - shape.text_encoder_root_params
     return {
-        "weights": -(-(shape.params - shape.root_params) // n) * e,
-        "weights_root": shape.root_params * e,
-        "weights_blocks": 2 * shape.block_params * e,
+        "weights": -(-(transformer_bytes(shape, e, q) - root) // n),
+        "weights_root": root,
+        "weights_blocks": 2 * block,
         "text_encoder": (-(-sharded_te // n) + whole) * e,
         "text_encoder_root": shape.text_encoder_root_params * e,
         "text_encoder_blocks": 2 * shape.text_encoder_block_params * e,
@@ -245,12 +251,9 @@ def weight_parts(shape: ModelShape, layout: ParallelLayout, options: MemoryOptio
         # rehearse`); the largest unit of each forward, the text encoders' (their root) and
         # the transformer's (a block; its root is gathered once)
         "gather_buffer_text": max(shape.text_encoder_root_params, shape.text_encoder_block_params) * e,
-        "gather_buffer": max(shape.block_params, shape.root_params) * e,
+        "gather_buffer": max(block, root),
         # at load each unit lies whole on the GPU while FSDP shards it: the largest one
-        "shard_transient": max(
-            shape.block_params, shape.root_params, shape.text_encoder_block_params, shape.text_encoder_root_params
-        )
-        * e,
+        "shard_transient": max(block, root, max(shape.text_encoder_block_params, shape.text_encoder_root_params) * e),
     }
 
 

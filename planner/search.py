@@ -26,6 +26,7 @@ from planner.layout import ParallelLayout, replica_shape
 from planner.memory import MemoryOptions, cfg_branches, estimate_memory
 from planner.models import ModelShape, VideoSize
 from planner.plan_shape import PlanReplay, PlanSource
+from planner.precision import ATTENTION, check_fp8_hardware, check_quantize
 from planner.preflight import fit_to_memory, usable_bytes
 from planner.strategy import STRATEGIES
 
@@ -114,8 +115,14 @@ class Problem:
     allow_reuse: bool = False
     gpu_memory_bytes: int = 0  # 0: the profile's; still 0: memory is not checked
     source: PlanSource | None = None  # DiTango's plan shapes (planner/plan_shape.py)
+    quantize: str = "none"  # --quantize (planner/precision.py): fp8 rules out the weight-splitting layouts
+    compile: bool = False  # --compile
+    attention: str = "flash"  # its pricing (planner/precision.py `attention_pricing`): flash or flash3
 
     def __post_init__(self) -> None:
+        check_quantize(self.quantize)
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention {self.attention!r}: priced as one of {', '.join(ATTENTION)}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.batch < 1:
@@ -145,7 +152,7 @@ def layouts(p: Problem, nodes: int, gpus: int) -> list[ParallelLayout]:
             out.append(ParallelLayout(nodes, gpus, cfg, "none"))
             continue
         for strategy in STRATEGIES.values():
-            if strategy.reuses and not p.allow_reuse:
+            if (strategy.reuses and not p.allow_reuse) or (strategy.splits_weights and p.quantize != "none"):
                 continue
             for options in strategy.variants(cp):
                 try:
@@ -179,14 +186,16 @@ def decode_seconds(hw: Hardware, shape: ModelShape, size: VideoSize, ranks: int)
 def _price(hw: Hardware, p: Problem, replicas: int, layout: ParallelLayout, shard: bool) -> Choice | None:
     """`layout` priced, or None when it does not fit the GPU's memory."""
     branches = cfg_branches(p.cfg_scale, layout.cfg_degree)
-    options = MemoryOptions(shard_weights=shard, cfg_branches_per_rank=branches, vae_parallel=layout.world_size > 1)
+    options = MemoryOptions(
+        shard_weights=shard, cfg_branches_per_rank=branches, vae_parallel=layout.world_size > 1, quantize=p.quantize
+    )
     memory = p.gpu_memory_bytes or hw.memory_bytes
     if memory:
         options = fit_to_memory(p.shape, layout, p.size, options, memory)
     peak = estimate_memory(p.shape, layout, p.size, options).peak_bytes
     if memory and peak > usable_bytes(memory):
         return None
-    kwargs: dict = {"shard_weights": shard}
+    kwargs: dict = {"shard_weights": shard, "quantize": p.quantize, "compile": p.compile, "attention": p.attention}
     if layout.strategy.reuses and p.source is not None:
         plan = p.source.replay(layout, p.shape.layers, p.steps)
         if isinstance(plan, PlanReplay):
@@ -226,6 +235,7 @@ def _price(hw: Hardware, p: Problem, replicas: int, layout: ParallelLayout, shar
 
 def search(hw: Hardware, p: Problem) -> tuple[list[Choice], list[str]]:
     """Every layout that fits, best first by `p.objective`, and notes on what was left out."""
+    check_fp8_hardware(hw, p.quantize)
     choices, notes, unfit = [], [], 0
     for replicas in replica_counts(p.nodes, p.gpus_per_node):
         nodes, gpus = replica_shape(p.nodes, p.gpus_per_node, replicas)

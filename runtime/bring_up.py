@@ -9,8 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from planner.precision import check_fp8_device
 from runtime.assembly import build_denoiser, host_loaded
 from runtime.calibrate import step_cache_ratios, target_quality
+from runtime.compile import compile_blocks
 from runtime.config import Item, RunConfig
 from runtime.context import RankContext
 from runtime.denoiser import Denoiser
@@ -18,6 +20,7 @@ from runtime.memory_plan import plan_memory
 from runtime.models.adapters import adapter_sets, same_weights
 from runtime.models.loading import load_components
 from runtime.models.resolve import resolve_model
+from runtime.quantize import Quantized, quantize_transformers
 from runtime.report import ReportWriter
 from runtime.weights import SHARDED, local_param_bytes, shard_weights
 
@@ -60,9 +63,14 @@ def bring_up(
     if bank is not None:
         same_weights(components, ctx)
         report.weights.update(model_loads=1, adapter_sets=len(sets), adapters_fused=bank.fused)
+    quantized = quantize_for_run(cfg, components, placement.device)  # after the LoRA fusion, before FSDP
+    report.quantized = None if quantized is None else quantized.report()
     if cfg.shard_weights and ctx.distributed:
         report.weights["shard_degree"] = shard_weights(components, ctx.mesh, placement.device)
     denoiser = denoiser_for_run(cfg, ctx, resolved.spec, components, placement, backend)
+    denoiser.quantized = quantized
+    if cfg.compile:  # the strategy installed: its ops are what the blocks call
+        compile_blocks(denoiser.transformers, report.compiled)
     report.weights["param_bytes_per_rank"] = sum(local_param_bytes(components[n]) for n in SHARDED if n in components)
     calibrating = time.perf_counter()
     report.timing.model_load_s = calibrating - started
@@ -86,6 +94,20 @@ def calibrate(running: Running, ctx: RankContext, report: ReportWriter, message,
     return running
 
 
+def quantize_for_run(cfg: RunConfig, components: dict, device: torch.device) -> Quantized | None:
+    """--quantize on the transformers, loaded on the CPU (`run_host_loaded`): each layer is
+    quantized on `device` (so that it never holds the whole unquantized model; under
+    --shard-weights they stay on the CPU, for FSDP to shard). The originals are kept for
+    --reference exact."""
+    if cfg.quantize == "none":
+        return None
+    if device.type == "cuda":  # a submission's GPU, known only here (a local run's was asked before)
+        check_fp8_device(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
+    transformers = [components[n] for n in ("transformer", "transformer_2") if components.get(n) is not None]
+    on = torch.device("cpu") if cfg.shard_weights else device
+    return quantize_transformers(transformers, keep_original=cfg.reference == "exact", device=on)
+
+
 def denoiser_for_run(cfg: RunConfig, ctx: RankContext, spec, components: dict, placement, backend: str) -> Denoiser:
     """The rank's denoiser over loaded `components`, as `cfg` asks (runtime/assembly.py)."""
     split = "transformer" in run_host_loaded(cfg, ctx) and not cfg.shard_weights
@@ -106,4 +128,4 @@ def denoiser_for_run(cfg: RunConfig, ctx: RankContext, spec, components: dict, p
 
 def run_host_loaded(cfg: RunConfig, ctx: RankContext) -> tuple[str, ...]:
     """What `cfg` loads onto the CPU first on this rank (runtime/assembly.py's `host_loaded`)."""
-    return host_loaded(cfg.layout.strategy, cfg.shard_weights, ctx.distributed)
+    return host_loaded(cfg.layout.strategy, cfg.shard_weights, ctx.distributed, cfg.quantize)

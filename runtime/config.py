@@ -16,7 +16,7 @@ from planner.ditango import DiTangoOptions
 from planner.hybrid import HybridConfig
 from planner.layout import ParallelLayout, token_count
 from planner.models import VideoSize
-from runtime.models.adapters import Adapter, check_sets
+from runtime.models.adapters import Adapter, adapter_sets, check_sets
 from runtime.models.schedulers import Sampler
 from runtime.step_cache_options import StepCacheSpec
 
@@ -216,7 +216,7 @@ class RunConfig:
     profile: bool = False  # --profile: a trace per rank and item, and a table of where the time went
     max_text_len: int = 512
     layout: ParallelLayout = field(default_factory=ParallelLayout)
-    attention_backend: str = "auto"  # auto | flash | torch | reference (ignored by strategy "none")
+    attention_backend: str = "auto"  # --attention: auto | sdpa | flash | flash3 | reference (runtime/kernels.py)
     timeout_s: float = STEP_TIMEOUT_S  # per-step collectives: a stuck one fails after this long
     setup_timeout_s: float = SETUP_TIMEOUT_S  # bring-up, and the waits on the writer (loading, decoding, writing)
     ditango: DiTangoOptions | None = None  # --parallel ditango settings
@@ -225,6 +225,8 @@ class RunConfig:
     hybrid: HybridConfig | None = None  # --hybrid (needs cfg degree 2)
     decode: DecodeOptions = DecodeOptions()  # --vae-tiling, --vae-parallel, --vae-tile
     shard_weights: bool = False  # --shard-weights: FSDP2 over the cp group (runtime/weights.py)
+    compile: bool = False  # --compile: the repeated transformer block compiled (runtime/compile.py)
+    quantize: str = "none"  # --quantize: "fp8", the blocks' linear layers in float8 (runtime/quantize.py)
     # Components moved to the CPU when their stage is over, chosen by the memory pre-flight
     # when the GPU is short (planner/memory.py): "text_encoder" after encoding, "transformer"
     # before the decode (back for the next item).
@@ -256,6 +258,11 @@ class RunConfig:
             raise ConfigError(f"--retries must be >= 0, got {self.retries}")
         check_timeouts(self.timeout_s, self.setup_timeout_s)
         check_sets(self.items, self.layout.strategy, self.shard_weights)
+        if self.quantize != "none" and len(adapter_sets(self.items)) > 1:
+            raise ConfigError(
+                f"--quantize {self.quantize} quantizes the fused weights, and the items use "
+                f"{len(adapter_sets(self.items))} LoRA sets, which stay unfused; run one set per run"
+            )
         if self.setup_timeout_s < self.timeout_s:
             raise ConfigError(
                 f"--setup-timeout ({self.setup_timeout_s:g} s) must be >= --timeout ({self.timeout_s:g} s): "

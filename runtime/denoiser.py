@@ -77,6 +77,7 @@ class Denoiser:
         self.guidance: SequentialCfg | CfgParallel = SequentialCfg()  # how the CFG branches run (runtime/guidance.py)
         self.step_cache: StepCache | None = None  # --step-cache (runtime/step_cache.py)
         self.parallel = None  # the installed strategy (runtime/strategies/parallelize.py), to undo or run exact
+        self.quantized = None  # --quantize's layers (runtime/quantize.py): exact() runs their originals, if kept
         self._condition: ImageCondition | None = None  # the image condition of the run in progress
 
     @property
@@ -210,14 +211,19 @@ class Denoiser:
 
     @contextlib.contextmanager
     def exact(self):
-        """Runs inside are exact: DiTango's reuse off (the ring over the cp group instead) and a
-        skipping step cache off; a step cache calibrating stays on (it never skips)."""
+        """Runs inside are exact: DiTango's reuse off (the ring over the cp group instead), a
+        skipping step cache off (one calibrating stays on: it never skips), and a quantized
+        model's unquantized layers where it kept them (--reference exact)."""
         listener, cache = self.listener, self.step_cache
         self.listener = None
         if cache is not None and not cache.calibrating:
             self.step_cache = None
         try:
-            with contextlib.nullcontext() if self.parallel is None else self.parallel.exact():
+            with contextlib.ExitStack() as stack:
+                if self.parallel is not None:
+                    stack.enter_context(self.parallel.exact())
+                if self.quantized is not None and self.quantized.kept:
+                    stack.enter_context(self.quantized.original())
                 yield self
         finally:
             self.listener, self.step_cache = listener, cache

@@ -45,6 +45,7 @@ def item_memory_options(cfg: RunConfig, dtype_bytes: int):
             vae_tiling=cfg.decode.tiled,
             vae_parallel=cfg.decode.parallel,
             tile_px=cfg.decode.tile_px or 256,
+            quantize=cfg.quantize,
             **ditango,
         )
         yield VideoSize(h, w, f), options

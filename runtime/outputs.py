@@ -169,7 +169,8 @@ def video_method(cfg: RunConfig) -> dict:
     """What besides an item's own fields shapes its video, as its sidecar keeps it: {} for an
     exact run (every exact strategy makes the same video, up to float rounding); else DiTango's
     options and partitions (the cache ratio a --target-psnr calibration picks is its own),
-    Hybridiff's and the step cache's. A tiled decode (the default on several ranks) is not:
+    Hybridiff's, the step cache's and --quantize's (--compile is not: it changes the float
+    rounding only). A tiled decode (the default on several ranks) is not:
     its tiles are blended, a batch may resume on another number of GPUs, and each item's
     `decode` says how it was decoded."""
     method: dict = {}
@@ -186,6 +187,8 @@ def video_method(cfg: RunConfig) -> dict:
         method["hybrid"] = asdict(cfg.hybrid)
     if cfg.step_cache is not None:
         method["step_cache"] = cfg.step_cache.to_json()
+    if cfg.quantize != "none":
+        method["quantize"] = cfg.quantize
     return json.loads(json.dumps(method, default=str))  # as it reads back from the sidecar
 
 

@@ -53,8 +53,11 @@ CATEGORIES = (*REGIONS, "linear", "norms", "copies", "other ops", "outside ops")
 
 
 def _span(label: str):
-    """A span named `label` in a profile; nothing when no profiler runs."""
-    return record_function(label) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+    """A span named `label` in a profile; nothing when no profiler runs, nor inside a compiled
+    block (asking whether a profiler runs would break its graph; its ops are profiled anyway)."""
+    if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    return record_function(label)
 
 
 def region(name: str):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.compile import CompileRecord
 from runtime.config import Item, RunConfig
 from runtime.gallery import write_gallery
 from runtime.profiling import summary as profile_summary
@@ -104,6 +105,7 @@ class RunTiming:
     model_load_s: float = 0.0
     calibration_s: float = 0.0
     items_s: float = 0.0
+    compile_s: float = 0.0  # --compile: the compiled blocks' first calls per item shape (part of items_s)
     generated: list[str] = field(default_factory=list)  # ids of the items this run generated
 
     def to_json(self, records: dict[str, dict]) -> dict:
@@ -113,13 +115,14 @@ class RunTiming:
             "model_load_s": round(self.model_load_s, 6),
             "calibration_s": round(self.calibration_s, 6),
             "items_s": round(self.items_s, 6),
+            "compile_s": round(self.compile_s, 6),
             "decode_s": round(sum(t.get("decode_s") or 0.0 for t in timings), 6),
             "write_s": round(sum(t.get("write_s") or 0.0 for t in timings), 6),
             "items": len(timings),
         }
 
 
-TIMING_SUMS = ("bring_up_s", "model_load_s", "calibration_s", "items_s", "decode_s", "write_s", "items")
+TIMING_SUMS = ("bring_up_s", "model_load_s", "calibration_s", "items_s", "compile_s", "decode_s", "write_s", "items")
 
 
 def item_record(
@@ -221,6 +224,8 @@ class ReportWriter:
     calibration: dict | None = None  # --target-psnr: the chosen cache ratio and its trials
     step_cache_calibration: dict | None = None  # --step-cache magcache without mag_ratios: measured on item 1
     timing: RunTiming | None = None  # a run that started a rank (None: settled without one)
+    compiled: CompileRecord = field(default_factory=CompileRecord)  # --compile (runtime/compile.py)
+    quantized: dict | None = None  # --quantize: what was quantized (runtime/quantize.py)
     started: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     wall_start: float = field(default_factory=time.perf_counter)
 
@@ -244,7 +249,10 @@ class ReportWriter:
             report["calibration"] = self.calibration
         if self.step_cache_calibration is not None:
             report["step_cache_calibration"] = self.step_cache_calibration
+        report["compile"] = self.compiled.to_json()
+        report["quantize"] = self.quantized
         if self.timing is not None:
+            self.timing.compile_s = self.compiled.compile_s
             report["timing"] = self.timing.to_json(self.records)
         if (profile := profile_summary(ordered)) is not None:
             report["profile"] = profile

@@ -52,7 +52,10 @@ RUN_FIELDS: dict[str, tuple[bool, str]] = {
     "device": (True, "cpu or cuda"),
     "dtype": (True, "the transformer's dtype"),
     "layout": (True, "world_size, nodes, gpus_per_node, cfg_degree, cp_degree, strategy and its degrees"),
-    "attention_backend": (True, "the attention kernel (diffusers' own with one rank a branch)"),
+    "attention_backend": (
+        True,
+        "the attention kernel that ran: sdpa, flash, flash3 or reference (one rank a branch: in diffusers' attention)",
+    ),
     "started_at": (True, "UTC, ISO 8601"),
     "wall_s": (True, "seconds from the start to this write"),
     "counts": (True, "items done, skipped and failed"),
@@ -64,7 +67,19 @@ RUN_FIELDS: dict[str, tuple[bool, str]] = {
     "layout_choice": (True, "--layout auto: what the layout search chose, and why"),
     "items": (True, "every item's record, in the batch's order"),
     "weights": (True, "how the weights were held: shard_degree (FSDP2 over the cp group)"),
-    "timing": (False, "bring_up_s, model_load_s, calibration_s, items_s, decode_s, write_s, items"),
+    "compile": (
+        True,
+        "--compile: enabled, blocks (the repeated blocks compiled), fallback (null, or why it ran eager)",
+    ),
+    "quantize": (
+        True,
+        "--quantize: null (none), or format (fp8_e4m3), layers and weights quantized, skipped_layers",
+    ),
+    "timing": (
+        False,
+        "bring_up_s, model_load_s, calibration_s, items_s, compile_s (--compile: the compiled blocks'"
+        " first calls per item shape, part of items_s), decode_s, write_s, items",
+    ),
     "calibration": (False, "--target-psnr: the cache ratio chosen, its trials, recalibrations"),
     "step_cache_calibration": (False, "--step-cache magcache without mag_ratios: the ratios measured"),
     "profile": (False, "--profile: the per-rank mean over the items, weighted by profiled steps"),

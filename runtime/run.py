@@ -22,9 +22,10 @@ from runtime.context import Observer, RankContext, SilentObserver
 from runtime.denoiser import Denoiser, synchronize
 from runtime.inputs import exact_reference, item_inputs
 from runtime.item_records import check_finite, gathered_records
-from runtime.kernels import resolve_backend
+from runtime.kernels import passes_attention_mask, resolve_backend
 from runtime.loop_types import DenoiseResult, NonFiniteLatents
 from runtime.models.loading import placement_on
+from runtime.models.resolve import resolve_model
 from runtime.outputs import mark_running, record_failure
 from runtime.profiling import StepProfiler, trace_name
 from runtime.progress import ProgressFile, progress_path
@@ -57,7 +58,9 @@ def generate_item(
 
     text, latents, condition = item_inputs(denoiser, item, cfg, timing)
     start = time.perf_counter()
-    measured = cfg.reference == "exact" and (cfg.ditango is not None or cfg.step_cache is not None)
+    measured = cfg.reference == "exact" and (
+        cfg.ditango is not None or cfg.step_cache is not None or cfg.quantize != "none"
+    )
     trace = [] if measured and ctx.is_writer and reference is None else None  # the error per step, vs exact
     result, profile = denoise_item(denoiser, item, cfg, ctx, observer, (latents, text, condition), trace)
     timing.denoise_s = time.perf_counter() - start
@@ -231,9 +234,11 @@ def execute(
     observer = observer or SilentObserver()
     ctx = ctx or RankContext.single(cfg)
     placement = placement_on(ctx.device, cfg.dtype)
-    backend = "diffusers"  # one rank a branch: diffusers' own attention processor, untouched
-    if cfg.layout.strategy.runtime is not None:
-        backend = resolve_backend(cfg.attention_backend, placement.device, placement.dtype)
+    one_rank = cfg.layout.strategy.runtime is None  # one rank a branch: diffusers' attention runs the kernel
+    masked = one_rank and passes_attention_mask(resolve_model(str(cfg.model_path or cfg.model)).spec.family)
+    backend = resolve_backend(
+        cfg.attention_backend, placement.device, placement.dtype, one_rank=one_rank, masked=masked
+    )
     skipped = plan_resume(cfg) if skipped is None else skipped
     records: dict[str, dict] = {**skipped, **(decided or {})}
     report = ReportWriter(cfg, cfg.out_dir / report_name, placement.device, placement.dtype_name, backend, records)

@@ -319,7 +319,10 @@ def test_existing_output_is_skipped_not_overwritten(runner, tmp_path):
             ["--gpus", "2", "--height", "8", "--width", "8", "--frames", "1"],
             ["1 tokens cannot be split over 2 ranks"],
         ),
-        (["--parallel", "ring", "--attention-backend", "flash"], ["flash needs CUDA"]),
+        (["--parallel", "ring", "--attention-backend", "flash"], ["--attention flash needs CUDA", "use sdpa"]),
+        (["--attention", "flash3"], ["--attention flash3 needs CUDA; use sdpa (or auto) on CPU"]),
+        (["--attention", "reference"], ["--attention reference is for a parallel strategy", "use sdpa, flash"]),
+        (["--attention", "fast"], ["fast"]),
         (["--parallel", "spiral"], ["spiral"]),
     ],
 )

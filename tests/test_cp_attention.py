@@ -39,7 +39,7 @@ def _target(rank, world, events, nodes):
         comm = Comm(meshes[layout])
         g = torch.Generator().manual_seed(S)
         q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
-        ctx = ShardContext(meshes[layout], comm, "torch")
+        ctx = ShardContext(meshes[layout], comm, "sdpa")
         ctx.seq_sizes = chunk_sizes(S, world)
         a, b = ctx.local_bounds()
         out = ctx.attention(q[:, a:b], k[:, a:b], v[:, a:b], scale=D**-0.5)
@@ -145,7 +145,7 @@ def _joint_target(rank, world, events, nodes):
         mesh = meshes[layout]
         g = torch.Generator().manual_seed(S + 100)
         q, k, v = (torch.randn(B, S + L_TEXT, H, D, generator=g) for _ in range(3))  # video first, then text
-        ctx = ShardContext(mesh, Comm(mesh), "torch")
+        ctx = ShardContext(mesh, Comm(mesh), "sdpa")
         ctx.seq_sizes = chunk_sizes(S, world)
         a, b = ctx.local_bounds()
         text = slice(S, S + L_TEXT)

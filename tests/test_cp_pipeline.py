@@ -103,7 +103,7 @@ def test_cli_two_ranks_two_virtual_nodes_matches_one_process(runner, tmp_path):
     assert (a - b).abs().max().item() <= LATENT_ATOL
     report = json.loads((two / "report.json").read_text())
     assert report["layout"]["world_size"] == 2 and report["layout"]["nodes"] == 2
-    assert report["layout"]["strategy"] == "ring" and report["attention_backend"] == "torch"
+    assert report["layout"]["strategy"] == "ring" and report["attention_backend"] == "sdpa"
     assert len(report["per_rank_peak_memory_bytes"]) == 2
     comm = report["items"][0]["comm"]
     assert comm["inter_node_bytes"] > 0 and comm["intra_node_bytes"] == 0

@@ -39,7 +39,7 @@ def _gap_target(rank, world, events, group_size, own_group):
     q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
     ref = reference_attention(q, k, v, D**-0.5)[0][:, a:b]
     cfg = PlannerConfig(warmup=0, cooldown=0, own_group=own_group)
-    rt = SelectiveRuntime(mesh, comm, "torch", cfg, layers=1, heads=H, head_dim=D)
+    rt = SelectiveRuntime(mesh, comm, "sdpa", cfg, layers=1, heads=H, head_dim=D)
     rt.allocate(b - a, B, steps=4, branches=1)
     units = rt.units
     rt.step_plan = StepPlan(0, "anchor", torch.ones(1, units, dtype=torch.bool), None)
@@ -316,7 +316,7 @@ def test_state_cache_round_trip_dtypes():
 def _mismatch_target(rank, world, events):
     layout = ParallelLayout(nodes=1, gpus_per_node=world, strategy="ditango", group_size=1)
     mesh = build_mesh(layout, rank, virtual_node_map(layout), timeout_s=TIMEOUT_S)
-    rt = SelectiveRuntime(mesh, Comm(mesh), "torch", PlannerConfig(warmup=0, cooldown=0), layers=1, heads=H, head_dim=D)
+    rt = SelectiveRuntime(mesh, Comm(mesh), "sdpa", PlannerConfig(warmup=0, cooldown=0), layers=1, heads=H, head_dim=D)
     rt.allocate(10, B, steps=4, branches=1)
     rt.begin_step(0)  # identical plans: passes
     if rank == 1:  # a rank whose planner went its own way (e.g. non-identical statistics)
@@ -338,7 +338,7 @@ def test_cache_is_preallocated_per_item_and_freed_after_it():
     layout = ParallelLayout(nodes=1, gpus_per_node=1, strategy="ditango")
     mesh = build_mesh(layout, 0, (0,))
     # One rank has no remote group; a hand-made layout view with 4 groups exercises the sizes.
-    rt = SelectiveRuntime(mesh, Comm(mesh), "torch", PlannerConfig(), layers=3, heads=H, head_dim=D)
+    rt = SelectiveRuntime(mesh, Comm(mesh), "sdpa", PlannerConfig(), layers=3, heads=H, head_dim=D)
     rt.groups = 4
     rt.allocate(11, B, steps=8, branches=2, local_tokens=10)
     # out [N=2, L=3, U=3, B, S=10, H, D] fp32 + lse; references [N, L, U, B, S, H] + anchors [N, L, B, S, H]
@@ -372,7 +372,7 @@ def test_rotary_tables_reach_the_layers_in_float32():
 
     layout = ParallelLayout(nodes=1, gpus_per_node=1, strategy="ring")
     mesh = build_mesh(layout, 0, (0,))
-    ctx = ShardContext(mesh, Comm(mesh), "torch")
+    ctx = ShardContext(mesh, Comm(mesh), "sdpa")
     transformer = build_tiny_wan(CP_MODEL)["transformer"]
     rope = transformer.rope  # float64 tables, as diffusers builds them off Apple GPUs
     rope.freqs_cos, rope.freqs_sin = rope.freqs_cos.double(), rope.freqs_sin.double()
@@ -411,7 +411,7 @@ def test_budget_scores_touch_no_host_tensor_per_layer():
     layout = ParallelLayout(nodes=1, gpus_per_node=1, strategy="ditango")
     mesh = build_mesh(layout, 0, (0,))
     cfg = PlannerConfig(planner="budget", cache_ratio=0.5, warmup=0, cooldown=0)
-    rt = SelectiveRuntime(mesh, Comm(mesh), "torch", cfg, layers=6, heads=H, head_dim=D)
+    rt = SelectiveRuntime(mesh, Comm(mesh), "sdpa", cfg, layers=6, heads=H, head_dim=D)
     rt.groups = 4  # a hand-made layout view with remote groups, as above
     rt.allocate(10, B, steps=8, branches=2, local_tokens=10, device="meta")
     rt.begin_step(0)

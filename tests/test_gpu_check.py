@@ -21,19 +21,20 @@ _spec.loader.exec_module(gpu_check)
 def test_kernel_contract_on_cpu():
     rows = gpu_check.kernel_rows(
         device="cpu",
-        backends=["torch", "reference"],
+        backends=["sdpa", "reference"],
         dtypes=(torch.float32, torch.bfloat16),
         head_dims=(48, 8),
         lengths=(33, 100),
     )
-    # 2 backends x 2 dtypes x 2 head dims x 4 cases x 4 rows
-    assert len(rows) == 128
+    # 2 dtypes x 2 head dims x 4 cases x (5 rows for sdpa + 6 for reference: against sdpa too)
+    assert len(rows) == 16 * 11
     bad = [r for r in rows if not r.ok]
     assert not bad, bad[:3]
 
 
 def test_kernel_contract_fails_a_wrong_state(monkeypatch):
     """The limits are tight enough to fail a wrong answer: an lse off by 0.01 fails."""
+    from benchmarks.gpu import kernel_checks
     from runtime import kernels
     from runtime.state import AttentionState
 
@@ -43,8 +44,8 @@ def test_kernel_contract_fails_a_wrong_state(monkeypatch):
         state = real(q, k, v, scale, backend)
         return AttentionState(state.out_BSHD, state.lse_BSH + 0.01)
 
-    monkeypatch.setattr(gpu_check, "attention", wrong)
-    rows = gpu_check.kernel_rows(device="cpu", backends=["torch"], dtypes=(torch.float32,), head_dims=(8,))
+    monkeypatch.setattr(kernel_checks, "attention", wrong)
+    rows = gpu_check.kernel_rows(device="cpu", backends=["sdpa"], dtypes=(torch.float32,), head_dims=(8,))
     assert any(not r.ok and "lse vs float64" in r.check for r in rows)
 
 
@@ -182,3 +183,93 @@ def test_memory_section_on_cpu(monkeypatch):
     monkeypatch.setattr(planner.decode_memory, "decode_bytes", lambda *a, **k: 2 * real(*a, **k))
     rows = model_checks.memory_rows(**small)
     assert [r.ok for r in rows] == [True, False, False], rows
+
+
+def compile_section(**kwargs):
+    from benchmarks.gpu.compile_checks import compile_rows
+
+    return compile_rows(
+        device="cpu", config=TINY, latent_shape=(3, 8, 10), dtype=torch.float32, text_len=7, reps=1, **kwargs
+    )
+
+
+def test_compile_section_on_cpu():
+    """Section 8 traced by dynamo alone ("eager" backend): the ring's block compiles whole
+    through the custom ops, one graph for the blocks, and the traced graphs give the eager
+    output exactly; the speed row is only printed on a CPU."""
+    rows = compile_section(backend="eager", rel_tol=1e-6)
+    assert [r.limit for r in rows] == ["0, no fallback", "1..2", "<= 1e-06", "-"], rows
+    breaks, graphs, err, speed = rows
+    assert breaks.ok and breaks.value == 0, breaks
+    assert graphs.ok and f"for {TINY['num_layers']} blocks" in graphs.check, graphs
+    assert err.ok and err.value <= 1e-6, err
+    assert speed.value > 0 and "time per forward" in speed.check, speed
+
+
+def test_compile_section_fails_a_graph_break(monkeypatch):
+    """A block that breaks the graph (an attention call dynamo cannot trace) fails the row."""
+    from runtime.models import wan
+
+    real = wan.attend
+
+    def breaking(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wan, "attend", breaking)
+    breaks = compile_section(backend="eager", rel_tol=1e-6)[0]
+    assert not breaks.ok and breaks.value >= 1, breaks
+
+
+# Widths in multiples of 16, so fp8 quantizes every block Linear.
+FP8_WAN = dict(TINY, num_attention_heads=2, attention_head_dim=16, text_dim=32, ffn_dim=64, num_layers=2)
+FP8_SHAPES = ((256, 512, 1024), (64, 1024, 256))
+
+
+def fp8_section():
+    from benchmarks.gpu.fp8_checks import fp8_rows
+
+    return fp8_rows(
+        device="cpu", shapes=FP8_SHAPES, config=FP8_WAN, latent_shape=(3, 8, 10), text_len=7, backend="eager", reps=1
+    )
+
+
+def test_fp8_section_on_cpu():
+    """Section 9's error half on the CPU (torch._scaled_mm runs there): each shape's error, eager
+    and compiled times (printed, no limit), then the whole model in fp8 against bf16."""
+    from benchmarks.gpu.fp8_checks import LINEAR_TOL, MODEL_TOL
+
+    rows = fp8_section()
+    assert len(rows) == 3 * len(FP8_SHAPES) + 1 and all(r.ok for r in rows), rows
+    errors = [r for r in rows if "relative L2" in r.check]
+    assert [r.limit for r in errors] == [f"<= {LINEAR_TOL:g}"] * 2 + [f"<= {MODEL_TOL:g}"], errors
+    # quantized, so not exact, and within e4m3's rounding
+    assert all(1e-3 < r.value <= LINEAR_TOL for r in errors), errors
+    assert "20 layers in fp8 (0 skipped)" in errors[-1].check, errors[-1]
+    times = [r for r in rows if "time" in r.check]
+    assert len(times) == 4 and all(r.limit == "-" and r.value > 0 for r in times), times
+
+
+def test_fp8_section_fails_a_wrong_scale(monkeypatch):
+    """Scales 10% too large (weights and activations) give ~20% error: every error row fails."""
+    from runtime import quantize
+
+    real = quantize.quantize_rows
+
+    def wrong(x):
+        x_fp8, scale = real(x)
+        return x_fp8, scale * 1.1
+
+    monkeypatch.setattr(quantize, "quantize_rows", wrong)
+    errors = [r for r in fp8_section() if "relative L2" in r.check]
+    assert len(errors) == 3 and not any(r.ok for r in errors), errors
+
+
+def test_fp8_section_is_one_line_below_compute_capability_8_9(monkeypatch):
+    from benchmarks.gpu.fp8_checks import fp8_rows, fp8_skip_reason
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    (row,) = fp8_rows(device="cuda")
+    assert row.ok and row.check.startswith("skipped: compute capability 8.0 < 8.9"), row
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert fp8_skip_reason("cuda") is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import sys
 from pathlib import Path
 
@@ -370,11 +371,215 @@ def test_a_broken_flash_attn_falls_back_with_a_warning(monkeypatch):
     kernels.flash_attn_available.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="flash-attn is installed but does not load .*undefined symbol"):
-            assert kernels.resolve_backend("auto", torch.device("cuda", 0), torch.bfloat16) == "torch"
+            assert kernels.resolve_backend("auto", torch.device("cuda", 0), torch.bfloat16) == "sdpa"
         with pytest.raises(ConfigError, match="not installed or does not load"):
             kernels.resolve_backend("flash", torch.device("cuda", 0), torch.bfloat16)
     finally:
         kernels.flash_attn_available.cache_clear()
+
+
+# -- the attention kernel (--attention) ---------------------------------------------------------
+
+
+def _fa3_math(q, k, v, softmax_scale):
+    """What FlashAttention-3 computes: out in q's dtype, lse [B, H, S] float32."""
+    from runtime.kernels import reference_attention
+
+    out_BSHD, lse_BSH = reference_attention(q, k, v, softmax_scale)
+    return out_BSHD.to(q.dtype), lse_BSH.transpose(1, 2).float().contiguous()
+
+
+def fa3_module(convention: str):
+    """A `flash_attn_interface` returning as one of its builds did (runtime/kernels.py `_flash3_call`):
+    "flag" from 2025-08-29, "pair" 2024-07 to 2025-05, "out" 2025-07 to 2025-08 (the lse only from its
+    `_flash_attn_forward`), "bare" out only and no such forward."""
+    import types
+
+    module = types.ModuleType("flash_attn_interface")
+    if convention == "flag":
+
+        def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_attn_probs=False):
+            out, lse = _fa3_math(q, k, v, softmax_scale)
+            return (out, lse) if return_attn_probs else out
+
+    elif convention == "pair":
+
+        def flash_attn_func(q, k, v, softmax_scale=None, causal=False):
+            return _fa3_math(q, k, v, softmax_scale)
+
+    else:
+
+        def flash_attn_func(q, k, v, softmax_scale=None, causal=False):
+            return _fa3_math(q, k, v, softmax_scale)[0]
+
+    if convention == "out":
+
+        def _flash_attn_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, softmax_scale, causal, num_splits=1):
+            assert k_new is None and out is None and cu_seqlens_q is None and causal is False
+            return (*_fa3_math(q, k, v, softmax_scale), None)
+
+        module._flash_attn_forward = _flash_attn_forward
+    module.flash_attn_func = flash_attn_func
+    return module
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """`gpu(capability, flash, flash3)`: this process sees a CUDA GPU of that compute capability,
+    flash-attn importable or not, and `flash3` as flash_attn_interface (None: not installed)."""
+    from runtime import kernels
+
+    def gpu(capability: tuple[int, int], flash: bool = False, flash3=None) -> None:
+        import types
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn") if flash else None)
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", flash3)
+        kernels.flash_attn_available.cache_clear()
+        kernels.flash3_available.cache_clear()
+
+    yield gpu
+    kernels.flash_attn_available.cache_clear()
+    kernels.flash3_available.cache_clear()
+
+
+def resolve(name: str, dtype=torch.bfloat16, device="cuda", **kwargs) -> str:
+    from runtime.kernels import resolve_backend
+
+    return resolve_backend(name, torch.device(device, 0), dtype, **kwargs)
+
+
+def test_auto_takes_flash3_on_hopper_else_flash_else_sdpa(fake_gpu):
+    fake_gpu((9, 0), flash=True, flash3=fa3_module("flag"))
+    assert resolve("auto") == "flash3" and resolve("auto", torch.float16) == "flash3"
+    assert resolve("auto", torch.float32) == "sdpa" and resolve("auto", device="cpu") == "sdpa"
+    fake_gpu((9, 0), flash=True)  # Hopper without FlashAttention-3
+    assert resolve("auto") == "flash"
+    fake_gpu((8, 0), flash=True, flash3=fa3_module("flag"))  # Ampere: FlashAttention-3 does not run
+    assert resolve("auto") == "flash"
+    fake_gpu((8, 0))
+    assert resolve("auto") == "sdpa" and resolve("sdpa") == "sdpa" and resolve("torch") == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("gpu", "name", "dtype", "device", "needle"),
+    [
+        ((9, 0), "flash3", torch.bfloat16, "cpu", "--attention flash3 needs CUDA; use sdpa (or auto) on CPU"),
+        ((9, 0), "flash3", torch.float32, "cuda", "--attention flash3 needs --dtype bfloat16 or float16"),
+        (
+            (8, 6),
+            "flash3",
+            torch.bfloat16,
+            "cuda",
+            "flash3 needs a Hopper GPU (compute capability 9.x), this GPU is 8.6",
+        ),
+        ((9, 0), "flash", torch.bfloat16, "cuda", "--attention flash needs flash-attn, which is not installed"),
+        ((8, 0), "flash", torch.float16, "cpu", "--attention flash needs CUDA"),
+    ],
+)
+def test_an_explicit_kernel_that_cannot_run_is_refused_in_one_line(fake_gpu, gpu, name, dtype, device, needle):
+    fake_gpu(gpu, flash3=fa3_module("flag"))
+    with pytest.raises(ConfigError, match=re.escape(needle)) as refused:
+        resolve(name, dtype, device)
+    assert "\n" not in str(refused.value)
+
+
+def test_flash3_not_installed_is_refused_but_passes_for_ranks_elsewhere(fake_gpu):
+    fake_gpu((9, 0))
+    with pytest.raises(ConfigError, match="needs FlashAttention-3, which is not installed or does not load"):
+        resolve("flash3")
+    fake_gpu((8, 0))  # a Slurm job's GPUs and packages are not this machine's
+    assert resolve("flash3", check_installed=False) == "flash3"
+
+
+@pytest.mark.parametrize("convention", ["flag", "pair", "out"])
+def test_flash3_kernel_gives_out_and_lse_whatever_its_build_returns(monkeypatch, convention):
+    """FlashAttention-3's flash_attn_func returned (out, lse), then out only, then out or (out, lse)
+    by return_attn_probs: each build gives the state (out_BSHD, lse_BSH) and the output."""
+    from runtime import kernels
+
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3_module(convention))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 3, 8, generator=g) for n in (5, 7, 7))
+    ref_out, ref_lse = kernels.reference_attention(q, k, v, 0.3)
+    state = kernels.attention(q, k, v, 0.3, "flash3")
+    assert state.lse_BSH.shape == (2, 5, 3) and state.out_BSHD.shape == (2, 5, 3, 8)
+    torch.testing.assert_close(state.out_BSHD, ref_out.float())
+    torch.testing.assert_close(state.lse_BSH, ref_lse.float())
+    torch.testing.assert_close(kernels.attention_output(q, k, v, 0.3, "flash3"), ref_out.float())
+
+
+def test_a_flash3_build_without_lse_is_named(monkeypatch):
+    from runtime import kernels
+
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3_module("bare"))
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="returns no softmax_lse; update it"):
+        kernels.attention(q, q, q, 0.3, "flash3")
+
+
+def test_one_rank_takes_only_what_diffusers_dispatch_runs(fake_gpu, monkeypatch):
+    """One rank runs diffusers' attention: it finds FlashAttention-3 as the package flash_attn_3
+    and passes return_attn_probs (builds from 2025-08-29 on)."""
+    from diffusers.models import attention_dispatch
+
+    monkeypatch.setattr(attention_dispatch, "_CAN_USE_FLASH_ATTN", True)
+    monkeypatch.setattr(attention_dispatch, "_CAN_USE_FLASH_ATTN_3", True)
+    fake_gpu((9, 0), flash=True, flash3=fa3_module("flag"))
+    assert resolve("auto", one_rank=True) == "flash3" == resolve("flash3", one_rank=True)
+    fake_gpu((9, 0), flash=True, flash3=fa3_module("pair"))
+    assert resolve("auto") == "flash3" and resolve("auto", one_rank=True) == "flash"
+    with pytest.raises(ConfigError, match="needs a FlashAttention-3 build from 2025-08-29 on"):
+        resolve("flash3", one_rank=True)
+    monkeypatch.setattr(attention_dispatch, "_CAN_USE_FLASH_ATTN_3", False)
+    monkeypatch.setattr(attention_dispatch, "_CAN_USE_FLASH_ATTN", False)
+    assert resolve("auto", one_rank=True) == "sdpa"
+    with pytest.raises(ConfigError, match="finds no package flash_attn_3"):
+        resolve("flash3", one_rank=True)
+    with pytest.raises(ConfigError, match=r"needs flash-attn >= 2\.6\.3"):
+        resolve("flash", one_rank=True)
+    with pytest.raises(ConfigError, match="reference is for a parallel strategy"):
+        resolve("reference", one_rank=True)
+
+
+def test_one_rank_of_a_model_that_masks_its_attention_runs_sdpa(fake_gpu, monkeypatch):
+    """diffusers' flash-attn backends refuse an attention mask ("`attn_mask` is not supported"):
+    HunyuanVideo's transformer passes its text padding as one, Wan's passes none."""
+    from diffusers.models import attention_dispatch
+
+    from runtime.kernels import passes_attention_mask
+
+    assert passes_attention_mask("hunyuanvideo") and not passes_attention_mask("wan")
+    monkeypatch.setattr(attention_dispatch, "_CAN_USE_FLASH_ATTN", True)
+    monkeypatch.setattr(attention_dispatch, "_CAN_USE_FLASH_ATTN_3", True)
+    fake_gpu((9, 0), flash=True, flash3=fa3_module("flag"))
+    assert resolve("auto", one_rank=True, masked=True) == "sdpa"
+    assert resolve("auto", masked=True) == "flash3"  # a parallel strategy: our kernels, no mask
+    with pytest.raises(ConfigError, match="take no attention mask, and this model passes one"):
+        resolve("flash", one_rank=True, masked=True)
+
+
+def test_one_rank_sets_diffusers_attention_backend(parity_components):
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    from runtime.kernels import DIFFUSERS_NAMES, use_on_one_rank
+
+    assert set(DIFFUSERS_NAMES.values()) <= {b.value for b in AttentionBackendName}
+
+    class Recorder(torch.nn.Module):
+        def set_attention_backend(self, name: str) -> None:
+            self.name = name
+
+    recorder = Recorder()
+    use_on_one_rank([recorder, torch.nn.Linear(1, 1)], "flash3")  # a module without it is left alone
+    assert recorder.name == "_flash_3"
+    transformer = parity_components["transformer"]
+    use_on_one_rank([transformer], "sdpa")
+    processors = [
+        m.processor for m in transformer.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")
+    ]
+    assert processors and all(p._attention_backend == AttentionBackendName.NATIVE for p in processors)
 
 
 def test_gloo_binds_to_the_interface_the_nodes_share(monkeypatch):

@@ -39,7 +39,6 @@ def test_every_rule_names_options_that_exist():
         (["--executor", "local", "--partition", "gpu", "--time", "30"], "--partition, --time only apply to a Slurm"),
         (["--executor", "local", "--no-wait"], "--no-wait only applies to a Slurm submission"),
         (["--executor", "local", "--array-parallelism", "2"], "--array-parallelism only applies to a Slurm"),
-        (["--attention-backend", "torch"], "--attention-backend only applies to a parallel strategy"),
         (["--vae-parallel"], "--vae-parallel only applies on more than one rank"),
         (["--shard-weights"], "--shard-weights only applies over a context-parallel group of several ranks"),
         (["--gpus", "2", "--cfg-parallel", "--shard-weights"], "--shard-weights only applies over a context-parallel"),
@@ -76,7 +75,9 @@ def test_job_options_inside_an_allocation_are_refused_and_say_why(runner, tmp_pa
     [
         ["--gpus", "2", "--layout", "auto", "--objective", "latency", "--hardware", "h100"],
         ["--gpus", "2", "--layout", "auto", "--allow-reuse"],
-        ["--gpus", "2", "--parallel", "ring", "--attention-backend", "torch", "--reference", "exact"],
+        ["--gpus", "2", "--parallel", "ring", "--attention", "reference", "--reference", "exact"],
+        ["--attention", "sdpa"],  # one rank: diffusers' attention runs it
+        ["--attention-backend", "auto"],  # the option's older name
         ["--no-vae-parallel"],
     ],
 )
@@ -152,3 +153,18 @@ def test_simulate_prices_a_guidance_in_the_ranking(runner):
         runner.invoke(app, ["simulate", "--nodes", "2", "--batch", "4", "--guidance", "5", "--json"]).stdout
     )
     assert one["ranking"][0]["e2e_s"] < two["ranking"][0]["e2e_s"]  # one CFG branch a step, not two
+
+
+@pytest.mark.parametrize("where", ["run.toml", "report.json"])
+def test_a_run_files_old_attention_value_torch_reads_as_sdpa(runner, tmp_path, where):
+    """--attention-backend torch was renamed sdpa: run files and reports written before still run."""
+    path = tmp_path / where
+    if where == "report.json":
+        path.write_text(json.dumps({"options": {"prompt": "a", "device": "cpu", "attention_backend": "torch"}}))
+    else:
+        path.write_text('prompt = "a"\ndevice = "cpu"\n[parallel]\nattention_backend = "torch"\n')
+    result = runner.invoke(app, ["check", "--config", str(path), "--json", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["attention_backend"] == "sdpa"
+    typed = runner.invoke(app, ["check", "--prompt", "a", "--device", "cpu", "--attention", "torch"])
+    assert typed.exit_code != 0 and "torch" in typed.stderr  # the command line takes the new names only

@@ -71,9 +71,9 @@ def _rule_target(rank, world, events, verdicts):
         pays = verdicts[rank]
         selective.run_reuse_costs = lambda *a, **k: ReuseCosts(2.0 if pays else 1.0, 1.5, "test")
     cfg = PlannerConfig(warmup=0, cooldown=1, cache_ratio=0.5, reuse="auto")
-    rt = selective.SelectiveRuntime(mesh, comm, "torch", cfg, layers=1, heads=H, head_dim=D)
+    rt = selective.SelectiveRuntime(mesh, comm, "sdpa", cfg, layers=1, heads=H, head_dim=D)
     rt.begin_run(torch.zeros(LATENTS), steps=3, branches=1)
-    ctx = ShardContext(mesh, comm, "torch", strategy=rt)
+    ctx = ShardContext(mesh, comm, "sdpa", strategy=rt)
     ctx.begin_forward(36)
     a, b = chunk_bounds(chunk_sizes(36, world), mesh.cp_index)
     g = torch.Generator().manual_seed(0)

@@ -24,7 +24,7 @@ def split_points(n, parts, rng):
     return [0, *cuts, n]
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
 @pytest.mark.parametrize(
     "sizes",
     [[1, 63], [63, 1], [1, 1, 62], [32, 32], [5, 17, 9, 1, 32], [1] * 8 + [56]],
@@ -60,7 +60,7 @@ def test_random_splits_with_peaked_scores():
     rng = random.Random(0)
     for _ in range(5):
         b = split_points(40, 4, rng)
-        states = [attention(q, k[:, x:y], v[:, x:y], 1.0, "torch") for x, y in zip(b, b[1:], strict=False)]
+        states = [attention(q, k[:, x:y], v[:, x:y], 1.0, "sdpa") for x, y in zip(b, b[1:], strict=False)]
         got = merge_all(states)
         assert torch.isfinite(got.out_BSHD).all()
         assert (got.out_BSHD.double() - ref_out).abs().max() <= tol
@@ -69,7 +69,7 @@ def test_random_splits_with_peaked_scores():
 
 def test_empty_states_and_infinite_rows():
     q, k, v = qkv(1, 4, 6, 2, 8)
-    s = attention(q, k, v, 0.3, "torch")
+    s = attention(q, k, v, 0.3, "sdpa")
     assert merge(None, None) is None
     assert merge(s, None) is s and merge(None, s) is s
     assert merge_all([None, None]) is None
@@ -87,7 +87,7 @@ def test_empty_states_and_infinite_rows():
 
 def test_bf16_kernel_state_is_float32():
     q, k, v = qkv(1, 5, 8, 2, 16)
-    s = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.25, "torch")
+    s = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.25, "sdpa")
     assert s.out_BSHD.dtype == torch.float32 and s.lse_BSH.dtype == torch.float32
     ref_out, _ = reference_attention(q, k, v, 0.25)
     assert (s.out_BSHD.double() - ref_out).abs().max() < 3e-2  # bf16 inputs, fp32 state

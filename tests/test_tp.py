@@ -122,7 +122,7 @@ def _target(rank, world, events):
     comm = Comm(meshes["tp"])
     with torch.no_grad():
         reference = i2v(**x)[0]
-        handle = parallelize(i2v, meshes["tp"], comm, "torch")
+        handle = parallelize(i2v, meshes["tp"], comm, "sdpa")
         forward = i2v(**x)[0]
     out["i2v"] = dict(forward_err=(forward - reference).abs().max().item(), forward_bytes=comm.totals())
     handle.remove()

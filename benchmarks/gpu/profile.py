@@ -5,8 +5,11 @@
 For a lent single-GPU machine (~10 minutes, no network). Needs only torch; uses
 flash-attn and diffusers when they import (diffusers for one real-size Wan2.1-1.3B
 transformer forward with random weights at 832x480x81 = 32,760 tokens), and says so
-when they do not. Measures: dense bf16 matmul TFLOPS, attention-with-lse TFLOPS per
-backend (torch flash, torch memory-efficient, flash-attn), HBM copy bandwidth. Link
+when they do not. Measures: dense bf16 matmul TFLOPS, dense fp8 (e4m3, torch._scaled_mm,
+per-row scales as --quantize fp8 runs it; null below compute capability 8.9), attention-with-lse
+TFLOPS per backend (torch flash, torch memory-efficient, flash-attn), HBM copy bandwidth, and the
+compile factor: a Wan block's elementwise chain (norm, modulation, gated residual) compiled by
+torch.compile over eager (planner/precision.py scales the modelled elementwise work by it). Link
 bandwidths cannot be measured on one GPU: the profile keeps the datasheet values given on
 the command line, and says so. Standalone on purpose (no project imports), so it runs
 where the project is not installed.
@@ -34,6 +37,38 @@ def timed(fn, reps: int = 20) -> float:
 def matmul_tflops(n: int = 8192) -> float:
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     return 2 * n**3 / timed(lambda: a @ b) / 1e12
+
+
+def fp8_matmul_tflops(n: int = 8192) -> float | None:
+    """Dense e4m3 matmul with per-row / per-column float32 scales; None without FP8 tensor cores."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        return None
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    sa, sb = torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    try:
+        return 2 * n**3 / timed(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)) / 1e12
+    except RuntimeError:  # a torch without row-wise scaling: one scale per tensor
+        one = torch.ones((), device="cuda")
+        return 2 * n**3 / timed(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)) / 1e12
+
+
+def compile_factor(tokens: int = 32760, width: int = 5120) -> float | str:
+    """Compiled over eager time of a Wan block's elementwise chain on [tokens, width] bf16 (at most 1)."""
+
+    def chain(h, attn, scale, shift, gate):
+        n = (torch.nn.functional.layer_norm(h.float(), (h.shape[-1],)) * (1 + scale) + shift).type_as(h)
+        return (h.float() + (attn + n) * gate).type_as(h)
+
+    h, attn = (torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    scale, shift, gate = (torch.randn(1, width, device="cuda") for _ in range(3))
+    try:
+        compiled = torch.compile(chain)
+        eager_s = timed(lambda: chain(h, attn, scale, shift, gate))
+        compiled_s = timed(lambda: compiled(h, attn, scale, shift, gate))
+    except Exception as exc:  # inductor missing a compiler or triton: not measured
+        return f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    return round(min(1.0, compiled_s / eager_s), 3)
 
 
 def hbm_tbps(numel: int = 1 << 28) -> float:
@@ -102,10 +137,12 @@ def main() -> None:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     attn = attention_tflops()
     best_attn = max((v for v in attn.values() if isinstance(v, float)), default=None)
-    mm = matmul_tflops()
+    mm, fp8, factor = matmul_tflops(), fp8_matmul_tflops(), compile_factor()
     profile = {
         "name": args.name,
         "bf16_tflops": round(mm, 1),
+        "fp8_tflops": None if fp8 is None else round(fp8, 1),  # achieved, as bf16_tflops
+        "compile_factor": factor if isinstance(factor, float) else 1.0,
         "hbm_tbps": round(hbm_tbps(), 3),
         "intra_gbps": args.intra_gbps,
         "inter_gbps": args.inter_gbps,
@@ -114,6 +151,7 @@ def main() -> None:
         "measured": {
             "attention_tflops": attn,
             "best_attention_over_matmul": None if best_attn is None else round(best_attn / mm, 3),
+            "compile_factor": factor,
             "wan2.1_1.3b_forward_s_832x480x81": wan_step_s(),
         },
     }

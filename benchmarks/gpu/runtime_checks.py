@@ -99,7 +99,7 @@ def nccl_rows(device: str = "cuda", backend: str = "nccl") -> list[Row]:
         scale = D**-0.5
         ref_out, ref_lse = reference_attention(q, k, v, scale)
         state = ring_attention(
-            q, k, v, scale=scale, backend="torch", comm=comm, ring_ranks=(0,) * 4, ring_group=world, kv_sizes=[S] * 4
+            q, k, v, scale=scale, backend="sdpa", comm=comm, ring_ranks=(0,) * 4, ring_group=world, kv_sizes=[S] * 4
         )
         out_err = (state.out_BSHD.double() - ref_out).abs().max().item()
         lse_err = (state.lse_BSH.double() - (ref_lse + math.log(4))).abs().max().item()
@@ -108,7 +108,7 @@ def nccl_rows(device: str = "cuda", backend: str = "nccl") -> list[Row]:
 
         layout = ParallelLayout(nodes=1, gpus_per_node=4, strategy="ditango", group_size=1)  # 4 groups, 3 remote
         dmesh = mesh_for(layout)
-        rt = SelectiveRuntime(dmesh, Comm(dmesh), "torch", PlannerConfig(warmup=0, cooldown=0), 1, H, D)
+        rt = SelectiveRuntime(dmesh, Comm(dmesh), "sdpa", PlannerConfig(warmup=0, cooldown=0), 1, H, D)
         rt.allocate(S, B, steps=4, branches=1, device=device, local_tokens=S)
         units = rt.units
         worst = 0.0
@@ -176,7 +176,7 @@ def cache_rows(device: str = "cuda", shape: dict = CACHE_14B, name: str = "14B 7
     if cuda:
         torch.cuda.empty_cache()
     base = allocated()
-    rt = SelectiveRuntime(mesh, Comm(mesh), "torch", PlannerConfig(), layers, heads, head_dim)
+    rt = SelectiveRuntime(mesh, Comm(mesh), "sdpa", PlannerConfig(), layers, heads, head_dim)
     start = time.perf_counter()
     rt.allocate(local, 1, steps=50, branches=branches, device=device, local_tokens=local)
     if cuda:
@@ -214,9 +214,7 @@ def cache_rows(device: str = "cuda", shape: dict = CACHE_14B, name: str = "14B 7
         left = allocated() - base
         rows.append(Row("cache", "GPU bytes left after the item", float(left), "== 0", left == 0))
     cap = expected - branches * layers * units * unit_bytes(1, local, heads, head_dim, dtype) // 2
-    capped = SelectiveRuntime(
-        mesh, Comm(mesh), "torch", PlannerConfig(), layers, heads, head_dim, cache_limit_bytes=cap
-    )
+    capped = SelectiveRuntime(mesh, Comm(mesh), "sdpa", PlannerConfig(), layers, heads, head_dim, cache_limit_bytes=cap)
     capped.allocate(local, 1, steps=50, branches=branches, device=device, local_tokens=local)
     held = capped.cache.nbytes() + capped.reference_bytes()
     rows.append(

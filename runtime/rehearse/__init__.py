@@ -141,11 +141,11 @@ def rehearse_rank(
     import runtime.assembly as assembly
     import runtime.denoiser as denoiser_module
     import runtime.vae as vae_module
-    from runtime.bring_up import denoiser_for_run, run_host_loaded
+    from runtime.bring_up import denoiser_for_run, quantize_for_run, run_host_loaded
     from runtime.comm import Comm
     from runtime.context import RankContext
     from runtime.inputs import item_inputs
-    from runtime.kernels import resolve_backend
+    from runtime.kernels import passes_attention_mask, resolve_backend
     from runtime.mesh import build_mesh
     from runtime.models.families import FAMILIES
     from runtime.models.loading import placement_on
@@ -219,19 +219,19 @@ def rehearse_rank(
                     for name, module in components.items():
                         if isinstance(module, torch.nn.Module):
                             materialize(module, torch.device("cpu") if name in on_cpu else device)
-                    backend = (
-                        "diffusers"
-                        if layout.strategy.runtime is None
-                        else resolve_backend(cfg.attention_backend, device, dtype)
-                    )
+                    one_rank = layout.strategy.runtime is None
+                    masked = one_rank and passes_attention_mask(spec.family)
+                    backend = resolve_backend(cfg.attention_backend, device, dtype, one_rank=one_rank, masked=masked)
                     # modules moved to the GPU as for fake tensors (see move_fake_states)
                     with (
                         mock.patch.object(torch.nn.Module, "to", fake_module_to),
                         mock.patch.object(assembly, "move_unsplit", fake_module_to),
                     ):
+                        quantized = quantize_for_run(cfg, components, device)
                         if cfg.shard_weights and ctx.distributed:
                             shard_weights(components, mesh, device)
                         denoiser = denoiser_for_run(cfg, ctx, spec, components, placement, backend)
+                        denoiser.quantized = quantized
                     _on_component(watch, components)
                     listener = denoiser.listener
                     if denoiser.ditango is not None:

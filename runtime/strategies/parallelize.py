@@ -22,6 +22,7 @@ import torch
 from planner.ditango import DiTangoOptions
 from planner.layout import chunk_bounds, chunk_sizes
 from runtime.comm import Comm
+from runtime.compile import register
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
 from runtime.models.families import family_of
@@ -40,6 +41,10 @@ class ShardContext:
     backend: Backend
     strategy: object = EXACT
     seq_sizes: list[int] = field(default_factory=list)  # cp chunk sizes of the current forward
+    handle: int = 0  # what a compiled block's ops find this context by (runtime/compile.py)
+
+    def __post_init__(self) -> None:
+        self.handle = register(self)
 
     @property
     def cp(self) -> int:

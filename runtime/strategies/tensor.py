@@ -32,6 +32,7 @@ from torch import nn
 
 from basics.errors import ConfigError
 from runtime.comm import Comm
+from runtime.compile import all_reduce_, register, tally
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
 
@@ -54,6 +55,8 @@ class TensorParallel:
         self.index = mesh.cp_index
         self.split = self.degree > 1 or split_one
         self.device_mesh = None
+        self.handle = register(self)  # for a compiled block's ops (runtime/compile.py)
+        self.calls = torch.zeros((), dtype=torch.int64)  # the counted results (`compile.tally`)
         if self.split:
             import torch.distributed as dist
             from torch.distributed.device_mesh import DeviceMesh
@@ -109,7 +112,7 @@ class TensorParallel:
         parallelize_module(split, self.device_mesh, style, src_data_rank=None)
         own_storage(split)
         if count:
-            split.register_forward_hook(lambda module, args, out: self._count(out))
+            split.register_forward_hook(lambda module, args, out: tally(self, out))
         setattr(parent, name, split)
         return lambda: setattr(parent, name, _gathered(split))
 
@@ -118,7 +121,8 @@ class TensorParallel:
         """In-place sum over the group, counted under "tp"."""
         self.comm.ring_all_reduce(x, self.mesh.cp_group, self.ranks)
 
-    def _count(self, out: torch.Tensor) -> None:
+    def count(self, out: torch.Tensor) -> None:
+        """Count a row-wise layer's result, summed over the group by DTensor's all-reduce."""
         self.comm.count_ring_all_reduce(out.numel() * out.element_size(), self.ranks)
 
     def attention(self, q_BShD, k_BShD, v_BShD, scale: float, layer: int = 0) -> torch.Tensor:
@@ -149,7 +153,7 @@ class HeadShardedRMSNorm(nn.Module):
     def forward(self, x_BSc: torch.Tensor) -> torch.Tensor:
         x = x_BSc.float()
         squares_BS1 = x.square().sum(dim=-1, keepdim=True)
-        self.tp.all_reduce(squares_BS1)
+        all_reduce_(self.tp, squares_BS1)
         eps = torch.finfo(x_BSc.dtype).eps if self.eps is None else self.eps  # torch's RMSNorm default
         out = x * torch.rsqrt(squares_BS1 / self.channels + eps)
         if self.weight is not None:

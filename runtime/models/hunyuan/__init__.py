@@ -27,6 +27,7 @@ import contextlib
 import torch
 
 from basics.errors import ConfigError
+from runtime.compile import joint_attend
 from runtime.models.hunyuan.checkpoint import (
     COMPONENTS,
     PIPELINES,
@@ -94,7 +95,7 @@ class JointAttention:
             with region("rotary"):
                 q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
                 k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        out_v, out_t = self.ctx.joint_attention(q, k, v, qt, kt, vt, scale=q.shape[-1] ** -0.5, layer=self.layer)
+        out_v, out_t = joint_attend(self.ctx, q, k, v, qt, kt, vt, q.shape[-1] ** -0.5, self.layer)
         out_v, out_t = out_v.flatten(2, 3).to(q.dtype), out_t.flatten(2, 3).to(q.dtype)
         if getattr(attn, "to_out", None) is not None:
             out_v = attn.to_out[1](attn.to_out[0](out_v))

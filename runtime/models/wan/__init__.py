@@ -29,6 +29,7 @@ import contextlib
 
 import torch
 
+from runtime.compile import attend
 from runtime.models.wan.checkpoint import (
     COMPONENTS,
     IMAGE_ENCODER_CLASSES,
@@ -108,7 +109,7 @@ class WanSelfAttention:
         if rotary_emb is not None:
             with region("rotary"):
                 query, key = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
-        out = self.ctx.attention(query, key, value, scale=query.shape[-1] ** -0.5, layer=self.layer)
+        out = attend(self.ctx, query, key, value, query.shape[-1] ** -0.5, self.layer)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
