@@ -35,6 +35,10 @@ def show_dry_run(cfg: RunConfig, opts: SlurmOptions, where: str, as_json: bool) 
         f"{opts.array} array task(s); timeouts: step {cfg.timeout_s:g} s, setup {cfg.setup_timeout_s:g} s",
         markup=False,
     )
+    out.print(
+        f"attention {record['attention']}; compile {'on' if record['compile'] else 'off'}; quantize {record['quantize']}",
+        markup=False,
+    )
     if where == "sbatch":
         out.print(f"\nsbatch script (submission folder {record['folder']}):", markup=False)
         out.print(record["sbatch_script"], markup=False)

@@ -167,7 +167,13 @@ def fp8_device_problem(quantize: str, device: torch.device, where: str) -> str |
     submission's ranks refuse on theirs (and --layout auto checks its --hardware profile)."""
     from planner.precision import check_fp8_device
 
-    if quantize != "fp8" or device.type != "cuda" or where != "local" or not torch.cuda.is_available():
+    if quantize != "fp8" or where != "local":
+        return None
+    if device.type == "cpu":
+        from runtime.quantize import fp8_matmul_problem
+
+        return fp8_matmul_problem("cpu")
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     try:
         check_fp8_device(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))

@@ -22,14 +22,20 @@ it, with one warning line; the report records the reason (`CompileRecord`).
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch._inductor.exc
+from torch._dynamo.utils import counters
 
-_OBJECTS: dict[int, object] = {}
+# The objects the ops call, by handle; held weakly: a removed strategy's context (DiTango's
+# caches with it) is freed as if it had never been registered.
+_OBJECTS: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
 
 # What a failed compile raises (dynamo wraps the backend's errors); anything else is the
 # block's own (an exchange's timeout) and ends the item as it would eager.
@@ -37,14 +43,10 @@ COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.In
 
 
 def register(obj) -> int:
-    """A handle the ops find `obj` by (kept for the process' life: a run installs a few)."""
-    handle = len(_OBJECTS) + 1
+    """A handle the ops find `obj` by, for as long as `obj` lives."""
+    handle = next(_HANDLES)
     _OBJECTS[handle] = obj
     return handle
-
-
-def release(handle: int) -> None:
-    _OBJECTS.pop(handle, None)
 
 
 @torch.library.custom_op("ditango::attend", mutates_args=())
@@ -133,18 +135,19 @@ def tally(owner, x: torch.Tensor) -> None:
 
 @dataclass
 class CompileRecord:
-    """What the report says of compilation: whether it was asked, whether it fell back to
-    eager and why, and the seconds the compiled blocks' first calls took (`compile_s`: a
-    block's first call per item shape, the compile and that call's own run)."""
+    """What the report says of compilation: whether it was asked, the blocks compiled, whether
+    it fell back to eager and why, the compiles (graphs made: one for the blocks, one more
+    once the layer index is symbolic, one per new item shape) and the seconds they took
+    (`compile_s`: the calls that compiled, each with its own run)."""
 
     enabled: bool = False
     blocks: int = 0
     fallback: str | None = None
+    compiles: int = 0
     compile_s: float = 0.0
-    shapes: set = field(default_factory=set)
 
     def to_json(self) -> dict:
-        return {"enabled": self.enabled, "blocks": self.blocks, "fallback": self.fallback}
+        return {"enabled": self.enabled, "blocks": self.blocks, "compiles": self.compiles, "fallback": self.fallback}
 
 
 class CompiledForward:
@@ -160,8 +163,7 @@ class CompiledForward:
         record = self.record
         if record.fallback is not None:
             return self.eager(*args, **kwargs)
-        key = _shape_key(args, kwargs)
-        first = key not in record.shapes
+        graphs = counters["stats"]["unique_graphs"]
         started = time.perf_counter()
         try:
             out = self.compiled(*args, **kwargs)
@@ -170,9 +172,9 @@ class CompiledForward:
             record.fallback = reason
             warnings.warn(f"--compile failed, running eager ({reason})", RuntimeWarning, stacklevel=2)
             return self.eager(*args, **kwargs)
-        if first:
+        if counters["stats"]["unique_graphs"] > graphs:  # this call compiled
             record.compile_s += time.perf_counter() - started
-            record.shapes.add(key)
+            record.compiles += 1
         return out
 
 
@@ -187,15 +189,11 @@ def failure(exc: Exception) -> str:
     )
 
 
-def _shape_key(args, kwargs) -> tuple:
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    return tuple(tuple(t.shape) for t in tensors)
-
-
 def repeated_blocks(transformer) -> list[torch.nn.Module]:
-    """The blocks a model repeats: diffusers names their classes (`_repeated_blocks`)."""
+    """The blocks a model repeats: diffusers names their classes (`_repeated_blocks`); FSDP2
+    makes each block an instance of a subclass of its own."""
     names = set(getattr(transformer, "_repeated_blocks", None) or ())
-    return [m for m in transformer.modules() if type(m).__name__ in names]
+    return [m for m in transformer.modules() if any(c.__name__ in names for c in type(m).__mro__)]
 
 
 def compile_blocks(transformers, record: CompileRecord, **options) -> CompileRecord:

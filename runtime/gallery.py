@@ -181,7 +181,23 @@ def summary(report: dict) -> list[tuple[str, str]]:
         text += f"; PSNR mean {sum(psnrs) / len(psnrs):.2f} dB, min {min(psnrs):.2f}" if psnrs else "; identical"
         text += f"; SSIM mean {sum(ssims) / len(ssims):.4f}" if ssims else ""
         rows.append(("quality", text))
+    if speed := _speed(report):
+        rows.append(("kernels", speed))
     return rows
+
+
+def _speed(report: dict) -> str:
+    """The attention kernel, --compile (its time, or why it fell back) and --quantize."""
+    compiled, quantized = _dict(report.get("compile")), _dict(report.get("quantize"))
+    parts = [f"attention {report['attention_backend']}"] if report.get("attention_backend") else []
+    if compiled.get("fallback"):
+        parts.append(f"compile failed, ran eager ({compiled['fallback']})")
+    elif compiled.get("enabled"):
+        seconds = _number(_dict(report.get("timing")).get("compile_s"))
+        parts.append("compiled" + ("" if seconds is None else f" ({seconds:.1f} s compiling)"))
+    if quantized:
+        parts.append(f"{quantized.get('format')}: {quantized.get('layers')} linear layers")
+    return "; ".join(parts)
 
 
 def render(report: dict, out_dir: Path) -> str:

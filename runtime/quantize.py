@@ -20,23 +20,29 @@ float8 weights), on the device or CPU the weights are on.
 `Quantized.original()`: what `--reference exact` measures the run against.
 
 float8 GEMMs need a GPU of compute capability 8.9 or more (Ada, Hopper, Blackwell); on the
-CPU `torch._scaled_mm` runs too (torch >= 2.7), which is what the tests use.
+CPU `torch._scaled_mm` runs too, which is what the tests use: torch 2.7 brought it to the CPU
+(pytorch#139975), and row-wise scales there take its emulated path, which torch sends them to
+on every CPU since pytorch#179118 (2026; tested with torch 2.13). `check_fp8_matmul` tries
+one small product before anything is quantized, so a torch without it is refused in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from basics.errors import ConfigError
 from runtime.compile import repeated_blocks
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 ALIGN = 16  # float8 GEMM widths on GPUs come in multiples of 16
 TINY = 1e-12  # the smallest scale: an all-zero row or token stays zero
+CHUNK = 2**21  # a weight is quantized this many elements at a time: its float32 transients stay small
 
 
 def quantize_rows(x_TI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +52,34 @@ def quantize_rows(x_TI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scaled.to(FP8), scale_T1
 
 
+@functools.cache
+def fp8_matmul_problem(device_type: str) -> str | None:
+    """Why this torch cannot run a row-wise scaled float8 product on `device_type`, or None."""
+    try:
+        a, scale = quantize_rows(torch.ones(16, 16, device=device_type))
+        torch._scaled_mm(a, a.t(), scale_a=scale, scale_b=scale.reshape(1, -1), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:160]
+        return f"--quantize fp8: torch {torch.__version__} has no row-wise float8 matmul on {device_type} ({first})"
+    return None
+
+
+def check_fp8_matmul(device: torch.device) -> None:
+    if problem := fp8_matmul_problem(device.type):
+        raise ConfigError(problem)
+
+
+def quantize_weight(w_OI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of a weight, a few rows at a time: the float32 copies it makes while
+    loading are CHUNK elements, not the layer's (a 14B model's FFN: 283 MB each)."""
+    out_OI = torch.empty(w_OI.shape, dtype=FP8, device=w_OI.device)
+    scale_O1 = torch.empty(w_OI.shape[0], 1, dtype=torch.float32, device=w_OI.device)
+    step = max(1, CHUNK // w_OI.shape[1])
+    for a in range(0, w_OI.shape[0], step):
+        out_OI[a : a + step], scale_O1[a : a + step] = quantize_rows(w_OI[a : a + step])
+    return out_OI, scale_O1
+
+
 class Fp8Linear(nn.Module):
     """A Linear whose weight is float8 e4m3 with per-output-channel scales, its input scaled per
     token; the output in the input's dtype."""
@@ -53,7 +87,7 @@ class Fp8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, keep_original: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight_OI, scale_O1 = quantize_rows(linear.weight.detach())
+        weight_OI, scale_O1 = quantize_weight(linear.weight.detach())
         # Kept as its bytes (uint8) and read as float8: FSDP2 shards and gathers it as any
         # parameter, and gloo (the CPU backend) has no float8 type.
         self.weight = nn.Parameter(weight_OI.view(torch.uint8), requires_grad=False)
@@ -116,6 +150,7 @@ class Quantized:
 def quantize_transformers(transformers, keep_original: bool = False, device: torch.device | None = None) -> Quantized:
     """Replace the qualifying Linears of every repeated block of `transformers` in place, each
     moved to `device` first (None: where it is)."""
+    check_fp8_matmul(device or next(transformers[0].parameters()).device)
     done = Quantized(kept=keep_original)
     for transformer in transformers:
         for block in repeated_blocks(transformer):

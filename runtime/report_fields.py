@@ -69,7 +69,8 @@ RUN_FIELDS: dict[str, tuple[bool, str]] = {
     "weights": (True, "how the weights were held: shard_degree (FSDP2 over the cp group)"),
     "compile": (
         True,
-        "--compile: enabled, blocks (the repeated blocks compiled), fallback (null, or why it ran eager)",
+        "--compile: enabled, blocks (the repeated blocks compiled), compiles (graphs made), fallback (null, or "
+        "why it ran eager)",
     ),
     "quantize": (
         True,
@@ -77,8 +78,8 @@ RUN_FIELDS: dict[str, tuple[bool, str]] = {
     ),
     "timing": (
         False,
-        "bring_up_s, model_load_s, calibration_s, items_s, compile_s (--compile: the compiled blocks'"
-        " first calls per item shape, part of items_s), decode_s, write_s, items",
+        "bring_up_s, model_load_s, calibration_s, items_s, compile_s (--compile: the block calls that"
+        " compiled, part of items_s), decode_s, write_s, items",
     ),
     "calibration": (False, "--target-psnr: the cache ratio chosen, its trials, recalibrations"),
     "step_cache_calibration": (False, "--step-cache magcache without mag_ratios: the ratios measured"),

@@ -153,6 +153,9 @@ def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
         "layout": cfg.layout.to_json(),
         "layout_choice": cfg.layout_choice,  # --layout auto: the search's choice and why
         "timeouts_s": {"step": cfg.timeout_s, "setup": cfg.setup_timeout_s},
+        "attention": cfg.attention_backend,  # as asked: a rank resolves auto for its own GPU
+        "compile": cfg.compile,
+        "quantize": cfg.quantize,
         "items": len(cfg.items),
         "item_list": [item.to_json() for item in cfg.items],  # sizes and steps as the run would make them
         "ditango": None if cfg.ditango is None else json.loads(json.dumps(asdict(cfg.ditango), default=str)),

@@ -197,3 +197,23 @@ def test_the_summary_counts_the_gpus_of_every_replica():
     assert rows["videos per hour"] == "12.0" and rows["GPU-hours"].startswith("1.000 (2 rank(s)")
     report["layout_choice"] = {"replicas": 4}  # --layout auto chose them: the options say 1
     assert dict(summary(report))["GPU-hours"].startswith("4.000 (8 rank(s)")
+
+
+def test_the_summary_says_the_kernel_the_compile_and_the_quantization():
+    from runtime.gallery import summary
+
+    report = {
+        "attention_backend": "flash3",
+        "compile": {"enabled": True, "blocks": 40, "compiles": 2, "fallback": None},
+        "quantize": {"format": "fp8_e4m3", "layers": 400},
+        "timing": {"compile_s": 12.34},
+    }
+    assert (
+        dict(summary(report))["kernels"] == "attention flash3; compiled (12.3 s compiling); fp8_e4m3: 400 linear layers"
+    )
+    report["compile"]["fallback"] = "BackendCompilerFailed: CppCompileError: no gcc"
+    report["quantize"] = None
+    assert dict(summary(report))["kernels"] == (
+        "attention flash3; compile failed, ran eager (BackendCompilerFailed: CppCompileError: no gcc)"
+    )
+    assert "kernels" not in dict(summary({"compile": {"enabled": False}}))

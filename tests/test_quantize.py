@@ -4,11 +4,14 @@ quantized, the kept originals (--reference exact), and the same fp8 run on 2 glo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
 from basics.errors import ConfigError
+from ditango_cli.app import app
 from planner.layout import ParallelLayout, virtual_node_map
 from runtime.assembly import build_denoiser
 from runtime.comm import Comm
@@ -20,6 +23,7 @@ from runtime.models.loading import resolve_placement
 from runtime.quantize import FP8, FP8_MAX, Fp8Linear, quantize_transformers
 from runtime.weights import shard_weights
 from slurm.launchers.processes import run_ranks
+from tests.conftest import refused
 from tests.test_cp_pipeline import CP_MODEL, TEXT_LEN, denoise
 from tiny_wan import build_tiny_wan
 
@@ -49,6 +53,16 @@ def test_a_float8_layer_keeps_its_linears_output_within_e4m3_rounding():
     assert got.shape == want.shape and got.dtype == want.dtype
     err = rel_err(got, want)
     assert 0 < err < LAYER_REL_TOL, err  # quantized (not the float32 product), and close to it
+
+
+def test_a_weight_quantized_a_few_rows_at_a_time_is_the_same(monkeypatch):
+    import runtime.quantize
+
+    linear = nn.Linear(64, 48)
+    whole = Fp8Linear(linear)
+    monkeypatch.setattr(runtime.quantize, "CHUNK", 64 * 5)  # 5 rows at a time, the last chunk 3
+    chunked = Fp8Linear(linear)
+    assert torch.equal(chunked.weight, whole.weight) and torch.equal(chunked.weight_scale, whole.weight_scale)
 
 
 def test_a_token_of_zeros_and_a_huge_token_stay_finite():
@@ -114,8 +128,8 @@ def test_fp8_on_two_ranks_matches_one_process():
     """FSDP2 gathers the float8 bytes as they are: ring with and without sharding agree bit for
     bit. Against one process the ring differs by the float rounding of its merged attention,
     which a per-token float8 rounding now and then turns into one e4m3 step (6%) of a value,
-    and later layers spread: the bound is a tenth of what float8 itself costs against float32
-    (measured on this model: about 1e-3 against 3e-2), not the exact strategies' 1e-4."""
+    and later layers spread (docs/precision.md): the bound is a fifth of what float8 itself
+    costs against float32 (measured here: 6e-4 against 9e-3), not the exact strategies' 1e-4."""
     components = build_tiny_wan(CP_MODEL)
     den = Denoiser(components, resolve_placement("cpu"), TEXT_LEN)
     full = denoise(den)
@@ -125,8 +139,7 @@ def test_fp8_on_two_ranks_matches_one_process():
     for rank_out in run_ranks(_fp8_target, 2, timeout_s=600):
         assert rank_out["fp8_sharded"]
         assert torch.equal(rank_out["ring_fsdp"], rank_out["ring"])
-        print(rel_err(rank_out["ring"], one), fp8_cost)
-        assert rel_err(rank_out["ring"], one) < fp8_cost / 10, (rel_err(rank_out["ring"], one), fp8_cost)
+        assert rel_err(rank_out["ring"], one) < fp8_cost / 5, (rel_err(rank_out["ring"], one), fp8_cost)
 
 
 def test_several_lora_sets_are_refused_with_fp8(tmp_path):
@@ -137,3 +150,44 @@ def test_several_lora_sets_are_refused_with_fp8(tmp_path):
     with pytest.raises(ConfigError, match="--quantize fp8 quantizes the fused weights.*2 LoRA sets"):
         RunConfig(model="tiny-wan", model_path=None, items=items, out_dir=tmp_path, quantize="fp8")
     RunConfig(model="tiny-wan", model_path=None, items=items[:1], out_dir=tmp_path, quantize="fp8")
+
+
+FAST = ["--prompt", "a red circle moving left", "--steps", "2", "--height", "32", "--width", "48", "--device", "cpu"]
+
+
+def test_generate_fp8_measures_itself_against_the_unquantized_model(runner, tmp_path):
+    """`--quantize fp8 --reference exact` on one process: the report's quality is the fp8 video
+    against the unquantized model's (not identical, and close), and the method records fp8 (a
+    folder of fp8 videos is not resumed as a float one)."""
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["generate", *FAST, "--quantize", "fp8", "--reference", "exact", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["quantize"]["format"] == "fp8_e4m3" and report["quantize"]["layers"] == 40
+    quality = report["items"][0]["quality"]
+    assert quality["reference"] == "exact" and 25 < quality["psnr"] < 100 and 0 < quality["latent_rel_err"] < 0.2
+    assert report["items"][0]["method"]["quantize"] == "fp8"
+
+
+def test_fp8_with_tensor_parallelism_is_refused(runner, tmp_path):
+    result = runner.invoke(
+        app, ["generate", *FAST, "--gpus", "2", "--parallel", "tp", "--quantize", "fp8", "--out", str(tmp_path / "o")]
+    )
+    refused(result, "--quantize fp8 does not combine with --parallel tp")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_torch_without_a_cpu_float8_matmul_is_refused_before_anything_starts(runner, tmp_path, monkeypatch):
+    from runtime import quantize
+
+    def missing(*args, **kwargs):
+        raise RuntimeError('"_scaled_mm" not implemented for CPU')
+
+    monkeypatch.setattr(torch, "_scaled_mm", missing)
+    quantize.fp8_matmul_problem.cache_clear()
+    try:
+        result = runner.invoke(app, ["generate", *FAST, "--quantize", "fp8", "--out", str(tmp_path / "o")])
+    finally:
+        quantize.fp8_matmul_problem.cache_clear()
+    refused(result, "--quantize fp8: torch", "has no row-wise float8 matmul on cpu", "not implemented for CPU")
+    assert not (tmp_path / "o").exists()

@@ -3,6 +3,7 @@ against the memory model and planner/traffic.py; a planted device defect makes i
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -19,6 +20,7 @@ SMALL = ["--model", "wan2.1-1.3b", "--height", "480", "--width", "832", "--frame
          "--nodes", "2", "--gpus-per-node", "2", "--json"]  # fmt: skip
 
 
+@functools.cache  # a rehearsal two tests read runs once
 def rehearse(*args: str) -> tuple[int, dict | None, str]:
     result = RUNNER.invoke(app, ["rehearse", *args])
     try:
@@ -177,3 +179,23 @@ def test_the_table_names_every_problem(capsys):
     out = capsys.readouterr().out
     assert "3.0/2.0" in out and "1.00/1.00" in out and "problem: rank 7: traced peak 3.00 GiB" in out
     assert "no problem found" not in out
+
+
+@pytest.mark.e2e
+def test_an_fp8_rehearsal_loads_a_byte_a_quantized_weight():
+    """--quantize fp8 at real scale: every rank's load holds the blocks' linear weights at one
+    byte (plus a float32 scale a row) instead of two, each layer quantized as it reaches the
+    GPU (no rank ever holds the whole bf16 transformer), and traced agrees with the model."""
+    from planner.precision import quantized_counts
+
+    usp = [*SMALL, "--parallel", "usp"]
+    (code, bf16, err), (code8, fp8, err8) = rehearse(*usp), rehearse(*usp, "--quantize", "fp8")
+    assert bf16 is not None and fp8 is not None, (err, err8)
+    assert code == code8 == 0, fp8["problems"]
+    weights, rows = quantized_counts(REGISTRY["wan2.1-1.3b"].shape)
+    saved = weights * (2 - 1) - rows * 4  # bf16 -> e4m3, plus the scales
+    for a, b in zip(bf16["ranks"], fp8["ranks"], strict=True):
+        drop = a["phases"]["load"]["traced_bytes"] - b["phases"]["load"]["traced_bytes"]
+        assert abs(drop / saved - 1) <= 0.05, (drop, saved)
+        for phase in b["phases"].values():
+            assert abs(phase["traced_bytes"] / phase["modelled_bytes"] - 1) <= 0.15
