@@ -71,7 +71,7 @@ from benchmarks.gpu.compile_checks import compile_rows  # noqa: E402
 from benchmarks.gpu.fp8_checks import fp8_rows  # noqa: E402
 from benchmarks.gpu.kernel_checks import available_kernels, kernel_rows  # noqa: E402
 from benchmarks.gpu.model_checks import memory_rows, sharding_rows  # noqa: E402
-from benchmarks.gpu.runtime_checks import Row, _rand, cache_rows, nccl_rows  # noqa: E402
+from benchmarks.gpu.runtime_checks import Row, cache_rows, nccl_rows, random_wan  # noqa: E402
 from runtime.kernels import flash3_available, flash_attn_available, resolve_backend, use_on_one_rank  # noqa: E402
 
 GENERATE_TIMEOUT_S = 300  # one built-in-model run takes seconds on a GPU; a hang fails its row
@@ -95,16 +95,6 @@ WAN_1_3B = dict(
 )
 
 
-def _cast_like_from_pretrained(model, dtype: torch.dtype):
-    """`dtype`, except the parameters diffusers keeps in float32 when loading (norms, time
-    embedding); buffers (the rotary tables) as the class made them, never through `dtype`
-    (runtime/models/meta.py `cast_like_loader`, what `from_pretrained(torch_dtype=dtype)` leaves)."""
-    from runtime.models.meta import cast_like_loader
-
-    cast_like_loader(model, dtype)
-    return model
-
-
 def processor_rows(
     device: str = "cuda",
     config: dict | None = None,
@@ -116,7 +106,6 @@ def processor_rows(
 ) -> list[Row]:
     """One transformer forward with diffusers' processors and with ours (context parallelism
     on one rank: sharding hooks, our processor and kernels), same random weights and inputs."""
-    from diffusers import WanTransformer3DModel
 
     from planner.layout import ParallelLayout
     from runtime.comm import Comm
@@ -124,20 +113,7 @@ def processor_rows(
     from runtime.mesh import build_mesh
     from runtime.strategies import parallelize
 
-    config = config or WAN_1_3B
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = WanTransformer3DModel(**config)
-    model = _cast_like_from_pretrained(model, dtype).eval().requires_grad_(False)
-    g = torch.Generator(device=device).manual_seed(2)
-    F, Hl, Wl = latent_shape
-    latents = _rand((1, config["in_channels"], F, Hl, Wl), dtype, device, g)
-    text = _rand((1, text_len, config["text_dim"]), dtype, device, g)
-    t = torch.tensor([500.0], device=device)
-
-    def forward() -> torch.Tensor:
-        with torch.no_grad():
-            return model(hidden_states=latents, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+    model, forward = random_wan(config or WAN_1_3B, latent_shape, text_len, dtype, device)
 
     def measure() -> tuple[torch.Tensor, float, int]:
         out = forward()  # warm-up (and the result)
@@ -164,6 +140,7 @@ def processor_rows(
     ours, ours_s, ours_peak = measure()
     handles.remove()
     rel = ((ours - ref).norm() / ref.norm()).item()
+    F, Hl, Wl = latent_shape
     tokens = F * (Hl // 2) * (Wl // 2)
     rows += [
         Row(

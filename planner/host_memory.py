@@ -7,7 +7,9 @@ into its dtype onto its device, meta-device init, from the mapped safetensors fi
   load      the components loaded onto the CPU first, whole, in the run's dtype: with
             --shard-weights the transformers and the text encoders (runtime/weights.py shards
             them, then moves the shards), with tensor parallelism the transformers (each rank
-            cuts its slices there, runtime/assembly.py); and the file being read (`file_transient`:
+            cuts its slices there, runtime/assembly.py), with --quantize the transformers
+            (each layer is quantized as it moves to the GPU, runtime/quantize.py); and the
+            file being read (`file_transient`:
             the largest component's file, at most one shard of `SHARD_BYTES`, float32 on disk);
   run       the components the GPU pre-flight offloads to the CPU (planner/preflight.py):
             the text encoders after encoding, the transformers before the decode (with
@@ -107,7 +109,7 @@ def host_memory(
         return HostEstimate(parts, ranks_per_node)
     if layout.world_size > 1 and options.shard_weights:
         parts["load"] = transformer + text
-    elif layout.world_size > 1 and layout.strategy.splits_weights:
+    elif (layout.world_size > 1 and layout.strategy.splits_weights) or options.quantize != "none":
         parts["load"] = transformer
     if not options.shard_weights:  # sharded modules stay where FSDP put them
         parts["run"] = text * options.offload_text_encoder + held * options.offload_transformer

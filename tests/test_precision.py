@@ -166,6 +166,8 @@ def test_host_memory_counts_an_offloaded_fp8_transformer_at_its_bytes():
         for q in ("none", "fp8")
     }
     assert parts["none"]["run"] - parts["fp8"]["run"] == shape.params * 2 - transformer_bytes(shape, 2, "fp8")
+    # fp8 loads the transformer on the host, whole in bfloat16, to quantize it layer by layer onto the GPU
+    assert parts["none"]["load"] == 0 and parts["fp8"]["load"] == shape.params * 2
 
 
 # -- time ------------------------------------------------------------------------------------

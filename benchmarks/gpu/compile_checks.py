@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.gpu.model_checks import WAN_SMALL
-from benchmarks.gpu.runtime_checks import Row, _rand
+from benchmarks.gpu.runtime_checks import Row, random_wan
 
 
 def median_s(fn: Callable[[], object], device: str, reps: int = 5, warmup: int = 2) -> float:
@@ -59,7 +59,6 @@ def compile_rows(
     reps: int = 5,
 ) -> list[Row]:
     """Eager against compiled forwards of one transformer, same weights and inputs."""
-    from diffusers import WanTransformer3DModel
     from torch._dynamo.utils import counters
 
     from planner.layout import ParallelLayout
@@ -67,24 +66,9 @@ def compile_rows(
     from runtime.compile import CompileRecord, compile_blocks, uncompile_blocks
     from runtime.kernels import resolve_backend
     from runtime.mesh import build_mesh
-    from runtime.models.meta import cast_like_loader
     from runtime.strategies import parallelize
 
-    config = config or WAN_SMALL
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = WanTransformer3DModel(**config)
-    cast_like_loader(model, dtype)  # as from_pretrained(torch_dtype=dtype) leaves it
-    model = model.eval().requires_grad_(False)
-    g = torch.Generator(device=device).manual_seed(2)
-    F, Hl, Wl = latent_shape
-    latents = _rand((1, config["in_channels"], F, Hl, Wl), dtype, device, g)
-    text = _rand((1, text_len, config["text_dim"]), dtype, device, g)
-    t = torch.tensor([500.0], device=device)
-
-    def forward() -> torch.Tensor:
-        with torch.no_grad():
-            return model(hidden_states=latents, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+    model, forward = random_wan(config or WAN_SMALL, latent_shape, text_len, dtype, device)
 
     attention = resolve_backend("auto", torch.device(device), dtype)
     mesh = build_mesh(ParallelLayout(strategy="ring"), 0, (0,), device=torch.device(device))
@@ -106,7 +90,7 @@ def compile_rows(
     reasons = "; ".join(str(k)[:120] for k in list(counters["graph_break"])[:2])
     graphs = counters["stats"]["unique_graphs"]
     rel, max_abs = errors(compiled, eager)
-    tokens = F * (Hl // config["patch_size"][1]) * (Wl // config["patch_size"][2])
+    tokens = math.prod(n // p for n, p in zip(latent_shape, model.config.patch_size, strict=True))
     name = f"{config['num_layers']} blocks, {tokens} tokens, ring over one rank ({attention}), {backend}"
     ratio = compiled_s / eager_s
     fast = device == "cuda" and backend == "inductor"  # a speed limit only where inductor runs kernels

@@ -21,7 +21,7 @@ from torch import nn
 
 from benchmarks.gpu.compile_checks import errors, median_s
 from benchmarks.gpu.model_checks import WAN_SMALL
-from benchmarks.gpu.runtime_checks import Row, _rand
+from benchmarks.gpu.runtime_checks import Row, _rand, random_wan
 
 # (T, I, O): attention projections and the FFN's two layers of Wan2.1-14B at 8k and 32k tokens.
 SHAPES = ((8192, 5120, 5120), (8192, 5120, 13824), (32768, 5120, 13824), (32768, 13824, 5120))
@@ -122,32 +122,16 @@ def transformer_row(
     device: str, config: dict | None, latent_shape: tuple[int, int, int], text_len: int, dtype: torch.dtype
 ) -> Row:
     """A random-weight Wan transformer's forward, its blocks' Linears in fp8 vs in `dtype`."""
-    from diffusers import WanTransformer3DModel
 
-    from runtime.models.meta import cast_like_loader
     from runtime.quantize import quantize_transformers
 
-    config = config or WAN_SMALL
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = WanTransformer3DModel(**config)
-    cast_like_loader(model, dtype)
-    model = model.eval().requires_grad_(False)
-    g = torch.Generator(device=device).manual_seed(2)
-    F, Hl, Wl = latent_shape
-    latents = _rand((1, config["in_channels"], F, Hl, Wl), dtype, device, g)
-    text = _rand((1, text_len, config["text_dim"]), dtype, device, g)
-    t = torch.tensor([500.0], device=device)
-
-    def forward() -> torch.Tensor:
-        with torch.no_grad():
-            return model(hidden_states=latents, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+    model, forward = random_wan(config or WAN_SMALL, latent_shape, text_len, dtype, device)
 
     ref = forward()
     done = quantize_transformers([model])
     got = forward()
     rel, max_abs = errors(got, ref)
-    tokens = F * (Hl // config["patch_size"][1]) * (Wl // config["patch_size"][2])
+    tokens = math.prod(n // p for n, p in zip(latent_shape, model.config.patch_size, strict=True))
     report = done.report()
     return Row(
         "fp8",

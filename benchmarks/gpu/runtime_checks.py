@@ -29,6 +29,30 @@ def _rand(shape, dtype, device, g) -> torch.Tensor:
     return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
 
 
+def random_wan(config: dict, latent_shape: tuple[int, int, int], text_len: int, dtype: torch.dtype, device: str):
+    """(a random-weight Wan transformer of `config` in `dtype` as from_pretrained would leave it,
+    its forward on fixed random latents [1, C, F, H, W] and text [1, L, text_dim], no grad)."""
+    from diffusers import WanTransformer3DModel
+
+    from runtime.models.meta import cast_like_loader
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = WanTransformer3DModel(**config)
+    cast_like_loader(model, dtype)  # the parameters diffusers keeps in float32 stay so
+    model = model.eval().requires_grad_(False)
+    g = torch.Generator(device=device).manual_seed(2)
+    latents = _rand((1, config["in_channels"], *latent_shape), dtype, device, g)
+    text = _rand((1, text_len, config["text_dim"]), dtype, device, g)
+    t = torch.tensor([500.0], device=device)
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return model(hidden_states=latents, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+
+    return model, forward
+
+
 # -- 2. NCCL on one rank ------------------------------------------------------------------------
 def nccl_rows(device: str = "cuda", backend: str = "nccl") -> list[Row]:
     """One-rank NCCL world, hand-built mesh whose members are all rank 0 (NCCL sends to self).
