@@ -90,6 +90,7 @@ def _strategy_target(rank, world, events, backend: str, strategies):
 
 
 @pytest.mark.distributed
+@pytest.mark.sweep
 def test_no_graph_break_under_any_strategy():
     """Traced by dynamo alone (no inductor): every strategy's block compiles whole, the blocks
     share their graphs (a block count per graph would mean one per layer), and running the

@@ -123,8 +123,10 @@ def test_rope_tables_are_not_rounded_through_bf16():
     (buffers) came back rounded. As from_pretrained leaves them, they keep their values."""
     from diffusers import WanTransformer3DModel
 
+    from benchmarks.gpu.runtime_checks import random_wan
+
     fresh = WanTransformer3DModel(**TINY)
-    cast = gpu_check._cast_like_from_pretrained(WanTransformer3DModel(**TINY), torch.bfloat16)
+    cast, _ = random_wan(TINY, (1, 2, 2), 4, torch.bfloat16, "cpu")  # what every GPU check builds
     for name, table in fresh.rope.named_buffers():
         assert torch.equal(getattr(cast.rope, name), table), name
     assert cast.blocks[0].ffn.net[2].weight.dtype == torch.bfloat16
