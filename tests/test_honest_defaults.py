@@ -238,6 +238,14 @@ def test_a_heartbeat_whose_process_is_gone_reads_stopped():
     assert heartbeat_line({**data, "host": "another-host"}, now=10.0).startswith("running: ")
 
 
+def _as_from_a_terminal() -> None:
+    """The child as a shell starts it: SIGINT handled by default and not blocked. A child
+    inherits ignored and blocked signals, and earlier tests' libraries in this process (pools
+    of workers, process groups) may have left SIGINT so; the command would then not see it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.e2e
 def test_ctrl_c_says_what_is_kept_and_how_to_resume(tmp_path, ranks):
@@ -266,7 +274,9 @@ def test_ctrl_c_says_what_is_kept_and_how_to_resume(tmp_path, ranks):
         "--parallel",
         "ring" if ranks > 1 else "none",
     ]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_as_from_a_terminal
+    )
     for line in proc.stderr:  # until it is denoising
         if "step " in line:
             break
