@@ -2,8 +2,12 @@
 its degrees, CFG over two rank groups and weight sharding for `generate`, `check` and
 `--dry-run`, says its choice in one line, and the report records it (`layout_choice`).
 
-The video is priced at the batch's largest item; the batch is the items one job (or array
-task) runs. Exact layouts only unless reuse is allowed (`--allow-reuse`, or a DiTango option
+Throughput prices every item of the batch on each layout (its size, steps and CFG scale) and
+schedules them as the run will: with the shared queue (`--queue shared`), every replica of every
+array task pulls the next item, longest first; with the static split, each array task's share
+in rounds of the largest item. Memory, and the latency objective, take the largest item; a
+layout must take every item (enough tokens for its ranks, two CFG branches for
+cfg-parallel). Exact layouts only unless reuse is allowed (`--allow-reuse`, or a DiTango option
 given): an automatic choice never makes videos lossy behind the user's back. The GPU is the
 local one's profile when it has one (planner/cost_model.py HARDWARE), else `--hardware`, else
 h20's; `--quantize fp8` on a profile without an FP8 peak is refused (planner/precision.py).
@@ -13,7 +17,6 @@ Attention is priced as the run's `--attention` runs it: flash3, or auto on a pro
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import typer
@@ -33,9 +36,10 @@ def local_profile() -> str:
     return device_hardware("cuda", torch.cuda.get_device_name(0)).name
 
 
-def choose_layout(args, spec, items, array: int = 1):
+def choose_layout(args, spec, items, array: int = 1, queue: str = "shared"):
     """`args` (RunOptions) with the search's best layout filled in, and its record for the
-    report; as given, and None, without --layout auto."""
+    report; as given, and None, without --layout auto. `array`: the array tasks sharing the
+    batch; `queue`: --queue, shared or static."""
     parallel, guidance, ditango, memory = args.parallel, args.guidance, args.ditango, args.memory
     if parallel.layout is None:
         return args, None
@@ -79,7 +83,7 @@ def choose_layout(args, spec, items, array: int = 1):
         largest.steps,
         parallel.nodes,
         parallel.gpus_per_node,
-        math.ceil(len(items) / array),
+        len(items),
         max(it.cfg_scale for it in items),
         parallel.objective.value,
         reuse,
@@ -88,6 +92,9 @@ def choose_layout(args, spec, items, array: int = 1):
         args.model.quantize.value,
         args.model.compile is not False,  # unset: on, as on every GPU a profile prices
         attention_pricing(parallel.attention_backend.value, hw),
+        tuple((it.size, it.steps, it.cfg_scale) for it in items),
+        array,
+        queue,
     )
     choices, notes = search(hw, problem)
     if not choices:
@@ -112,7 +119,9 @@ def choose_layout(args, spec, items, array: int = 1):
         {
             "objective": problem.objective,
             "hardware": hw.name,
-            "batch": problem.batch,
+            "batch": problem.count,  # every array task's items
+            "workers": problem.workers,
+            "queue": problem.queue,
             "allow_reuse": reuse,
             **best.to_json(),
             "why": reason,

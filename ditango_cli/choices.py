@@ -12,6 +12,7 @@ from basics.errors import ConfigError
 from planner.precision import QUANTIZE
 from planner.search import OBJECTIVES
 from planner.strategy import STRATEGIES
+from runtime.config import QUEUE_MODES
 from runtime.kernels import BACKENDS
 from runtime.models.loading import DTYPES
 from runtime.models.registry import ALIASES, REGISTRY
@@ -39,6 +40,7 @@ SolverChoice = _choices("SolverChoice", tuple(SOLVERS))
 LayoutChoice = _choices("LayoutChoice", ("auto",))
 ObjectiveChoice = _choices("ObjectiveChoice", OBJECTIVES)
 QuantizeChoice = _choices("QuantizeChoice", QUANTIZE)
+QueueChoice = _choices("QueueChoice", QUEUE_MODES)
 CACHE_DTYPES = ("float32", "bfloat16")  # DiTangoOptions.cache_dtype
 REFERENCES = ("exact",)
 

@@ -18,7 +18,7 @@ import typer
 
 from basics.errors import ConfigError
 from basics.user_files import user_path
-from ditango_cli.options import GROUPS, SECTIONS, RunOptions
+from ditango_cli.options import GROUPS, SECTIONS, RunOptions, SlurmArgs
 from ditango_cli.requires import Given
 from runtime.kernels import OLD_NAMES
 
@@ -58,8 +58,10 @@ def command(own: type | None = None):
 
         @functools.wraps(fn)
         def run(ctx: typer.Context, **values):
-            config = values.get("config")
+            config = joined_batch(values)
             from_file = {} if config is None else run_file_values(ctx, config, groups)
+            if values.get("join") is not None:  # the new workers' own shape is the command line's
+                from_file = {k: v for k, v in from_file.items() if k not in WORKER_OPTIONS}
             values.update(from_file)
             objects = [group(**{f.name: values[f.name] for f in fields(group)}) for group in groups]
             given = Given.of(ctx, defaults, from_file, str(config))
@@ -71,6 +73,29 @@ def command(own: type | None = None):
         return run
 
     return wrap
+
+
+# What a --join does not take from the batch: how many GPUs its workers are and where they run.
+WORKER_OPTIONS = frozenset(
+    {"nodes", "gpus_per_node", "replicas", "executor", "layout", "objective", "hardware", "allow_reuse"}
+    | {f.name for f in fields(SlurmArgs)}
+)
+
+
+def joined_batch(values: dict) -> Path | None:
+    """The run file of a command: --config, or with --join OUT the options OUT's batch was begun
+    with (the command line's own win; runtime/batch_open.py refuses a run that would make other
+    videos). --join's folder is also the output folder."""
+    join = values.get("join")
+    if join is None:
+        return values.get("config")
+    if values.get("config") is not None:
+        raise ConfigError("--join reads the run's settings from the folder's batch: leave out --config")
+    from runtime.batch_open import read_batch
+    from runtime.batch_queue import manifest_path
+
+    read_batch(join)  # one line when there is no batch to join
+    return manifest_path(join)
 
 
 def run_file_values(ctx: typer.Context, path: Path, groups: tuple[type, ...]) -> dict:

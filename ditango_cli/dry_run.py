@@ -39,6 +39,17 @@ def show_dry_run(cfg: RunConfig, opts: SlurmOptions, where: str, as_json: bool) 
         f"attention {record['attention']}; compile {'on' if record['compile'] else 'off'}; quantize {record['quantize']}",
         markup=False,
     )
+    queue = record["queue"]
+    out.print(
+        f"items: {queue['mode']} queue"
+        + (
+            f" in {cfg.out_dir}, longest first, leases of {queue['lease_s']:g} s (every replica and array task takes "
+            "the next item)"
+            if queue["mode"] == "shared"
+            else " (round-robin over array tasks, then replicas)"
+        ),
+        markup=False,
+    )
     if where == "sbatch":
         out.print(f"\nsbatch script (submission folder {record['folder']}):", markup=False)
         out.print(record["sbatch_script"], markup=False)

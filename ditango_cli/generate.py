@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shlex
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,11 +18,12 @@ from rich.table import Table
 from basics.errors import ConfigError
 from ditango_cli.choices import ExecutorChoice
 from ditango_cli.command import command
-from ditango_cli.options import GenerateArgs, ParallelArgs, RunOptions
+from ditango_cli.generate_options import GenerateArgs
+from ditango_cli.options import ParallelArgs, RunOptions
 from ditango_cli.requires import Given
 from ditango_cli.run_config import build_run_config, slurm_options
 from ditango_cli.tables import plain_console, print_tables, say_error
-from runtime.config import RunConfig
+from runtime.config import QueueSpec, RunConfig
 from runtime.errors import ModelDirError
 from runtime.kernels import passes_attention_mask, resolve_backend
 from runtime.models.loading import placement_on, quiet_loading_bars
@@ -48,6 +50,9 @@ def generate(args: RunOptions, run: GenerateArgs, options: dict, given: Given) -
 
 
 def _generate(args: RunOptions, run: GenerateArgs, options: dict, given: Given) -> int:
+    from runtime.batch_open import begin_batch, clear_batch
+    from runtime.resume import plan_resume
+    from slurm.jobs import recorded_job_ids
     from slurm.launchers import executor_for  # the runtime: only when work is asked for
     from slurm.ownership import own_output_folder
     from slurm.supervise import supervise
@@ -82,8 +87,11 @@ def _generate(args: RunOptions, run: GenerateArgs, options: dict, given: Given) 
         array=opts.array,
         warn=say if run.dry_run else None,
         given=replace(given, say=say),
+        queue=run.queue.value,
     )
-    cfg = replace(cfg, retries=run.retries)
+    cfg = replace(cfg, retries=run.retries, queue=QueueSpec(run.queue.value, run.lease))
+    if run.join is not None:
+        cfg = joining(cfg, run)
     if note := cfg.layout.idle():
         say(f"note: {note}")
     if cfg.hybrid is not None and cfg.hybrid.scaled():
@@ -108,9 +116,17 @@ def _generate(args: RunOptions, run: GenerateArgs, options: dict, given: Given) 
     if args.parallel.executor == ExecutorChoice.auto and where == "local" and cfg.nodes > 1:
         say(f"executor: local ({cfg.nodes} virtual nodes; no sbatch on PATH)")
     progress = progress_view(err, run.quiet or where != "local")
-    with own_output_folder(cfg.out_dir, run.wait_for_lock, say), progress as observer:
+    owner = own_output_folder(cfg.out_dir, run.wait_for_lock, say) if run.join is None else contextlib.nullcontext()
+    with owner, progress as observer:
+        ended = recorded_job_ids(cfg.out_dir)  # the folder is ours: its jobs have ended
+        if run.join is None and cfg.queue.mode == "shared":
+            cfg = begin_batch(cfg, set(plan_resume(cfg)), uuid.uuid4().hex, options, ended)
+        elif run.join is None:
+            clear_batch(cfg, ended)
         executor = executor_for(cfg, opts, where, args.slurm.wait, observer, say)
         outcome = supervise(cfg, executor, opts.array, observer.message if where == "local" else say)
+    for line in outcome.notes:
+        say(f"note: {line}")
     if outcome.submitted:
         typer.echo(
             f"submitted job(s) {', '.join(executor.job_ids)}; follow with: ditango status {shlex.quote(str(cfg.out_dir))}"
@@ -123,6 +139,20 @@ def _generate(args: RunOptions, run: GenerateArgs, options: dict, given: Given) 
             executor.report()  # what finished is in report.json all the same
         return EXIT_FAILED_ITEMS
     return report_summary(executor.report(), cfg.out_dir / "report.json", run.quiet, args.run.json, err)
+
+
+def joining(cfg: RunConfig, run: GenerateArgs) -> RunConfig:
+    """`--join OUT`: `cfg` (built from OUT's batch options and the command line's) as a worker
+    of OUT's batch, or a one-line refusal before anything is written (runtime/batch_open.py)."""
+    from runtime.batch_open import check_join, read_batch
+
+    if cfg.out_dir.resolve() != run.join.resolve():
+        raise ConfigError(f"--join {run.join} and --out {cfg.out_dir}: a joining worker writes into the batch's folder")
+    for flag, on in (("--queue static", cfg.queue.mode != "shared"), ("--overwrite", cfg.overwrite)):
+        if on:
+            raise ConfigError(f"--join with {flag}: a joining worker takes items from the batch's queue as they are")
+    joined = check_join(cfg, read_batch(cfg.out_dir))
+    return replace(joined, queue=replace(joined.queue, report=f"join-{uuid.uuid4().hex[:6]}-"))
 
 
 def progress_view(err: Console, quiet: bool):

@@ -27,6 +27,7 @@ def status(out: OutArg) -> int:
     from runtime.lock import FolderBusy, FolderLock
     from runtime.outputs import require_output_folder, status_counts
     from runtime.progress import heartbeat_line, read_progress
+    from runtime.queue_status import queue_lines, queue_view
     from slurm.job_errors import job_states
     from slurm.jobs import ended_state, failed_state, recorded_jobs
 
@@ -56,6 +57,9 @@ def status(out: OutArg) -> int:
             highlight=False,
             soft_wrap=True,
         )
+    view = queue_view(out)
+    for line in queue_lines(view) if view is not None else ():
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     beats = read_progress(out)
     for name, beat in beats:
         label = f"progress ({name})" if len(beats) > 1 else "progress"

@@ -32,6 +32,7 @@ from ditango_cli.choices import (
     flag_choice,
     planner_choice,
 )
+from ditango_cli.generate_options import GenerateArgs
 from planner.ditango import OWN_GROUP_MODES, PLANNERS, REUSE_MODES, RUN_DEFAULTS
 from planner.hybrid import FIRST_SEGMENT_TEXTS
 from planner.strategy import DEFAULT_CP, STRATEGIES
@@ -347,16 +348,6 @@ class SlurmArgs:
 class RunArgs:
     config: Annotated[Path | None, _o("--config", **PATH, help="Run file (.toml, or a report.json's options).")] = None
     json: Annotated[bool, _o("--json", help="Machine-readable output on stdout.")] = False
-
-
-@dataclass
-class GenerateArgs:
-    retries: Annotated[int, _o("--retries", min=0, help="Try a failed item again up to N times, then go on.")] = 1
-    dry_run: Annotated[bool, _o("--dry-run", help="Print what would be launched and exit; runs nothing.")] = False
-    quiet: Annotated[bool, _o("--quiet", "-q", help="No progress output.")] = False
-    wait_for_lock: Annotated[
-        bool, _o("--wait-for-lock", help="If another run owns --out, wait for it to end instead of refusing.")
-    ] = False
 
 
 @dataclass(frozen=True)

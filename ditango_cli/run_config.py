@@ -82,6 +82,7 @@ def build_run_config(
     weights: bool = True,
     warn: Callable[[str], None] | None = None,
     given: Given = NOTHING_GIVEN,
+    queue: str = "shared",
 ) -> tuple[RunConfig, ResolvedModel | None]:
     """Validate everything that can be checked before anything runs; `where`: the executor
     (local, srun, sbatch), which decides what the device checks are made against; `array`:
@@ -90,13 +91,14 @@ def build_run_config(
     given (a dry run, a rehearsal): what would refuse the run before it queues, a torch without
     CUDA for GPU ranks, is said through it instead, and nothing is downloaded; `given`: the options
     the user set (an option that means nothing in this run is refused, or a run file's left out:
-    ditango_cli/requires.py). `generate` and `check` both validate here, so they refuse the same
-    inputs with the same message."""
+    ditango_cli/requires.py); `queue`: how the items reach the replicas (--queue, which --layout
+    auto prices). `generate` and `check` both validate here, so they refuse the same inputs with
+    the same message."""
     from runtime.cache import check_cache_limit
     from slurm.placement import cpu_only_torch, ranks_device
 
     spec, resolved, items = model_and_items(args, array, warn)
-    args, choice = choose_layout(args, spec, items, array)  # --layout auto, else as given
+    args, choice = choose_layout(args, spec, items, array, queue)  # --layout auto, else as given
     layout = layout_of(args, spec)
     step_cache = None if args.parallel.step_cache is None else parse_step_cache(args.parallel.step_cache)
     args = args.without(checked_rules(args, layout, step_cache, where, given))  # the run file's moot ones

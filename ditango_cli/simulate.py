@@ -49,7 +49,15 @@ CacheOpt = Annotated[CacheDtype, typer.Option("--cache-dtype", help="DiTango cac
 # More GPUs than one video can use (32,760 tokens at 480p: 32 a rank); the pricing grows with the square.
 MAX_RANKS = 1024
 GpuMemOpt = Annotated[str | None, typer.Option("--gpu-memory", help="Per GPU, e.g. 80GiB (default: the profile's).")]
-BatchOpt = Annotated[int | None, typer.Option("--batch", help="Rank every layout for a batch of N videos.")]
+BatchOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--batch",
+        metavar="N|FILE",
+        help="Rank every layout for a batch: N videos, or a prompt file's items (.txt or .jsonl, as generate "
+        "--prompts), each at its own size and steps, queued longest first.",
+    ),
+]
 ObjectiveOpt = Annotated[
     ObjectiveChoice | None, typer.Option("--objective", help="Ranking: throughput or latency [throughput].")
 ]
@@ -68,7 +76,6 @@ AttentionOpt = Annotated[
 PUBLISHED = {
     ("wan2.1-14b", 1280, 720, 81, 50, "h100", 8): (287.9, "Wan2.1's published T2V-14B 720p time on 8 GPUs"),
 }
-TOP = 10  # ranking rows shown (--json: all)
 
 
 def simulate(
@@ -140,6 +147,7 @@ def simulate(
     check_fp8_hardware(hw, quantize.value)
     attn = attention_pricing(attention.value, hw)  # flash or flash3, as generate's --attention runs
     d = spec.defaults  # one set of defaults: a run of generate with the same options is what is priced
+    given = dict(height=height, width=width, frames=frames, steps=steps, guidance=guidance)  # a prompt file's
     height, width, frames, steps = (
         d.height if height is None else height,
         d.width if width is None else width,
@@ -158,15 +166,21 @@ def simulate(
     source = plan_source(plan, planner, own_group, cache_ratio, warmup, cooldown, plan_item)
     size = VideoSize(height, width, frames)
     if ranking:
+        from ditango_cli.ranking import batch_items, mix_of, print_ranking
         from planner.search import Problem
+        from runtime.items import Overrides
 
+        count, items = batch_items(batch, d, Overrides(**given)) if batch is not None else (1, ())
+        if items:  # memory and latency at the largest item, as --layout auto
+            largest = max(items, key=lambda it: (it.tokens(), it.steps))
+            size, steps, cfg_scale = largest.size, largest.steps, max(it.cfg_scale for it in items)
         problem = Problem(
             spec.shape,
             size,
             steps,
             nodes,
             gpus_per_node,
-            1 if batch is None else batch,
+            count,
             cfg_scale,
             (objective or ObjectiveChoice.throughput).value,
             allow_reuse,
@@ -175,8 +189,9 @@ def simulate(
             quantize.value,
             compile,
             attn,
+            mix_of(items),
         )
-        return print_ranking(hw, problem, model, as_json)
+        return print_ranking(hw, problem, model, as_json, batch if items else None)
     memory = memory_options(shard_weights, spec.defaults.cfg_scale, vae_tiling, cache_dtype.value, quantize.value)
     rows, notes = compare_layouts(
         hw,
@@ -272,63 +287,6 @@ def precision_table(precision: dict) -> list[Table]:
     if published:
         table.caption = f"published: {precision['published']}"
     return [table]
-
-
-def print_ranking(hw, p, model: str, as_json: bool) -> int:
-    """The layout search's ranking (planner/search.py): a table of the best, and why the first wins."""
-    from planner.cost_model import report_dict
-    from planner.search import search, seconds, why
-
-    choices, notes = search(hw, p)
-    if not choices:
-        raise ConfigError(f"no layout of {model} fits {p.nodes} x {p.gpus_per_node} GPUs: " + "; ".join(notes))
-    reason = why(choices, p)
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "schema": 1,
-                    "objective": p.objective,
-                    "batch": p.batch,
-                    "why": reason,
-                    "notes": notes,
-                    "assumptions": {
-                        **report_dict(hw),
-                        "model": model,
-                        "steps": p.steps,
-                        "height": p.size.height,
-                        "width": p.size.width,
-                        "frames": p.size.frames,
-                    },
-                    "ranking": [c.to_json() for c in choices],
-                },
-                indent=2,
-            )
-        )
-        return 0
-    console = plain_console()
-    console.print(
-        f"{model}, {p.size.width}x{p.size.height}x{p.size.frames}, {p.steps} steps, {p.batch} video(s) on "
-        f"{p.nodes} x {p.gpus_per_node} {hw.name}; best {p.objective} first (modelled; see --json "
-        "assumptions).",
-        highlight=False,
-    )
-    table = Table("#", "layout", "s/video", "videos/h", "peak GiB/GPU", "inter-node GB", "generate flags")
-    for i, c in enumerate(choices[:TOP], 1):
-        table.add_row(
-            str(i),
-            c.label,
-            seconds(c.e2e_s).removesuffix(" s"),
-            f"{c.videos_per_hour:.1f}",
-            f"{c.peak_memory_bytes / 2**30:.1f}",
-            f"{c.inter_node_bytes / 1e9:.1f}",
-            " ".join(c.flags()) or "-",
-        )
-    print_tables(console, table)
-    console.print(f"why: {reason}")
-    for note in notes:
-        console.print(f"note: {note}")
-    return 0
 
 
 def check_size(defaults, height: int, width: int, frames: int, steps: int, guidance: float = 0.0) -> None:

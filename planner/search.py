@@ -1,12 +1,15 @@
-"""The layout search behind `--layout auto` and `ditango simulate --batch N`: every legal way
+"""The layout search behind `--layout auto` and `ditango simulate --batch`: every legal way
 to run a model on nodes x GPUs (independent replicas, CFG over two rank groups, ring, Ulysses,
 USP at each Ulysses degree, TP, DiTango at each group size, weights sharded or not), priced by
 the cost model (planner/cost_model.py) and the memory model (planner/memory.py), the layouts
 that do not fit dropped, the rest ranked by an objective:
 
-- `throughput`: videos per hour for a batch: replicas work in rounds, so a last round with
-  idle replicas is paid in full, and each video pays its denoising and its decode;
-- `latency`: one video's end-to-end time.
+- `throughput`: videos per hour for a batch, each item priced on the layout (its denoising and
+  its decode): with the shared queue (`queue="shared"`), every replica of every worker pulls
+  the next item, longest first (planner/batch.py `lpt_makespan`); with the static split
+  (`"static"`), replicas work in rounds of the largest item, so a last round with idle
+  replicas is paid in full;
+- `latency`: one video's end-to-end time (the problem's own size: the batch's largest).
 
 Exact layouts only unless reuse is allowed: an automatic choice never makes videos lossy
 behind the user's back. Times are the cost model's (denoising, with per-block launch
@@ -17,9 +20,10 @@ the same for every layout and left out.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from basics.errors import ConfigError
+from planner.batch import lpt_makespan, round_robin_makespan
 from planner.cost_model import ASSUMPTIONS, Hardware, estimate
 from planner.decode_memory import chunks, level_frames, output_frames, tile_grid
 from planner.layout import ParallelLayout, replica_shape
@@ -31,6 +35,7 @@ from planner.preflight import fit_to_memory, usable_bytes
 from planner.strategy import STRATEGIES
 
 OBJECTIVES = ("throughput", "latency")
+QUEUES = ("shared", "static")  # every replica pulls the next item, longest first; or item i to replica i % R
 TIE = 0.01  # layouts within 1% of the best by the objective rank as equals (see `rank`)
 CONVS_PER_LEVEL = 7  # a video VAE's decoder: 3 residual blocks of 2 convolutions and an upsampler a resolution
 VAE_EFFICIENCY = 0.2  # float32 3-D convolutions (TF32 at best): achieved / bf16 peak
@@ -51,7 +56,8 @@ class Choice:
     inter_node_bytes: int = 0  # one video's
     intra_node_bytes: int = 0
     offload: list[str] = field(default_factory=list)
-    batch_s: float = 0.0
+    batch_s: float = 0.0  # the batch by the problem's queue
+    round_robin_s: float = 0.0  # the same items split statically, item i to worker i % workers
     videos_per_hour: float = 0.0
 
     @property
@@ -93,6 +99,7 @@ class Choice:
             "decode_s": round(self.decode_s, 6),
             "overhead_s": round(self.overhead_s, 6),
             "batch_s": round(self.batch_s, 4),
+            "round_robin_s": round(self.round_robin_s, 4),
             "peak_memory_bytes": self.peak_memory_bytes,
             "inter_node_bytes": self.inter_node_bytes,
             "intra_node_bytes": self.intra_node_bytes,
@@ -102,7 +109,10 @@ class Choice:
 
 @dataclass(frozen=True)
 class Problem:
-    """What the search is asked: the model, one video's size and steps, the cluster, the batch."""
+    """What the search is asked: the model, one video's size and steps (the batch's largest: its
+    memory is checked), the cluster, the batch: `mix`, its items as (size, steps, CFG scale), or
+    `batch` copies of the problem's own; `workers` copies of the allocation (array tasks) share
+    the `queue`."""
 
     shape: ModelShape
     size: VideoSize
@@ -118,6 +128,9 @@ class Problem:
     quantize: str = "none"  # --quantize (planner/precision.py): fp8 rules out the weight-splitting layouts
     compile: bool = False  # --compile
     attention: str = "flash"  # its pricing (planner/precision.py `attention_pricing`): flash or flash3
+    mix: tuple[tuple[VideoSize, int, float], ...] = ()  # the batch's items; empty: `batch` of the own
+    workers: int = 1  # copies of the whole allocation pulling from the queue (Slurm array tasks)
+    queue: str = "shared"  # QUEUES
 
     def __post_init__(self) -> None:
         check_quantize(self.quantize)
@@ -127,6 +140,21 @@ class Problem:
             raise ConfigError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.batch < 1:
             raise ConfigError(f"--batch must be >= 1, got {self.batch}")
+        if self.mix and self.batch not in (1, len(self.mix)):
+            raise ConfigError(f"a batch of {self.batch} with {len(self.mix)} items: give one of them")
+        if self.queue not in QUEUES:
+            raise ConfigError(f"--queue must be one of {', '.join(QUEUES)}, got {self.queue!r}")
+        if self.workers < 1:
+            raise ConfigError(f"the workers sharing the queue (--array) must be >= 1, got {self.workers}")
+
+    @property
+    def count(self) -> int:
+        """The videos of the batch."""
+        return len(self.mix) or self.batch
+
+    def kinds(self) -> list[tuple[VideoSize, int, float]]:
+        """The batch's distinct (size, steps, CFG scale), first seen first."""
+        return list(dict.fromkeys(self.mix)) if self.mix else [(self.size, self.steps, self.cfg_scale)]
 
 
 def replica_counts(nodes: int, gpus_per_node: int) -> list[int]:
@@ -142,11 +170,14 @@ def replica_counts(nodes: int, gpus_per_node: int) -> list[int]:
 
 
 def layouts(p: Problem, nodes: int, gpus: int) -> list[ParallelLayout]:
-    """Every legal layout of one replica of nodes x gpus ranks for the model."""
+    """Every legal layout of one replica of nodes x gpus ranks for the model, for every item of
+    the batch (as runtime/config.py refuses a run's layout for any one of them)."""
     world, out = nodes * gpus, []
-    for cfg in (1, 2) if p.cfg_scale > 1 and world % 2 == 0 else (1,):
+    fewest = min(p.shape.tokens(size) for size, _, _ in p.kinds())
+    guided = all(cfg > 1 for _, _, cfg in p.kinds())  # cfg-parallel needs two branches in every item
+    for cfg in (1, 2) if guided and world % 2 == 0 else (1,):
         cp = world // cfg
-        if cp > p.shape.tokens(p.size):  # a rank without a token: the sequence cannot split so far
+        if cp > fewest:  # a rank without a token: the sequence cannot split so far
             continue
         if cp == 1:
             out.append(ParallelLayout(nodes, gpus, cfg, "none"))
@@ -183,18 +214,9 @@ def decode_seconds(hw: Hardware, shape: ModelShape, size: VideoSize, ranks: int)
     return compute + gather
 
 
-def _price(hw: Hardware, p: Problem, replicas: int, layout: ParallelLayout, shard: bool) -> Choice | None:
-    """`layout` priced, or None when it does not fit the GPU's memory."""
-    branches = cfg_branches(p.cfg_scale, layout.cfg_degree)
-    options = MemoryOptions(
-        shard_weights=shard, cfg_branches_per_rank=branches, vae_parallel=layout.world_size > 1, quantize=p.quantize
-    )
-    memory = p.gpu_memory_bytes or hw.memory_bytes
-    if memory:
-        options = fit_to_memory(p.shape, layout, p.size, options, memory)
-    peak = estimate_memory(p.shape, layout, p.size, options).peak_bytes
-    if memory and peak > usable_bytes(memory):
-        return None
+def _timing(hw: Hardware, p: Problem, layout: ParallelLayout, shard: bool) -> tuple:
+    """One video of `p`'s size, steps and CFG scale on `layout`: the cost model's estimate (one
+    CFG branch: half of it), its decode's seconds and the blocks' launch overheads."""
     kwargs: dict = {"shard_weights": shard, "quantize": p.quantize, "compile": p.compile, "attention": p.attention}
     if layout.strategy.reuses and p.source is not None:
         plan = p.source.replay(layout, p.shape.layers, p.steps)
@@ -208,29 +230,65 @@ def _price(hw: Hardware, p: Problem, replicas: int, layout: ParallelLayout, shar
         else:
             kwargs.update(compute_fraction=plan, own_group=p.source.own_group)
     est = estimate(hw, layout, p.shape, p.size, p.steps, **kwargs)
-    forwards = branches if layout.cfg_degree == 1 else 1
+    forwards = cfg_branches(p.cfg_scale, layout.cfg_degree) if layout.cfg_degree == 1 else 1
     if p.cfg_scale <= 1:  # one branch: the cost model prices two when CFG runs on one rank group
-        est.e2e_s, est.inter_node_bytes, est.intra_node_bytes = (
-            est.e2e_s / 2,
-            est.inter_node_bytes // 2,
-            est.intra_node_bytes // 2,
-        )
+        est.e2e_s /= 2
+        est.inter_node_bytes //= 2
+        est.intra_node_bytes //= 2
     overhead = p.steps * forwards * p.shape.layers * ASSUMPTIONS["block_overhead_us"] * 1e-6
+    return est, decode_seconds(hw, p.shape, p.size, layout.world_size), overhead
+
+
+def item_seconds(hw: Hardware, p: Problem, layout: ParallelLayout, shard: bool = False) -> float:
+    """One video of `p`'s size, steps and CFG scale on one replica of `layout` (`shard`: weights
+    FSDP-sharded), end to end: denoising, decode and launch overheads, as the search prices it.
+    Its memory is not checked. What the work queue orders a batch's items by (longest first)."""
+    est, decode, overhead = _timing(hw, p, layout, shard)
+    return est.e2e_s + decode + overhead
+
+
+def _price(hw: Hardware, p: Problem, replicas: int, layout: ParallelLayout, shard: bool) -> Choice | None:
+    """`layout` priced, or None when it does not fit the GPU's memory."""
+    branches = cfg_branches(p.cfg_scale, layout.cfg_degree)
+    options = MemoryOptions(
+        shard_weights=shard, cfg_branches_per_rank=branches, vae_parallel=layout.world_size > 1, quantize=p.quantize
+    )
+    memory = p.gpu_memory_bytes or hw.memory_bytes
+    if memory:
+        options = fit_to_memory(p.shape, layout, p.size, options, memory)
+    peak = estimate_memory(p.shape, layout, p.size, options).peak_bytes
+    if memory and peak > usable_bytes(memory):
+        return None
+    est, decode, overhead = _timing(hw, p, layout, shard)
     offload = [
         n for n, on in (("encoders", options.offload_text_encoder), ("transformer", options.offload_transformer)) if on
     ]
-    return Choice(
-        replicas,
-        layout,
-        shard,
-        est.e2e_s,
-        decode_seconds(hw, p.shape, p.size, layout.world_size),
-        overhead,
-        peak,
-        est.inter_node_bytes,
-        est.intra_node_bytes,
-        offload,
-    )
+    inter, intra = est.inter_node_bytes, est.intra_node_bytes
+    return Choice(replicas, layout, shard, est.e2e_s, decode, overhead, peak, inter, intra, offload)
+
+
+def _schedule(hw: Hardware, p: Problem, choice: Choice) -> None:
+    """`choice`'s batch time by `p.queue`, the static split's beside it, and its videos per hour.
+    Each distinct item is priced once; the problem's own is the choice's."""
+    one = replace(p, mix=(), batch=1)
+    price = {
+        kind: choice.e2e_s
+        if kind == (p.size, p.steps, p.cfg_scale)
+        else item_seconds(
+            hw, replace(one, size=kind[0], steps=kind[1], cfg_scale=kind[2]), choice.layout, choice.shard_weights
+        )
+        for kind in p.kinds()
+    }
+    workers = choice.replicas * p.workers
+    if p.mix:
+        each = [price[kind] for kind in p.mix]
+        choice.round_robin_s = round_robin_makespan(each, workers)
+        choice.batch_s = lpt_makespan(each, workers)
+    else:  # identical items: both schedules give the busiest worker ceil(batch / workers) of them
+        choice.round_robin_s = choice.batch_s = math.ceil(p.batch / workers) * choice.e2e_s
+    if p.queue == "static":  # rounds of the largest item, each array task its share (slurm/sharding.py)
+        choice.batch_s = math.ceil(math.ceil(p.count / p.workers) / choice.replicas) * choice.e2e_s
+    choice.videos_per_hour = p.count / choice.batch_s * 3600
 
 
 def search(hw: Hardware, p: Problem) -> tuple[list[Choice], list[str]]:
@@ -246,9 +304,7 @@ def search(hw: Hardware, p: Problem) -> tuple[list[Choice], list[str]]:
             if choice is None:
                 unfit += 1
                 continue
-            rounds = math.ceil(p.batch / replicas)
-            choice.batch_s = rounds * choice.e2e_s
-            choice.videos_per_hour = p.batch / choice.batch_s * 3600
+            _schedule(hw, p, choice)
             choices.append(choice)
     if unfit:
         notes.append(f"{unfit} layout(s) do not fit the GPU's memory")
@@ -302,16 +358,9 @@ def why(choices: list[Choice], p: Problem) -> str:
         return "no layout fits"
     best = choices[0]
     if p.objective == "throughput":
-        rounds = math.ceil(p.batch / best.replicas)
-        text = (
-            f"{best.label}: {best.videos_per_hour:.1f} videos/h, {p.batch} video(s) in {rounds} round(s) of "
-            f"{seconds(best.e2e_s)}"
-        )
-        idle = rounds * best.replicas - p.batch
+        text = f"{best.label}: {best.videos_per_hour:.1f} videos/h, " + _schedule_text(best, p)
         if best.replicas > 1:
             text += "; replicas exchange nothing with each other"
-        if idle:
-            text += f"; {idle} replica(s) idle in the last round"
     else:
         text = (
             f"{best.label}: {seconds(best.e2e_s)} a video ({seconds(best.denoise_s)} denoising, "
@@ -327,4 +376,19 @@ def why(choices: list[Choice], p: Problem) -> str:
         text += f"; the next, {other.label}, is {abs(behind):.2g}% {'behind' if behind >= 0 else 'ahead'}"
         if other.inter_node_bytes > best.inter_node_bytes:
             text += f" and moves {_bytes(other.inter_node_bytes - best.inter_node_bytes)} more between nodes"
+    return text
+
+
+def _schedule_text(c: Choice, p: Problem) -> str:
+    """The schedule `c.batch_s` priced, in words."""
+    tasks = f" in each of {p.workers} array tasks" if p.workers > 1 else ""
+    if p.queue == "static":
+        share = math.ceil(p.count / p.workers)
+        rounds = math.ceil(share / c.replicas)
+        text = f"{share} video(s){tasks} in {rounds} round(s) of {seconds(c.e2e_s)}"
+        idle = rounds * c.replicas - share
+        return text + (f"; {idle} replica(s) idle in the last round" if idle else "")
+    text = f"{p.count} video(s) longest first over {c.replicas} replica(s){tasks} in {seconds(c.batch_s)}"
+    if p.mix and c.round_robin_s > c.batch_s:
+        text += f" (split round-robin: {seconds(c.round_robin_s)})"
     return text

@@ -201,6 +201,39 @@ class Item:
         }
 
 
+QUEUE_MODES = ("shared", "static")
+MIN_LEASE_S = 2.0  # renewed every quarter of it: shorter is the file server's round trip
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    """How a batch's items reach the replicas (--queue): "shared", each replica's leader takes
+    the next one from the output folder's queue (runtime/batch_queue.py) under a lease of
+    `lease_s` (--lease), or "static", today's round-robin split fixed before the first item.
+    `batch`: the id of the batch the launcher began (None until it has); `launch`: this launch's
+    key, which its workers' leases carry (the launcher breaks them when it sees it fail);
+    `report`: the prefix of the workers' report files (a --join's own, so they never overwrite
+    the batch owner's)."""
+
+    mode: str = "shared"
+    lease_s: float = 60.0
+    batch: str | None = None
+    launch: str = ""
+    report: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in QUEUE_MODES:
+            raise ConfigError(f"--queue must be one of {', '.join(QUEUE_MODES)}, got {self.mode!r}")
+        if not (MIN_LEASE_S <= self.lease_s <= MAX_TIMEOUT_S):  # nan fails both
+            raise ConfigError(f"--lease must be {MIN_LEASE_S:g} s to a week, got {self.lease_s:g}")
+
+    @property
+    def shared(self) -> bool:
+        """Whether the items come from a queue: asked for, and its batch begun (a run built
+        without a launcher that begins one, as in a test, splits its items round-robin)."""
+        return self.mode == "shared" and self.batch is not None
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything one `ditango generate` needs; picklable so a launcher can ship it to ranks."""
@@ -227,6 +260,7 @@ class RunConfig:
     shard_weights: bool = False  # --shard-weights: FSDP2 over the cp group (runtime/weights.py)
     compile: bool = False  # --compile: the repeated transformer block compiled (runtime/compile.py)
     quantize: str = "none"  # --quantize: "fp8", the blocks' linear layers in float8 (runtime/quantize.py)
+    queue: QueueSpec = QueueSpec()  # --queue, --lease: how the items reach the replicas
     # Components moved to the CPU when their stage is over, chosen by the memory pre-flight
     # when the GPU is short (planner/memory.py): "text_encoder" after encoding, "transformer"
     # before the decode (back for the next item).
@@ -235,7 +269,7 @@ class RunConfig:
     host_memory: int | None = None  # host bytes per node the run needs (planner/host_memory.py): Slurm's --mem
     retries: int = 1  # a failed item is tried again this many times before it is given up
     # Data parallelism: `replicas` independent copies of `layout` (each its own process group)
-    # take the items round-robin. The allocation is replicas x layout.world_size ranks on
+    # take the items from the queue (or round-robin, --queue static). The allocation is replicas x layout.world_size ranks on
     # nodes of `alloc_gpus_per_node` ranks (None: layout.gpus_per_node).
     replicas: int = 1
     alloc_gpus_per_node: int | None = None

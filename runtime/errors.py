@@ -15,3 +15,14 @@ class OutputWriteError(RuntimeError):
     @classmethod
     def of(cls, path, exc: OSError) -> "OutputWriteError":
         return cls(f"cannot write {path}: {exc.strerror or exc}")
+
+
+# What a rank says when a PEER failed (not the root cause): blame prefers any other error.
+PEER_FAILURE_MARKERS = (
+    "FailedJobError", "UncompletedJobError", "Connection closed by peer", "Connection reset by peer", "Read error",
+    "remote worker", "gloo/transport", "Timed out waiting", "NCCL communicator was aborted", "ProcessGroup",
+)  # fmt: skip
+
+
+def is_peer_failure(message: str) -> bool:
+    return any(m in message for m in PEER_FAILURE_MARKERS)

@@ -76,6 +76,8 @@ ITEM = obj(
         "method": maybe(of_type(dict)),
         "attempts": maybe(of_type(int)),
         "error": maybe(of_type(str)),
+        "video_sha256": maybe(of_type(str)),
+        "queue": maybe(obj({"token": of_type(int), "batch": of_type(str), "label": maybe(of_type(str))})),
     }
 )
 CALIBRATION = obj(

@@ -251,6 +251,10 @@ class ReportWriter:
             report["step_cache_calibration"] = self.step_cache_calibration
         report["compile"] = self.compiled.to_json()
         report["quantize"] = self.quantized
+        if self.cfg.queue.shared:  # its workers, as they stand now
+            from runtime.queue_status import queue_summary
+
+            report["queue"] = queue_summary(self.cfg.out_dir, self.cfg.queue.batch)
         if self.timing is not None:
             self.timing.compile_s = self.compiled.compile_s
             report["timing"] = self.timing.to_json(self.records)

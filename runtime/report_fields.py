@@ -9,7 +9,7 @@ from __future__ import annotations
 ITEM_FIELDS: dict[str, tuple[bool, str]] = {
     "schema": (True, "1: the record format"),
     "id": (True, "the item's id: its files are `<id>.mp4`, `<id>.json`, ..."),
-    "status": (True, "done, skipped, failed or running (written when a launch starts it)"),
+    "status": (True, "done, skipped, failed or running (written when a --queue static launch starts it)"),
     "model": (True, "the model as the run named it"),
     "prompt": (True, "the prompt"),
     "negative_prompt": (True, "the negative prompt"),
@@ -43,6 +43,11 @@ ITEM_FIELDS: dict[str, tuple[bool, str]] = {
     "final": (False, "a failed item that no rerun retries (its failure was not the launch's)"),
     "poster": (False, "the poster frame (PNG) report.html shows"),
     "steps_png": (False, "the per-step plot report.html shows"),
+    "video_sha256": (False, "the MP4's SHA-256: whose video was published"),
+    "queue": (
+        False,
+        "made from the shared queue: batch, token (the lease's fencing token), worker and label (who made it)",
+    ),
 }
 
 RUN_FIELDS: dict[str, tuple[bool, str]] = {
@@ -85,6 +90,11 @@ RUN_FIELDS: dict[str, tuple[bool, str]] = {
     "step_cache_calibration": (False, "--step-cache magcache without mag_ratios: the ratios measured"),
     "profile": (False, "--profile: the per-rank mean over the items, weighted by profiled steps"),
     "aggregated_from": (False, "`ditango report` or a batch of tasks: the task and replica reports merged"),
+    "queue": (
+        False,
+        "the shared queue: batch, lease_s, workers (label, host, pid, launch, job, state, done, failed) and "
+        "discarded (the late files of leases taken over)",
+    ),
 }
 
 

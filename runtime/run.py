@@ -9,9 +9,11 @@ is rewritten after every item so an interrupted batch still has an up-to-date re
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
@@ -20,21 +22,21 @@ from runtime.calibrate import hold_target
 from runtime.config import DecodeOptions, Item, RunConfig
 from runtime.context import Observer, RankContext, SilentObserver
 from runtime.denoiser import Denoiser, synchronize
+from runtime.errors import is_peer_failure
 from runtime.inputs import exact_reference, item_inputs
 from runtime.item_records import check_finite, gathered_records
 from runtime.kernels import passes_attention_mask, resolve_backend
 from runtime.loop_types import DenoiseResult, NonFiniteLatents
 from runtime.models.loading import placement_on
 from runtime.models.resolve import resolve_model
-from runtime.outputs import mark_running, record_failure
 from runtime.profiling import StepProfiler, trace_name
 from runtime.progress import ProgressFile, progress_path
+from runtime.pull import QueueWork, StaticWork
 from runtime.quality import quality_record
 from runtime.report import ItemTiming, ReportWriter, RunTiming, claim_bring_up_start, peak_memory, run_report
 from runtime.resume import plan_resume
 from runtime.video import write_json
 from runtime.weights import place
-from runtime.writer import write_item
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -44,13 +46,16 @@ def release_device_memory(device: torch.device) -> None:
 
 
 def generate_item(
-    denoiser: Denoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer, reference=None
-) -> dict:
-    """One item on this rank; `reference`: its exact final latents when already computed."""
+    denoiser: Denoiser, item: Item, cfg: RunConfig, ctx: RankContext, observer: Observer, reference=None, work=None
+) -> dict | None:
+    """One item on this rank; `reference`: its exact final latents when already computed;
+    `work`: where its files go (runtime/pull.py; default straight into OUT). The writer returns
+    its record (None: its lease was taken over and its files discarded), the others {}."""
+    work = work or StaticWork(cfg, [item])
     timing = ItemTiming()
     ctx.comm.reset()
     if ctx.is_writer:
-        mark_running(cfg, item)
+        work.begin(cfg, item)
     # No rank starts the item before its marker exists: the writer may still be finishing the
     # previous item's video while the others are already here, and a failure in this item must
     # not be blamed on that one.
@@ -78,7 +83,9 @@ def generate_item(
     if options is None:
         return {}
     traces = (trace, exact_trace)
-    return decode_and_write(denoiser, item, cfg, ctx, observer, result, reference, traces, timing, options, records)
+    return decode_and_write(
+        denoiser, item, cfg, ctx, observer, result, reference, traces, timing, options, records, work
+    )
 
 
 def item_records(
@@ -112,7 +119,8 @@ def decode_and_write(
     timing: ItemTiming,
     options: DecodeOptions,
     records: dict,
-) -> dict:
+    work,
+) -> dict | None:
     """Decode the item's latents (every rank with tiles over them, else the writer), measure
     them against `reference` (the exact latents, or None), and on the writer write its files."""
     trace, exact_trace = traces
@@ -140,7 +148,7 @@ def decode_and_write(
         )["psnr"]
 
     observer.phase("write")
-    return write_item(
+    return work.write(
         cfg,
         item,
         frames,
@@ -239,7 +247,7 @@ def execute(
     backend = resolve_backend(
         cfg.attention_backend, placement.device, placement.dtype, one_rank=one_rank, masked=masked
     )
-    skipped = plan_resume(cfg) if skipped is None else skipped
+    skipped = own_skips(cfg, plan_resume(cfg) if skipped is None else skipped)
     records: dict[str, dict] = {**skipped, **(decided or {})}
     report = ReportWriter(cfg, cfg.out_dir / report_name, placement.device, placement.dtype_name, backend, records)
     report.timing = RunTiming()
@@ -263,6 +271,18 @@ def execute(
     return report.write(rank_peaks) if ctx.is_writer else None
 
 
+def own_skips(cfg: RunConfig, skipped: dict[str, dict]) -> dict[str, dict]:
+    """Of the items complete on disk, those this run reports as skipped: under the queue, only
+    what the batch left out when it began (made by an earlier run); what other workers of the
+    batch made since is theirs to report."""
+    if not cfg.queue.shared:
+        return skipped
+    from runtime.pull import open_batch
+
+    left_out = {e["id"] for e in open_batch(cfg).manifest["items"] if e.get("skipped")}
+    return {k: v for k, v in skipped.items() if k in left_out}
+
+
 def writer_observer(cfg: RunConfig, observer: Observer, report_name: str, skipped: dict, decided: dict):
     """The writer's observer, which keeps its heartbeat file, once it said what it skips."""
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
@@ -276,34 +296,68 @@ def writer_observer(cfg: RunConfig, observer: Observer, report_name: str, skippe
 def generate_all(
     running: Running, ctx: RankContext, observer: Observer, report: ReportWriter, records: dict, report_name: str
 ) -> None:
-    """Every item of `running`, in its order; the writer records each and rewrites the report.
+    """Every item `running` gets (its share in order, or what its writer claims from the queue:
+    runtime/pull.py); the writer records each and rewrites the report.
 
     Non-finite latents are final at once: deterministic, every rank raised them at the same
     point (check_finite agrees first), so the ranks go on to the next item together; recorded
     `final`, the supervisor and later launches of this command (`settled_since`) never run it
-    again. Under --target-psnr an item measured below the target recalibrates and runs again."""
+    again. Under --target-psnr an item measured below the target recalibrates and runs again.
+    Any other failure ends the replica; under the queue its writer first records the attempt
+    failed (unless it only saw a peer go: the launcher then records the peer's error)."""
     items_start = time.perf_counter()
-    reference = running.first_reference
-    for item in running.todo:
-        observer.item_started(item)
-        if running.bank is not None:
-            running.bank.use(item.loras)
-        try:
-            record = generate_item(running.denoiser, item, running.cfg, ctx, observer, reference)
-            if report.calibration is not None and running.cfg.reference == "exact":
-                running.cfg, redo = hold_target(
-                    running.denoiser, item, running.cfg, ctx, observer.message, report_name, report.calibration, record
-                )
-                if redo is not None:
-                    record = generate_item(running.denoiser, item, running.cfg, ctx, observer, redo)
-        except NonFiniteLatents as exc:
-            record = {}
-            if ctx.is_writer:
-                record = record_failure(running.cfg, item, f"{type(exc).__name__}: {exc}", 1, final=True)
-        reference = None
-        report.timing.items_s = time.perf_counter() - items_start
-        if ctx.is_writer:
-            records[item.id] = record
-            report.timing.generated.append(item.id)
-            observer.item_finished(record)
-            report.write()
+    work = item_source(running, ctx, observer, report_name)
+    state = "stopped"
+    try:
+        for item in work:
+            reference = running.first_reference if running.todo and item.id == running.todo[0].id else None
+            record = one_item(running, item, ctx, observer, report, report_name, reference, work)
+            report.timing.items_s = time.perf_counter() - items_start
+            if ctx.is_writer and record is not None:
+                records[item.id] = record
+                report.timing.generated.append(item.id)
+                observer.item_finished(record)
+                report.write()
+        state = "finished"
+    finally:
+        work.close(state)
+
+
+def item_source(running: Running, ctx: RankContext, observer: Observer, report_name: str):
+    """Where this replica's items come from (runtime/pull.py)."""
+    if not running.cfg.queue.shared:
+        return StaticWork(running.cfg, running.todo)
+    label = worker_label(report_name, ctx)
+    return QueueWork(running.cfg, ctx, running.todo, observer, label)
+
+
+def worker_label(report_name: str, ctx: RankContext) -> str:
+    """How status lines name this replica: by its report (a task's, a replica's, a join's) and host."""
+    import socket
+
+    name = Path(report_name).stem
+    return f"{'main' if name == 'report' else name}@{socket.gethostname()}"
+
+
+def one_item(running: Running, item: Item, ctx, observer, report, report_name, reference, work) -> dict | None:
+    """One item, its failure recorded (see `generate_all`); the writer's record, or None."""
+    observer.item_started(item)
+    if running.bank is not None:
+        running.bank.use(item.loras)
+    try:
+        record = generate_item(running.denoiser, item, running.cfg, ctx, observer, reference, work)
+        if report.calibration is not None and running.cfg.reference == "exact" and record:
+            running.cfg, redo = hold_target(
+                running.denoiser, item, running.cfg, ctx, observer.message, report_name, report.calibration, record
+            )
+            if redo is not None:
+                record = generate_item(running.denoiser, item, running.cfg, ctx, observer, redo, work)
+    except NonFiniteLatents as exc:
+        return work.fail(running.cfg, item, f"{type(exc).__name__}: {exc}", True) if ctx.is_writer else {}
+    except Exception as exc:
+        message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        if ctx.is_writer and running.cfg.queue.shared and not is_peer_failure(message):
+            with contextlib.suppress(Exception):  # the replica fails with its own error all the same
+                work.fail(running.cfg, item, message, False)
+        raise
+    return record

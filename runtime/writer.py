@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from runtime.config import Item, RunConfig
+from runtime.models.adapters import file_sha256
 from runtime.outputs import output_paths, video_method
 from runtime.plots import write_heatmap, write_rel_mae_plot, write_step_plot
 from runtime.report import SCHEMA, ItemTiming, item_record
@@ -24,11 +25,14 @@ def write_item(
     attention: dict | None,
     hybrid: dict | None,
     reference_frames: np.ndarray | None = None,
+    fence: dict | None = None,
     **records,
 ) -> dict:
     """Write `item`'s files (uint8 `frames` [F, H, W, 3]; float32 latents [1, C, F, H, W]; the
     exact run's frames, with --reference exact) and return its record; `records`: the rest of
-    the record's parts (comm, quality, decode, step_cache)."""
+    the record's parts (comm, quality, decode, step_cache). `fence`: the queue's lease the files
+    are written under (batch, token, worker), kept in the sidecar; the sidecar also keeps the
+    MP4's SHA-256, which says whose video was published."""
     paths = output_paths(cfg.out_dir, item.id)
     start = time.perf_counter()
     write_mp4(paths["video"], frames, item.fps)
@@ -74,5 +78,8 @@ def write_item(
         **records,
     )
     record["poster"], record["steps_png"] = paths["poster"].name, paths["steps"].name
+    record["video_sha256"] = file_sha256(paths["video"])
+    if fence is not None:
+        record["queue"] = fence
     write_json(paths["sidecar"], record)  # last: its presence marks the item complete
     return record

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.batch_queue import manifest_path
 from runtime.gallery import write_gallery
 from runtime.outputs import check_foreign_files, item_records, read_record
+from runtime.queue_files import read_json_file
+from runtime.queue_status import queue_summary
 from runtime.report import SCHEMA, TIMING_SUMS
 from runtime.video import write_json
 from slurm.supervise import REPORTS
@@ -64,6 +67,8 @@ def aggregate(out_dir: Path, write: bool = True) -> dict:
         timing = base["timing"]
     if timing is not None:
         merged["timing"] = timing
+    if (queue := queue_summary(out_dir, (read_json_file(manifest_path(out_dir)) or {}).get("batch"))) is not None:
+        merged["queue"] = queue
     if write:
         write_json(target, merged)
         write_gallery(out_dir, merged)

@@ -3,6 +3,8 @@ process group is up: its replica's share of the items, its mesh, then `execute`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from runtime.comm import Comm
@@ -35,6 +37,7 @@ def run_rank(
     cfg, report_name = replica_share(cfg, replica, report_name)
     if cfg is None:
         return None
+    cfg = replace(cfg, queue=replace(cfg.queue, launch=f"{cfg.queue.launch}/r{replica}"))  # whose leases
     mesh = build_mesh(
         cfg.layout, rank, tuple(node_of), timeout_s=cfg.timeout_s, device=device, control_timeout_s=cfg.setup_timeout_s
     )

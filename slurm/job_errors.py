@@ -11,8 +11,8 @@ import submitit
 
 from basics.errors import ConfigError
 from basics.user_files import digits, require_regular_file
+from runtime.errors import is_peer_failure
 from slurm.jobs import cancelled_jobs, failed_state, job_ids, read_jobs, slurm_states
-from slurm.rank import is_peer_failure
 
 # The line the job prints when an attempt starts: the logs after it are that attempt's.
 ATTEMPT_MARK = "ditango: job attempt starts"

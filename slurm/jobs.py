@@ -65,6 +65,11 @@ def recorded_jobs(out_dir: Path) -> list[dict] | None:
     return data
 
 
+def recorded_job_ids(out_dir: Path) -> set[str]:
+    """Every job id submitted from `out_dir` (none without a jobs.json)."""
+    return {job for entry in recorded_jobs(out_dir) or () for job in entry["job_ids"]}
+
+
 MAX_TASKS = 2**16  # ranks of one job: more than any cluster runs as one job
 
 

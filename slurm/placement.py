@@ -160,6 +160,7 @@ def describe(cfg: RunConfig, opts: SlurmOptions, where: str) -> dict:
         "item_list": [item.to_json() for item in cfg.items],  # sizes and steps as the run would make them
         "ditango": None if cfg.ditango is None else json.loads(json.dumps(asdict(cfg.ditango), default=str)),
         "array": opts.array,
+        "queue": {"mode": cfg.queue.mode, "lease_s": cfg.queue.lease_s},
         "environment": rank_environment(cfg.out_dir),
         "ranks": [s.to_json() for s in rank_slots(cfg, local=where == "local")],
     }

@@ -36,17 +36,6 @@ RANK_DEVICE_ENV = "DITANGO_RANK_DEVICE"
 # How long a failing rank may take to exit before the kernel ends it (SIGALRM).
 EXIT_DEADLINE_S = 30
 
-# What a rank says when a PEER failed (not the root cause): blame prefers any other error.
-PEER_FAILURE_MARKERS = (
-    "FailedJobError", "UncompletedJobError", "Connection closed by peer", "Connection reset by peer", "Read error",
-    "remote worker", "gloo/transport", "Timed out waiting", "NCCL communicator was aborted", "ProcessGroup",
-)  # fmt: skip
-
-
-def is_peer_failure(message: str) -> bool:
-    return any(m in message for m in PEER_FAILURE_MARKERS)
-
-
 # What a launcher that starts the ranks itself sets in each one (torchrun, Kubernetes'
 # PyTorchJob and JobSet, MPI wrappers that export them): `ditango generate` then runs as
 # that rank (slurm/launchers/env.py).

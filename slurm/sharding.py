@@ -1,4 +1,6 @@
-"""How a batch's items are split: over Slurm array tasks, and over model replicas.
+"""How a batch's items are split over Slurm array tasks and model replicas with --queue static
+(under the shared queue, the default, every task and replica pulls from one queue instead:
+runtime/batch_queue.py; each then gets every item, of which it makes those it claims).
 
 Both are pure functions of the item list, so every rank of every task computes the same
 split without talking to the others; items keep their ids (resume skips finished ones).
@@ -22,6 +24,12 @@ def shard(items: Sequence[T], index: int, count: int) -> list[T]:
     if count < 1 or not 0 <= index < count:
         raise ValueError(f"shard {index} of {count}")
     return list(items[index::count])
+
+
+def share(cfg, index: int, count: int) -> list:
+    """The items task or replica `index` of `count` may make: its round-robin share with --queue
+    static, every item under the shared queue."""
+    return list(cfg.items) if cfg.queue.shared else shard(cfg.items, index, count)
 
 
 def replica_of(rank: int, world_size: int, replicas: int) -> tuple[int, int]:

@@ -27,8 +27,9 @@ from runtime.outputs import (
     running_items,
     settled_since,
 )
+from runtime.pull import open_batch
 from runtime.resume import plan_resume
-from slurm.sharding import shard
+from slurm.sharding import share
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Outcome:
     rank: int | None = None  # the global rank that failed first, when known
     name: str | None = None  # "job 123", "step 0": what the error is about (none locally)
     cancelled: bool = False
+    holder: str | None = None  # under the queue: the launch key its failed workers' leases start with
 
     @property
     def message(self) -> str:
@@ -59,6 +61,7 @@ class Supervised:
 
     errors: list[str] = field(default_factory=list)
     submitted: bool = False
+    notes: list[str] = field(default_factory=list)  # workers lost while the others finished the batch
 
 
 def supervise(cfg: RunConfig, executor: Executor, tasks: int, say: Callable[[str], None]) -> Supervised:
@@ -68,6 +71,7 @@ def supervise(cfg: RunConfig, executor: Executor, tasks: int, say: Callable[[str
     if not cfg.overwrite:
         for line in damaged_sidecars(cfg):
             say(line)
+    queue = open_batch(cfg) if cfg.queue.shared else None
     todo = list(range(tasks))
     while todo:
         decided = {**settled_since(cfg, since), **given_up}  # from earlier launches of this command
@@ -84,9 +88,16 @@ def supervise(cfg: RunConfig, executor: Executor, tasks: int, say: Callable[[str
         retry = not any(cannot_write(o.error) for o in failed)
         lines, recorded = [], True
         for o in failed:  # each task's own error, on that task's (replica's) items
-            items = share_of_rank(cfg, o.rank, o.task, tasks)
-            said, ok = blame(cfg, o.message, attempts, given_up, attempt, items, retry)
+            if queue is not None:  # the leases its workers held
+                said, ok = break_leases(cfg, queue, o, given_up, retry)
+            else:
+                items = share_of_rank(cfg, o.rank, o.task, tasks)
+                said, ok = blame(cfg, o.message, attempts, given_up, attempt, items, retry)
             lines, recorded = lines + said, recorded and ok
+        if queue is not None:
+            lines += recorded_failures(queue, attempt)  # those its workers recorded themselves
+            if not queue.left():  # the workers that were left finished the batch
+                return Supervised(notes=[f"{lost(o)}; the other workers finished the batch" for o in failed] + lines)
         if not lines:  # a failure outside any item: retrying cannot help
             return Supervised([o.message if o.name is None else f"{o.name} failed: {o.error}" for o in failed])
         if not (retry and recorded):
@@ -97,9 +108,55 @@ def supervise(cfg: RunConfig, executor: Executor, tasks: int, say: Callable[[str
         todo = [
             t
             for t in range(tasks)
-            if any(i.id not in settled and item_status(cfg, i) != "done" for i in shard(cfg.items, t, tasks))
+            if any(i.id not in settled and item_status(cfg, i) != "done" for i in share(cfg, t, tasks))
         ]
     return Supervised()
+
+
+def lost(o: Outcome) -> str:
+    return f"{o.name or 'a worker'} was lost ({o.error})" if o.name else f"a worker was lost ({o.error})"
+
+
+def break_leases(cfg: RunConfig, queue, o: Outcome, given_up: dict, retry: bool) -> tuple[list[str], bool]:
+    """After a launch's workers failed (their processes are gone): record the attempts their
+    leases held failed, with their error, so that the items go on at once (no wait for the
+    leases to run out); given up after `cfg.retries` retries (at once without `retry`). A line
+    per item, and whether each failure could be recorded (see `blame`)."""
+    lines, recorded = [], True
+    holder = o.holder or ""
+    for lease in queue.leases_of(lambda data: holder and str(data.get("launch", "")).startswith(holder)):
+        item = next(i for i in cfg.items if i.id == lease.item)
+        done, final = queue.fail(lease, o.message, not retry, "launcher")
+        if not done:  # another worker took it over first
+            continue
+        n = queue.state(item.id).leases
+        try:
+            record = record_failure(cfg, item, o.message, n, final=final)
+        except OutputWriteError as exc:
+            lines.append(f"{item.id} failed ({o.message}); the failure could not be recorded ({exc}); {STOPPED}")
+            recorded = False
+            continue
+        if final:
+            given_up[item.id] = record
+        lines.append(attempt_line(item.id, o.message, n, final, cfg.retries, retry))
+    return lines, recorded
+
+
+def attempt_line(item_id: str, error: str, n: int, final: bool, retries: int, retry: bool = True) -> str:
+    if not retry:
+        return f"{item_id} failed ({error}); not retried: {STOPPED}"
+    if final:
+        return f"{item_id} failed ({error}); giving it up after {n} attempt(s)"
+    return f"{item_id} failed ({error}); retry {n} of {retries}"
+
+
+def recorded_failures(queue, since: float) -> list[str]:
+    """A line per failure the workers recorded in the queue since `since` (fs_clock)."""
+    return [
+        attempt_line(item, data.get("error") or "failed", attempts, bool(data.get("final")), queue.retries)
+        for item, data, attempts in queue.failures_since(since)
+        if data.get("recorded_by") != "launcher"
+    ]
 
 
 def tasks_with_work(cfg: RunConfig, tasks: list[int], total: int, decided: dict[str, dict]) -> list[int]:
@@ -107,7 +164,7 @@ def tasks_with_work(cfg: RunConfig, tasks: list[int], total: int, decided: dict[
     `plan_resume`) nor settled by an earlier launch: decided before anything is launched, so
     a task with nothing left starts no rank and submits no job."""
     done = {**plan_resume(cfg), **decided}
-    return [t for t in tasks if any(i.id not in done for i in shard(cfg.items, t, total))]
+    return [t for t in tasks if any(i.id not in done for i in share(cfg, t, total))]
 
 
 def blame(
@@ -154,28 +211,30 @@ def cannot_write(error: str | None) -> bool:
 
 
 def replica_share(cfg: RunConfig, replica: int, report_name: str) -> tuple[RunConfig | None, str]:
-    """The items (round-robin) and report file of one replica; (None, name) when it gets no item."""
+    """The items (round-robin with --queue static, else every one) and report file of one
+    replica; (None, name) when it gets no item."""
     if cfg.replicas == 1:
         return cfg, report_name
-    items = tuple(shard(cfg.items, replica, cfg.replicas))
+    items = tuple(share(cfg, replica, cfg.replicas))
     task = "" if report_name == "report.json" else Path(report_name).stem + "."
     return (replace(cfg, items=items) if items else None), f"{REPORTS}/{task}replica-{replica}.json"
 
 
 def share_of_rank(cfg: RunConfig, rank: int | None, task: int = 0, tasks: int = 1):
     """The items a global rank of array task `task` works on (all of the task's when unknown)."""
-    items = tuple(shard(cfg.items, task, tasks))
+    items = tuple(share(cfg, task, tasks))
     if rank is None or cfg.replicas == 1 or not items:
         return items
-    share, _ = replica_share(replace(cfg, items=items), rank // cfg.layout.world_size, "")
-    return share.items if share is not None else ()
+    mine, _ = replica_share(replace(cfg, items=items), rank // cfg.layout.world_size, "")
+    return mine.items if mine is not None else ()
 
 
-def task_report(task: int, tasks: int | None = None) -> str:
+def task_report(task: int, tasks: int | None = None, prefix: str = "") -> str:
     """The report file (relative to the output folder) array task `task` of `tasks` writes:
     report.json itself for a single local task, else one in the bookkeeping folder, which
-    `ditango report` (slurm/aggregate.py) merges into report.json."""
-    return "report.json" if tasks == 1 else f"{REPORTS}/task-{task}.json"
+    `ditango report` (slurm/aggregate.py) merges into report.json. `prefix`: a --join's (its
+    reports never overwrite the batch owner's)."""
+    return "report.json" if tasks == 1 and not prefix else f"{REPORTS}/{prefix}task-{task}.json"
 
 
 REPORTS = f"{STATE_DIR}/reports"  # task and replica reports

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from runtime.errors import is_peer_failure
 from slurm.launchers.processes import GRACE_S, Failure, RankFailed, _stop, blame_order, rank_failed, run_ranks
-from slurm.rank import is_peer_failure
 from tests.conftest import FAST_ARGV
 
 # The CLI and the Slurm modules are imported by the tests that use them: every rank of a

@@ -11,7 +11,8 @@ from dataclasses import fields
 import pytest
 
 from ditango_cli.app import app
-from ditango_cli.options import GROUPS, GenerateArgs
+from ditango_cli.generate_options import GenerateArgs
+from ditango_cli.options import GROUPS
 from ditango_cli.requires import GENERATE_RULES, SIMULATE_RULES
 from ditango_cli.simulate import simulate
 

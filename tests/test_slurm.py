@@ -83,7 +83,8 @@ def test_array_of_two_makes_four_videos_and_one_report(runner, tmp_path):
 
 
 def test_replicas_over_two_nodes_share_the_items(runner, tmp_path):
-    """--nodes 2 --replicas 2: one job of 2 tasks, two independent replicas (one per node)."""
+    """--nodes 2 --replicas 2: one job of 2 tasks, two independent replicas (one per node), each
+    taking items from the folder's queue."""
     prompts = tmp_path / "batch.txt"
     prompts.write_text("".join(f"a {c} circle moving right\n" for c in ("red", "green", "blue")))
     out = tmp_path / "out"
@@ -92,9 +93,41 @@ def test_replicas_over_two_nodes_share_the_items(runner, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert len(list(out.glob("*.mp4"))) == 3
     shares = [json.loads((out / ".ditango" / "reports" / f"task-0.replica-{r}.json").read_text()) for r in (0, 1)]
-    assert [len(s["items"]) for s in shares] == [2, 1]
+    made = [i["id"] for s in shares for i in s["items"] if i["status"] == "done"]
+    assert sorted(made) == sorted({*made}) and len(made) == 3  # the queue gave each item to one replica
     assert json.loads((out / "report.json").read_text())["counts"]["done"] == 3
     assert json.loads((out / ".ditango" / "jobs.json").read_text())[0]["tasks"] == 2
+
+
+def test_an_array_and_a_joined_job_share_one_queue(runner, tmp_path):
+    """A 3-task array and a 2-node job that joins it (`--join`) take items from one queue: every
+    item is made once, and the report names the worker that made it (an array task's, or the
+    joined job's)."""
+    prompts = tmp_path / "batch.txt"
+    prompts.write_text("".join(f"a {c} kite drifting, take {k}\n" for k in range(3) for c in ("red", "blue", "gray")))
+    out = tmp_path / "out"
+    slow = ["--steps", "12", "--height", "32", "--width", "64", "--frames", "9", "--device", "cpu", "--quiet"]
+    first = ["generate", "--prompts", str(prompts), "--out", str(out), "--array", "3", *slow, "--executor", "slurm"]
+    result = runner.invoke(app, [*first, "--partition", "debug", "--no-wait"])
+    assert result.exit_code == 0, result.stderr
+    join = ["generate", "--join", str(out), "--nodes", "2", "--executor", "slurm", "--partition", "debug"]
+    result = runner.invoke(app, [*join, "--no-wait", "--quiet"])
+    assert result.exit_code == 0, result.stderr
+    jobs = [j for entry in json.loads((out / ".ditango" / "jobs.json").read_text()) for j in entry["job_ids"]]
+    assert len(jobs) == 4  # 3 array tasks, 1 joined job
+    deadline = time.monotonic() + 600
+    while subprocess.run(["squeue", "-h", "-j", ",".join(jobs)], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, "the jobs did not end"
+        time.sleep(1)
+    assert runner.invoke(app, ["report", str(out)]).exit_code == 0
+    report = json.loads((out / "report.json").read_text())
+    ids = [i["id"] for i in report["items"]]
+    assert len(ids) == len(set(ids)) == 9 and report["counts"]["done"] == 9
+    makers = {i["queue"]["label"] for i in report["items"]}
+    assert all(json.loads((out / f"{i}.json").read_text())["queue"]["token"] == 1 for i in ids)
+    workers = {w["label"]: w for w in report["queue"]["workers"]}
+    assert makers <= set(workers) and len(workers) == 4, workers  # each task's worker, and the joined job's
+    assert sum(w["done"] for w in workers.values()) == 9
 
 
 def test_cancel_and_resubmit_skips_finished_items(runner, tmp_path):

@@ -40,14 +40,15 @@ import torch.distributed as dist
 
 from basics.errors import ConfigError
 from basics.user_files import read_text
+from runtime.batch_open import begin_batch
 from runtime.config import RunConfig
 from runtime.context import Observer
-from runtime.errors import OutputWriteError
+from runtime.errors import OutputWriteError, is_peer_failure
 from runtime.outputs import STATE_DIR, fs_clock, read_record, settled_since
 from runtime.report import SCHEMA
 from runtime.resume import plan_resume
 from runtime.video import write_json
-from slurm.rank import LaunchedRank, apply_environment, exit_soon, is_peer_failure, join, select_device
+from slurm.rank import LaunchedRank, apply_environment, exit_soon, join, select_device
 
 PEER_GRACE_S = 5.0  # how long a rank that saw a peer fail waits before it exits
 ERROR_WAIT_S = 2.0  # how long rank 0 waits for a failed peer's error file
@@ -90,8 +91,9 @@ def run_launched(
     owned = False
     try:
         _join(cfg, launched, device)
-        lock, series, decided = _own_folder(cfg, launched, say)
+        lock, series, decided, batch = _own_folder(cfg, launched, say)
         owned = True
+        cfg = replace(cfg, queue=replace(cfg.queue, batch=batch, launch=launch_key(launched)))
         return _tasks(cfg, launched, tasks, device, observer, decided)
     except BaseException as exc:  # noqa: BLE001 - every failure is this rank's outcome
         # The command or the folder, before any item (one line, exit 2); or the user's Ctrl-C
@@ -163,6 +165,15 @@ class Series:
             {"schema": SCHEMA, "run_id": self.run_id, "since": self.since, "attempts": self.attempts},
         )
 
+    def queue_blame(self, cfg: RunConfig, error: str, launched: LaunchedRank, say) -> None:
+        """Under the queue: the leases this run's earlier launches (or this one) left, failed."""
+        from runtime.pull import open_batch
+        from slurm.supervise import Outcome, break_leases
+
+        holder = Outcome(0, error, holder=f"{launch_key(launched)}/")
+        for line in break_leases(cfg, open_batch(cfg), holder, {}, True)[0]:
+            say(line)
+
     def blame(self, cfg: RunConfig, error: str, since: float) -> list[str]:
         """Record the items marked running since `since` failed (slurm/supervise.py blame),
         counting this series' attempts; a line per item."""
@@ -176,39 +187,55 @@ class Series:
 def _own_folder(cfg: RunConfig, launched: LaunchedRank, say) -> tuple[object, Series | None, dict]:
     """Rank 0 takes the output folder (slurm/ownership.py), records what the previous launch of
     this series left running (under NCCL a rank blocked in a collective cannot record its
-    failure; a killed one never does), and decides what earlier launches settled (done, given
-    up). Every rank learns that, or why the folder was refused."""
+    failure; a killed one never does), decides what earlier launches settled (done, given up)
+    and begins the batch (a restart goes on with its run's). Every rank learns that, or why the
+    folder was refused. A --join takes nothing: it works on the batch its folder's owner began
+    (a failure of its ranks is not recorded: their leases run out, and another worker retries)."""
     from slurm.ownership import own_output_folder
 
-    lock = series = None
+    lock = series = batch = None
     refused, decided = None, {}
-    if launched.writer:
+    if launched.writer and cfg.queue.batch is not None:  # --join: the folder is its batch owner's
+        batch = cfg.queue.batch
+    elif launched.writer:
         try:
             lock = own_output_folder(cfg.out_dir, False, say)
             series = Series.of(cfg, launched)
-            if launched.restart > 0:
+            if launched.restart > 0 and cfg.queue.mode != "shared":
                 error = _peer_error(cfg, wait_s=0.0) or "a rank ended without saying why (killed, or out of memory)"
                 for line in series.blame(cfg, f"previous launch: {error}", series.since):
                     say(line)
             for stale in errors_dir(cfg.out_dir).glob("rank-*.error"):  # the previous launch's
                 stale.unlink(missing_ok=True)
             decided = settled_since(cfg, series.since)
-            plan_resume(cfg)  # outputs made otherwise refuse the run here, in one line, as before any launch
+            skipped = plan_resume(cfg)  # outputs made otherwise refuse the run here, in one line, as before any launch
+            if cfg.queue.mode == "shared":  # a restart goes on with the batch its run began
+                batch = begin_batch(cfg, set(skipped), launch_key(launched), cfg.options).queue.batch
+                if launched.restart > 0:  # the previous launch's leases: its processes are gone
+                    error = _peer_error(cfg, wait_s=0.0) or "a rank ended without saying why (killed, or out of memory)"
+                    series.queue_blame(
+                        replace(cfg, queue=replace(cfg.queue, batch=batch)), f"previous launch: {error}", launched, say
+                    )
         except (ConfigError, OutputWriteError, OSError) as exc:  # every rank must hear of it, or they wait
             refused = str(exc).removesuffix(", or pass --wait-for-lock")  # refused under a launcher
-    box = [refused, decided]
+    box = [refused, decided, batch]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
         if lock is not None:  # taken before the refusal: given back, not left for a takeover
             lock.release()
         raise ConfigError(box[0])
-    return lock, series, box[1]
+    return lock, series, box[1], box[2]
+
+
+def launch_key(launched: LaunchedRank) -> str:
+    """The key of a launcher's run (its restarts share it; a run without an id is its own)."""
+    return f"torchrun-{launched.run_id or os.getpid()}"
 
 
 def _tasks(cfg: RunConfig, launched: LaunchedRank, tasks: int, device: torch.device, observer, decided: dict):
     from slurm.aggregate import aggregate
     from slurm.entry import run_rank
-    from slurm.sharding import shard
+    from slurm.sharding import share
     from slurm.supervise import task_report
 
     node_of = [None] * launched.world_size
@@ -217,14 +244,15 @@ def _tasks(cfg: RunConfig, launched: LaunchedRank, tasks: int, device: torch.dev
     placed = tuple(nodes[n] for n in node_of)
     report = None
     for task in range(tasks):
-        items = tuple(shard(cfg.items, task, tasks))
+        items = tuple(share(cfg, task, tasks))
         if items:
+            queue = replace(cfg.queue, launch=f"{cfg.queue.launch}/t{task}")
             report = run_rank(
-                replace(cfg, items=items),
+                replace(cfg, items=items, queue=queue),
                 launched.rank,
                 placed,
                 0,
-                task_report(task, tasks),
+                task_report(task, tasks, cfg.queue.report),
                 observer,
                 launched.rank,
                 device,
@@ -233,7 +261,9 @@ def _tasks(cfg: RunConfig, launched: LaunchedRank, tasks: int, device: torch.dev
     dist.destroy_process_group()
     if not launched.writer:
         return None
-    return report if tasks == 1 else aggregate(cfg.out_dir)
+    if tasks == 1 and report is not None and {i.id for i in cfg.items} <= {r.get("id") for r in report["items"]}:
+        return report
+    return aggregate(cfg.out_dir)  # several tasks, or other workers of the queue made items
 
 
 class LaunchedRankFailed(RuntimeError):
@@ -267,7 +297,7 @@ def _failed(cfg: RunConfig, launched: LaunchedRank, exc: BaseException, series: 
         _error_file(cfg, launched, line)
     if series is not None:  # rank 0, once it owns the folder
         seen = f"rank {launched.rank} lost a peer ({message}); the launcher's summary names the rank that failed"
-        _record(cfg, series, line if not peer else _peer_error(cfg) or (line if terminated else seen))
+        _record(cfg, series, line if not peer else _peer_error(cfg) or (line if terminated else seen), launched)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from now on the launcher's SIGTERM just ends it
     exit_soon()
     # torchrun dates each failure to the second and blames the earliest: a rank that only
@@ -310,10 +340,13 @@ def _peer_error(cfg: RunConfig, wait_s: float = ERROR_WAIT_S) -> str | None:
         time.sleep(0.1)
 
 
-def _record(cfg: RunConfig, series: Series, error: str) -> None:
+def _record(cfg: RunConfig, series: Series, error: str, launched: LaunchedRank) -> None:
     """Rank 0: the items marked running since this launch began, recorded failed (an item is
     given up after `cfg.retries` retries, counted over the series' launches)."""
     try:
-        series.blame(cfg, error, series.started)
+        if cfg.queue.shared:
+            series.queue_blame(cfg, error, launched, lambda line: None)
+        else:
+            series.blame(cfg, error, series.started)
     except Exception:  # noqa: BLE001 - the run is failing already: its own error is what to say
         print(f"note: the running item's failure could not be recorded in {cfg.out_dir}", file=sys.stderr)

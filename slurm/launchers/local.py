@@ -9,20 +9,22 @@ shards one after another. Retries are the supervisor's (slurm/supervise.py).
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import replace
 
 from basics.errors import ConfigError
 from runtime.config import RunConfig
 from runtime.context import Observer, RankContext, SilentObserver
+from runtime.pull import open_batch
 from runtime.resume import plan_resume
-from runtime.run import execute, settled_report
+from runtime.run import execute, own_skips, settled_report
 from slurm.aggregate import aggregate
 from slurm.entry import run_rank
 from slurm.faults import with_faults
 from slurm.launchers.processes import EventSink, RankFailed, run_ranks
 from slurm.rank import current_device, select_device
-from slurm.sharding import shard
-from slurm.supervise import Outcome, task_report
+from slurm.sharding import share
+from slurm.supervise import Outcome, break_leases, task_report
 
 
 class _Forwarding:
@@ -70,11 +72,15 @@ class LocalExecutor:
 
     def launch(self, tasks: list[int], decided: dict[str, dict]) -> list[Outcome]:
         outcomes = []
+        key = uuid.uuid4().hex[:8]  # this launch's: its workers' leases carry it
         for task in tasks:
-            cfg = replace(self.cfg, items=tuple(shard(self.cfg.items, task, self.tasks)))
-            name = task_report(task, self.tasks)
-            skipped = plan_resume(cfg)  # decided here, before any rank starts
-            if all(i.id in skipped or i.id in decided for i in cfg.items):  # nothing to do: no rank starts
+            launch = f"{key}/t{task}"
+            queue = replace(self.cfg.queue, launch=launch)
+            cfg = replace(self.cfg, items=tuple(share(self.cfg, task, self.tasks)), queue=queue)
+            name = task_report(task, self.tasks, cfg.queue.report)
+            done = plan_resume(cfg)  # decided here, before any rank starts
+            skipped = own_skips(cfg, done)
+            if all(i.id in done or i.id in decided for i in cfg.items):  # nothing to do: no rank starts
                 for item_id in sorted(set(skipped) - set(decided)):
                     self.observer.message(
                         f"skipping {item_id}: {item_id}.mp4 and {item_id}.json exist (use --overwrite)"
@@ -90,10 +96,11 @@ class LocalExecutor:
                 except ConfigError:
                     raise  # the user's mistake (a model that does not load): one line, exit 2
                 except Exception as exc:  # noqa: BLE001 - any other failure of the rank is the launch's outcome
-                    outcomes.append(Outcome(task, f"{type(exc).__name__}: {exc}", 0))
+                    outcomes.append(Outcome(task, f"{type(exc).__name__}: {exc}", 0, holder=f"{launch}/"))
                     continue
                 outcomes.append(Outcome(task))
                 continue
+            lost: list[Outcome] = []
             try:
                 reports = run_ranks(
                     rank_main,
@@ -105,19 +112,36 @@ class LocalExecutor:
                     on_event=self._event,
                     replicas=cfg.replicas,
                     stale_s=cfg.timeout_s,
+                    on_replica_failed=self._lost(cfg, task, lost) if cfg.queue.shared and cfg.replicas > 1 else None,
                 )
             except RankFailed as exc:
-                outcomes.append(Outcome(task, str(exc), exc.rank))
+                outcomes.append(Outcome(task, str(exc), exc.rank, holder=f"{launch}/"))
                 continue
             self._report = reports[0]
-            outcomes.append(Outcome(task))
+            outcomes += lost or [Outcome(task)]
         return outcomes
+
+    def _lost(self, cfg: RunConfig, task: int, lost: list[Outcome]):
+        """What to do when one replica of a task fails while the others go on: its leases are
+        recorded failed at once (its processes are gone), so that another worker takes them."""
+
+        def on_failed(replica: int, exc: RankFailed) -> None:
+            outcome = Outcome(task, str(exc), exc.rank, f"replica {replica}", holder=f"{cfg.queue.launch}/r{replica}")
+            lost.append(outcome)
+            lines, _ = break_leases(cfg, open_batch(cfg), outcome, {}, True)
+            for line in [f"replica {replica} failed: {exc}; the other replicas go on", *lines]:
+                self.observer.message(line)
+
+        return on_failed
 
     def _event(self, kind: str, payload: tuple) -> None:
         getattr(self.observer, kind)(*payload)
 
     def report(self) -> dict:
-        """The run's report: rank 0's for one task of one replica, else the aggregate."""
-        if self.tasks == 1 and self.cfg.replicas == 1 and self._report is not None:
-            return self._report
+        """The run's report: rank 0's for one task of one replica that made every item itself,
+        else the aggregate (other workers joined the queue, or several tasks or replicas ran)."""
+        mine = self._report
+        if self.tasks == 1 and self.cfg.replicas == 1 and not self.cfg.queue.report and mine is not None:
+            if {i.id for i in self.cfg.items} <= {r.get("id") for r in mine["items"]}:
+                return mine
         return aggregate(self.cfg.out_dir)

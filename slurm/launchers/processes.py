@@ -41,8 +41,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
+from runtime.errors import is_peer_failure
 from slurm.heartbeat import stopped_message
-from slurm.rank import apply_environment, is_peer_failure, join, select_device
+from slurm.rank import apply_environment, join, select_device
 from slurm.rank_process import die_with_parent, own_session, rank_threads, redirect_output
 
 POLL_S = 0.1
@@ -171,6 +172,7 @@ def run_ranks(
     on_event: Callable[[str, tuple], None] | None = None,
     replicas: int = 1,
     stale_s: float | None = None,
+    on_replica_failed: Callable[[int, RankFailed], None] | None = None,
 ) -> list:
     """Run `target(rank, world_size, events, *args)` on `world_size` processes; return results by rank.
 
@@ -179,7 +181,10 @@ def run_ranks(
     `events.replica`. `RankFailed.rank` is the global rank. `device`: "cpu", "cuda" or "auto"
     (global rank g takes GPU g); `timeout_s`: the process group's (setup) timeout; `stale_s`:
     a rank whose heartbeat is older than this is stopped, which fails the run (None: only
-    named once another sign of failure came)."""
+    named once another sign of failure came). With `on_replica_failed` (replicas that share a
+    queue), a failure ends its own replica only: its ranks are stopped, the callback hears of it
+    (replica, RankFailed), the other replicas go on, and their results come back (None for the
+    failed replica's ranks); only when every replica failed is RankFailed raised."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     threads = rank_threads(world_size)
@@ -206,6 +211,8 @@ def run_ranks(
             signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             watch = _Watch(procs, q, beats, on_event)
+            if on_replica_failed is not None:
+                return _isolated(watch, procs, replicas, stale_s, log_dir, on_replica_failed)
             while len(watch.results) < world_size and not watch.failures:
                 watch.poll()
                 if stale_s is not None:
@@ -250,15 +257,17 @@ class _Watch:
             if rank not in self.results and rank not in self.failures:
                 self.failures[rank] = Failure(rank, "exit", _exit_message(code), now)
 
-    def settle(self) -> list[Failure]:
+    def settle(self, ranks: range | None = None) -> list[Failure]:
         """After the first sign of failure: the failures seen within WINDOW_S (or until every
         rank is accounted for), and the ranks whose heartbeat stopped, dated by their last beat.
         Those never say a word: their peers only time out, or, under NCCL, their watchdog ends
-        them (SIGABRT), which without the heartbeat would read as a death of their own."""
+        them (SIGABRT), which without the heartbeat would read as a death of their own.
+        `ranks`: those of one replica (default all)."""
+        ranks = range(len(self.procs)) if ranks is None else ranks
         deadline = time.monotonic() + WINDOW_S
-        while time.monotonic() < deadline and len(self.failures) + len(self.results) < len(self.procs):
+        while time.monotonic() < deadline and any(r not in self.failures and r not in self.results for r in ranks):
             self.poll()
-        return [*self.failures.values(), *self.stopped()]
+        return [f for f in (*self.failures.values(), *self.stopped()) if f.rank in ranks]
 
     def stopped(self, stale_s: float = STALE_S) -> list[Failure]:
         """Ranks still running whose heartbeat is older than `stale_s` (started ones only)."""
@@ -271,6 +280,31 @@ class _Watch:
             message = stopped_message(now - beat)
             out.append(Failure(rank, "stopped", message, beat))
         return out
+
+
+def _isolated(watch: _Watch, procs, replicas: int, stale_s, log_dir, on_failed) -> list:
+    """`run_ranks`' loop when a replica's failure ends that replica only (see there)."""
+    size = len(procs) // replicas
+    failed: dict[int, RankFailed] = {}
+
+    def running(r: int) -> bool:
+        return r not in failed and any(g not in watch.results for g in range(r * size, (r + 1) * size))
+
+    while any(running(r) for r in range(replicas)):
+        watch.poll()
+        if stale_s is not None:
+            watch.failures.update((f.rank, f) for f in watch.stopped(max(stale_s, STALE_S)))
+        for r in {f.rank // size for f in watch.failures.values()} - set(failed):
+            ranks = range(r * size, (r + 1) * size)
+            failed[r] = rank_failed(watch.settle(ranks), log_dir)
+            _stop([procs[g] for g in ranks])
+            on_failed(r, failed[r])
+    if len(failed) == replicas:
+        raise failed[min(failed)]
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    return [watch.results.get(g) for g in range(len(procs))]
 
 
 def _receive(q, timeout: float) -> list[tuple]:

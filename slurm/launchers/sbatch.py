@@ -30,6 +30,7 @@ import torch.distributed as dist
 from submitit.core.utils import FailedJobError, FailedSubmissionError
 
 from basics.errors import ConfigError
+from runtime.batch_queue import slurm_job
 from runtime.config import RunConfig
 from runtime.context import SilentObserver
 from runtime.progress import LogObserver
@@ -56,7 +57,7 @@ from slurm.rank import (
     rendezvous_port,
     select_device,
 )
-from slurm.sharding import shard
+from slurm.sharding import share
 from slurm.supervise import Outcome, task_report, tasks_with_work
 
 CODE_PACKAGES = ("ditango_cli", "runtime", "planner", "slurm", "basics")
@@ -117,9 +118,11 @@ class SlurmRun(submitit.helpers.Checkpointable):
         # The real topology: which node each rank is on (byte counters, DiTango groups).
         node_of = [None] * size
         dist.all_gather_object(node_of, submitit.JobEnvironment().node)
-        items = tuple(shard(cfg.items, task, tasks))
+        items = tuple(share(cfg, task, tasks))
         if not items:
             return None
+        if not cfg.queue.launch:  # a job's (an srun step's is set by its launcher): its workers' leases carry it
+            cfg = replace(cfg, queue=replace(cfg.queue, launch=job_launch(slurm_job(), task)))
         # The writer (of each replica) logs its progress as plain lines into its stderr, the job's log.
         observer = LogObserver(sys.stderr) if rank == 0 else SilentObserver()
         return run_rank(
@@ -127,12 +130,17 @@ class SlurmRun(submitit.helpers.Checkpointable):
             rank,
             tuple(node_of),
             replica,
-            task_report(task),
+            task_report(task, None, cfg.queue.report),
             observer,
             global_rank,
             device,
             decided=decided,
         )
+
+
+def job_launch(job_id: str, task: int) -> str:
+    """The launch key of array task `task` run as Slurm job `job_id` (as submitit names it)."""
+    return f"slurm-{job_id}/t{task}"
 
 
 def absolute_paths(cfg: RunConfig) -> RunConfig:
@@ -319,7 +327,14 @@ class SbatchExecutor:
         self.say(f"submitted job(s) {', '.join(self.job_ids)}; waiting (Ctrl-C stops waiting, not the job)")
         failures, stopped = wait(jobs, self.on_state, stale_s=self.cfg.timeout_s)
         return settled + [
-            Outcome(t, error, rank, f"job {j.job_id}", j.state.startswith("CANCELLED") and j.job_id not in stopped)
+            Outcome(
+                t,
+                error,
+                rank,
+                f"job {j.job_id}",
+                j.state.startswith("CANCELLED") and j.job_id not in stopped,
+                holder=job_launch(j.job_id, t) + "/",
+            )
             for t, j, (error, rank) in zip(tasks, jobs, failures, strict=True)
         ]
 

@@ -17,18 +17,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from basics.errors import ConfigError
 from basics.user_files import digits
 from runtime.config import RunConfig
+from runtime.errors import is_peer_failure
 from slurm.aggregate import aggregate
 from slurm.heartbeat import BeatWatch, kill_step, stopped_failure
 from slurm.job_errors import srun_task_ends
 from slurm.jobs import run_slurm
 from slurm.options import SlurmOptions
-from slurm.rank import exit_soon, is_peer_failure, rendezvous_port
+from slurm.rank import exit_soon, rendezvous_port
 from slurm.supervise import Outcome, tasks_with_work
 
 
@@ -39,6 +41,7 @@ def run_steps(
     on_state: Callable | None = None,
     poll_s: float = 2.0,
     tasks: list[int] | None = None,
+    folder: list | None = None,
 ) -> list[tuple[str | None, int | None]]:
     """Run array tasks (default all) as srun steps of the current allocation, one after the
     other; each step's (error, failing rank), error None when it succeeded. A step srun does not
@@ -49,7 +52,10 @@ def run_steps(
 
     cfg = absolute_paths(cfg)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-    folder = (cfg.out_dir / "slurm" / f"srun-{stamp}").resolve()
+    steps = (cfg.out_dir / "slurm" / f"srun-{stamp}").resolve()
+    if folder is not None:  # the caller learns where the steps ran (their launch keys)
+        folder.append(steps)
+    folder = steps
     try:
         code = snapshot_code(folder / "code")
     except OSError as exc:
@@ -63,8 +69,9 @@ def run_steps(
     errors: list[tuple[str | None, int | None]] = []
     for task in range(opts.array) if tasks is None else tasks:
         call = folder / f"call-{task}.pkl"
+        step = replace(cfg, queue=replace(cfg.queue, launch=step_launch(folder, task)))  # its workers' leases
         with open(call, "wb") as f:
-            pickle.dump((cfg, task, opts.array, decided), f)
+            pickle.dump((step, task, opts.array, decided), f)
         cmd = srun_command(cfg, folder, task, call)
         # srun's own messages, apart from the ranks' output: the reason it refused a step.
         srun_log = folder / f"task-{task}-srun.log"
@@ -109,6 +116,11 @@ def run_steps(
     return errors
 
 
+def step_launch(folder: Path, task: int) -> str:
+    """The launch key of array task `task`'s step, run from the steps' `folder`."""
+    return f"{folder.name}/t{task}"
+
+
 def _end(proc: subprocess.Popen) -> None:
     """End an srun that has not started its step (it then gives up the request)."""
     proc.terminate()
@@ -131,9 +143,11 @@ class SrunExecutor:
             self.say("nothing to run: every item's outputs exist (use --overwrite to redo them)")
             return [Outcome(t) for t in tasks]
         self.say(f"executor: srun in allocation {os.environ.get('SLURM_JOB_ID')}")
-        failures = run_steps(self.cfg, self.opts, decided, self.on_state, tasks=left)
+        folder: list[Path] = []
+        failures = run_steps(self.cfg, self.opts, decided, self.on_state, tasks=left, folder=folder)
         return [Outcome(t) for t in tasks if t not in left] + [
-            Outcome(t, error, rank, f"step {t}") for t, (error, rank) in zip(left, failures, strict=True)
+            Outcome(t, error, rank, f"step {t}", holder=step_launch(folder[0], t) + "/")
+            for t, (error, rank) in zip(left, failures, strict=True)
         ]
 
     def report(self) -> dict:
