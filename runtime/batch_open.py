@@ -40,8 +40,11 @@ def item_prices(cfg: RunConfig) -> dict[str, float]:
     for item in cfg.items:
         key = (item.size, item.steps, item.cfg_scale)
         if key not in priced:
-            problem = Problem(shape, item.size, item.steps, lay.nodes, lay.gpus_per_node, cfg_scale=item.cfg_scale)
-            priced[key] = item_seconds(hw, problem, lay)
+            try:
+                problem = Problem(shape, item.size, item.steps, lay.nodes, lay.gpus_per_node, cfg_scale=item.cfg_scale)
+                priced[key] = item_seconds(hw, problem, lay)
+            except (ConfigError, ValueError):  # a shape the cost model cannot price: its work, tokens x steps
+                priced[key] = float(item.tokens() * item.steps)
         out[item.id] = priced[key]
     return out
 

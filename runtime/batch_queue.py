@@ -69,12 +69,26 @@ class Worker:
     @classmethod
     def here(cls, label: str, launch: str = "") -> Worker:
         pid = os.getpid()
-        return cls(f"{socket.gethostname()}-{pid}-{uuid.uuid4().hex[:6]}", label, socket.gethostname(), pid,
-                   _start_time(pid), launch, slurm_job())  # fmt: skip
+        return cls(
+            f"{socket.gethostname()}-{pid}-{uuid.uuid4().hex[:6]}",
+            label,
+            socket.gethostname(),
+            pid,
+            _start_time(pid),
+            launch,
+            slurm_job(),
+        )
 
     def to_json(self) -> dict:
-        return {"worker": self.id, "label": self.label, "host": self.host, "pid": self.pid,
-                "pid_start": self.pid_start, "launch": self.launch, "job": self.job}  # fmt: skip
+        return {
+            "worker": self.id,
+            "label": self.label,
+            "host": self.host,
+            "pid": self.pid,
+            "pid_start": self.pid_start,
+            "launch": self.launch,
+            "job": self.job,
+        }
 
 
 def slurm_job() -> str:
@@ -199,9 +213,13 @@ class BatchQueue:
                     break
                 if st.kind in ("expired", "retry") and st.leases > self.retries:
                     why = st.why or st.data.get("error") or "failed"
-                    record = {"kind": "failed", "lease": st.last if st.kind == "expired" else st.data.get("lease"),
-                              "error": f"lease {st.last} lost: {why}" if st.kind == "expired" else why,
-                              "final": True, "recorded_by": worker.id}  # fmt: skip
+                    record = {
+                        "kind": "failed",
+                        "lease": st.last if st.kind == "expired" else st.data.get("lease"),
+                        "error": f"lease {st.last} lost: {why}" if st.kind == "expired" else why,
+                        "final": True,
+                        "recorded_by": worker.id,
+                    }
                     if self._next(item, st.last, record) is not None and on_given_up is not None:
                         on_given_up(item, record, st.leases)
                     continue
@@ -224,8 +242,12 @@ class BatchQueue:
         """Make lease's staged files the item's outputs, if it still holds: the decision is the
         creation of file token + 1 ("done"); then each file moves into OUT, the sidecar last.
         False (nothing moved) when another worker took the item over."""
-        done = {"kind": "done", "lease": lease.token, "worker": (record.get("queue") or {}).get("worker"),
-                "video_sha256": record.get("video_sha256")}  # fmt: skip
+        done = {
+            "kind": "done",
+            "lease": lease.token,
+            "worker": (record.get("queue") or {}).get("worker"),
+            "video_sha256": record.get("video_sha256"),
+        }
         if self._next(lease.item, lease.token, done) is None:
             return False
         self.finish_publishing(lease)
@@ -269,8 +291,10 @@ class BatchQueue:
         shutil.rmtree(self.stage(lease), ignore_errors=True)
         folder = self.root / "discarded"
         folder.mkdir(parents=True, exist_ok=True)
-        replace_json(folder / f"{lease.item}.{lease.token}.json", {"item": lease.item, "lease": lease.token,
-                     **worker.to_json(), "line": line, "at": now_text()})  # fmt: skip
+        replace_json(
+            folder / f"{lease.item}.{lease.token}.json",
+            {"item": lease.item, "lease": lease.token, **worker.to_json(), "line": line, "at": now_text()},
+        )
         return line
 
     def leases_of(self, match) -> list[Lease]:

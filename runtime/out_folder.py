@@ -18,9 +18,10 @@ from runtime.outputs import STATE_DIR, output_paths
 
 # What the tool keeps in an output folder, each a folder or a regular file where it exists:
 # its state (the lock, jobs.json of slurm/jobs.py, launch.json of slurm/launchers/env.py, the clock,
-# progress files, task and replica reports, the env launcher's rank errors), the logs of its
+# progress files, task and replica reports, the env launcher's rank errors, the batch's queue), the logs of its
 # submissions, and the run report.
-FOLDERS = (STATE_DIR, f"{STATE_DIR}/progress", f"{STATE_DIR}/reports", f"{STATE_DIR}/ranks", "logs")
+FOLDERS = (STATE_DIR, f"{STATE_DIR}/progress", f"{STATE_DIR}/reports", f"{STATE_DIR}/ranks", f"{STATE_DIR}/queue",
+           "logs")  # fmt: skip
 FILES = (f"{STATE_DIR}/lock", f"{STATE_DIR}/jobs.json", f"{STATE_DIR}/launch.json", f"{STATE_DIR}/clock",
          "report.json", "report.html")  # fmt: skip
 

@@ -63,6 +63,7 @@ class QueueWork:
         self.cfg, self.ctx, self.observer = cfg, ctx, observer
         self.items = {item.id: item for item in todo}
         self.queue = self.worker = self.keeper = None
+        self.published: tuple[str, dict] | None = None  # the last item this worker published, and its fence
         if ctx.is_writer:
             self.queue = open_batch(cfg)
             self.worker = Worker.here(label, cfg.queue.launch)
@@ -77,8 +78,13 @@ class QueueWork:
         for lease in self.queue.leases_of(lambda d: d.get("launch") == mine.launch and d.get("pid") != mine.pid):
             recorded, final = self.queue.fail(lease, "an earlier attempt of its job was requeued", False, mine.id)
             if recorded and lease.item in self.items:
-                record_failure(self.cfg, self.items[lease.item], "an earlier attempt of its job was requeued",
-                               self.queue.state(lease.item).leases, final=final)  # fmt: skip
+                record_failure(
+                    self.cfg,
+                    self.items[lease.item],
+                    "an earlier attempt of its job was requeued",
+                    self.queue.state(lease.item).leases,
+                    final=final,
+                )
 
     # -- the items ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Item]:
@@ -126,11 +132,17 @@ class QueueWork:
 
     def write(self, cfg: RunConfig, item: Item, *args, **kwargs) -> dict | None:
         """Write the item's files into the lease's staging folder, then publish them if the lease
-        still holds; None when it was taken over (the files are discarded, a line says so)."""
+        still holds; None when it was taken over (the files are discarded, a line says so). An
+        item this worker published already and makes again (--target-psnr's recalibration) is
+        written in place: once done, no other worker touches it."""
         lease = self.keeper.lease
-        record = write_item(replace(cfg, out_dir=self.queue.stage(lease)), item, *args, fence=self.fence(), **kwargs)
+        if lease is None and self.published is not None and self.published[0] == item.id:
+            return write_item(cfg, item, *args, fence=self.published[1], **kwargs)
+        fence = self.fence()
+        record = write_item(replace(cfg, out_dir=self.queue.stage(lease)), item, *args, fence=fence, **kwargs)
         if self.queue.publish(lease, record):
             self.keeper.set(None, "idle", done=True)
+            self.published = (item.id, fence)
             return record
         self.observer.message(self.queue.discard(lease, self.worker))
         self.keeper.set(None, "idle")
@@ -193,10 +205,18 @@ class LeaseKeeper:
     def _write(self) -> None:
         with self._lock:
             lease = self.lease
-            data = {**self.worker.to_json(), "state": self.state, "item": None if lease is None else lease.item,
-                    "token": None if lease is None else lease.token, "since": self.since, "started_at": self.started,
-                    "updated": time.time(), "done": self.done, "failed": self.failed,
-                    "item_s": [round(s, 3) for s in self.item_s[-20:]]}  # fmt: skip
+            data = {
+                **self.worker.to_json(),
+                "state": self.state,
+                "item": None if lease is None else lease.item,
+                "token": None if lease is None else lease.token,
+                "since": self.since,
+                "started_at": self.started,
+                "updated": time.time(),
+                "done": self.done,
+                "failed": self.failed,
+                "item_s": [round(s, 3) for s in self.item_s[-20:]],
+            }
         try:
             replace_json(self.path, data)
         except OSError:  # a full disk: the lease file is what counts, this is only the status view

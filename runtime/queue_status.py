@@ -115,8 +115,10 @@ def history(queue: BatchQueue, item: str) -> list[dict]:
 def queue_summary(out_dir: Path, batch: str | None) -> dict | None:
     """What a report says of the queue of batch `batch`: its workers (each with what it made and
     how it ended) and the late files it discarded (None: no queue, or another batch's)."""
+    if batch is None:
+        return None
     manifest = read_json_file(manifest_path(out_dir))
-    if batch is None or manifest is None or manifest.get("batch") != batch:
+    if manifest is None or manifest.get("batch") != batch:
         return None
     root = BatchQueue(out_dir, manifest).root
     workers = [read_json_file(p) or {} for p in sorted((root / "workers").glob("*.json"))]

@@ -226,6 +226,7 @@ class ReportWriter:
     timing: RunTiming | None = None  # a run that started a rank (None: settled without one)
     compiled: CompileRecord = field(default_factory=CompileRecord)  # --compile (runtime/compile.py)
     quantized: dict | None = None  # --quantize: what was quantized (runtime/quantize.py)
+    queue: dict | None = None  # the shared queue's workers as they stand (runtime/queue_status.py)
     started: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     wall_start: float = field(default_factory=time.perf_counter)
 
@@ -251,10 +252,8 @@ class ReportWriter:
             report["step_cache_calibration"] = self.step_cache_calibration
         report["compile"] = self.compiled.to_json()
         report["quantize"] = self.quantized
-        if self.cfg.queue.shared:  # its workers, as they stand now
-            from runtime.queue_status import queue_summary
-
-            report["queue"] = queue_summary(self.cfg.out_dir, self.cfg.queue.batch)
+        if self.queue is not None:
+            report["queue"] = self.queue
         if self.timing is not None:
             self.timing.compile_s = self.compiled.compile_s
             report["timing"] = self.timing.to_json(self.records)

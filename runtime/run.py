@@ -33,6 +33,7 @@ from runtime.profiling import StepProfiler, trace_name
 from runtime.progress import ProgressFile, progress_path
 from runtime.pull import QueueWork, StaticWork
 from runtime.quality import quality_record
+from runtime.queue_status import queue_summary
 from runtime.report import ItemTiming, ReportWriter, RunTiming, claim_bring_up_start, peak_memory, run_report
 from runtime.resume import plan_resume
 from runtime.video import write_json
@@ -317,10 +318,13 @@ def generate_all(
                 records[item.id] = record
                 report.timing.generated.append(item.id)
                 observer.item_finished(record)
+                report.queue = queue_summary(running.cfg.out_dir, running.cfg.queue.batch)
                 report.write()
         state = "finished"
     finally:
         work.close(state)
+        if ctx.is_writer:  # how its workers ended, this one's included
+            report.queue = queue_summary(running.cfg.out_dir, running.cfg.queue.batch)
 
 
 def item_source(running: Running, ctx: RankContext, observer: Observer, report_name: str):

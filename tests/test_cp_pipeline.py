@@ -197,25 +197,30 @@ def test_a_failing_rank_ends_the_local_run_within_the_step_timeout(runner, tmp_p
 
 @pytest.mark.distributed
 def test_replicas_split_the_items_and_match_one_process(runner, tmp_path):
-    """--replicas 2 on 2 ranks: two independent single-rank replicas take the items round-robin,
-    each writes its own report, and every video equals the one-process run."""
+    """--replicas 2 on 2 ranks: two independent single-rank replicas share the items (from the
+    folder's queue: each item made by one of them; --queue static: round-robin), each writes its
+    own report, and every video equals the one-process run."""
     prompts = tmp_path / "batch.txt"
     prompts.write_text("a red ball\na green ball\na blue ball\n")
     base = ["generate", "--prompts", str(prompts), "--save-latents", "--executor", "local", *FAST]
     assert runner.invoke(app, [*base, "--out", str(tmp_path / "one")]).exit_code == 0
-    result = runner.invoke(app, [*base, "--out", str(tmp_path / "two"), "--gpus", "2", "--replicas", "2"])
-    assert result.exit_code == 0, result.stderr
-    shares = [json.loads((tmp_path / "two" / ".ditango" / "reports" / f"replica-{r}.json").read_text()) for r in (0, 1)]
-    ids = [[i["id"] for i in share["items"]] for share in shares]
     everything = sorted(p.stem for p in (tmp_path / "one").glob("*.mp4"))
-    assert ids == [everything[0::2], everything[1::2]]
-    assert all(share["layout"]["world_size"] == 1 for share in shares)
-    report = json.loads((tmp_path / "two" / "report.json").read_text())
-    assert report["counts"] == {"done": 3, "skipped": 0, "failed": 0}
-    for stem in everything:
-        a = load_file(tmp_path / "one" / f"{stem}.latents.safetensors")["latents"]
-        b = load_file(tmp_path / "two" / f"{stem}.latents.safetensors")["latents"]
-        assert torch.equal(a, b), stem
+    for queue in ("shared", "static"):
+        out = tmp_path / queue
+        result = runner.invoke(app, [*base, "--out", str(out), "--gpus", "2", "--replicas", "2", "--queue", queue])
+        assert result.exit_code == 0, result.stderr
+        shares = [json.loads((out / ".ditango" / "reports" / f"replica-{r}.json").read_text()) for r in (0, 1)]
+        ids = [[i["id"] for i in share["items"]] for share in shares]
+        if queue == "static":
+            assert ids == [everything[0::2], everything[1::2]]
+        assert sorted(ids[0] + ids[1]) == everything  # each item made once
+        assert all(share["layout"]["world_size"] == 1 for share in shares)
+        report = json.loads((out / "report.json").read_text())
+        assert report["counts"] == {"done": 3, "skipped": 0, "failed": 0}
+        for stem in everything:
+            a = load_file(tmp_path / "one" / f"{stem}.latents.safetensors")["latents"]
+            b = load_file(out / f"{stem}.latents.safetensors")["latents"]
+            assert torch.equal(a, b), (queue, stem)
 
 
 def test_replicas_must_fit_the_allocation(runner, tmp_path):

@@ -393,7 +393,7 @@ def test_a_failure_after_the_folder_is_owned_is_this_ranks_and_recorded(tmp_path
     )
     launched = LaunchedRank(0, 1, 0, "a")
     monkeypatch.setattr(env_mod, "join", lambda *a, **k: None)
-    monkeypatch.setattr(env_mod, "_own_folder", lambda *a: (None, None, {}))
+    monkeypatch.setattr(env_mod, "_own_folder", lambda *a: (None, None, {}, None))
 
     def broken(*args):
         raise ModelDirError("cannot load the model from /m: OSError: no file named model.safetensors")

@@ -76,13 +76,21 @@ def every_item_once(out: Path, n: int) -> dict:
     return report
 
 
+def two_replicas_one_at_work(tmp_path: Path, out: Path, lease: float) -> tuple[subprocess.Popen, dict]:
+    """4 items on 2 replicas of 1 rank under `lease`; once replica 1 is at work on an item: the
+    run, and replica 1's worker file (its pid, its item)."""
+    args = ["--prompts", str(prompts(tmp_path, 4)), *SLOW, "--gpus", "2", "--replicas", "2", "--lease", str(lease)]
+    proc = start(*args, "--out", str(out))
+
+    def replica_1_at_work() -> dict | None:
+        return next((w for w in workers(out) if w["state"] == "working" and "replica-1" in w["label"]), None)
+
+    return proc, wait_for(replica_1_at_work)
+
+
 def test_a_replica_killed_in_an_item_loses_nothing(tmp_path):
     out = tmp_path / "out"
-    args = ["--prompts", str(prompts(tmp_path, 4)), *SLOW, "--gpus", "2", "--replicas", "2", "--lease", "3"]
-    proc = start(*args, "--out", str(out))
-    victim = wait_for(
-        lambda: next((w for w in workers(out) if w["state"] == "working" and "replica-1" in w["label"]), None)
-    )
+    proc, victim = two_replicas_one_at_work(tmp_path, out, lease=3)
     time.sleep(1.0)  # well inside the item
     os.kill(victim["pid"], signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
@@ -97,11 +105,7 @@ def test_a_replica_killed_in_an_item_loses_nothing(tmp_path):
 
 def test_a_writer_stopped_past_its_lease_publishes_nothing(tmp_path):
     out = tmp_path / "out"
-    args = ["--prompts", str(prompts(tmp_path, 4)), *SLOW, "--gpus", "2", "--replicas", "2", "--lease", "2"]
-    proc = start(*args, "--out", str(out))
-    victim = wait_for(
-        lambda: next((w for w in workers(out) if w["state"] == "working" and "replica-1" in w["label"]), None)
-    )
+    proc, victim = two_replicas_one_at_work(tmp_path, out, lease=2)
     os.kill(victim["pid"], signal.SIGSTOP)
     item = victim["item"]
     try:  # another worker takes the item over and publishes it

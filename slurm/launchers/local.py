@@ -91,8 +91,9 @@ class LocalExecutor:
             if cfg.world_size == 1:  # this process; the supervisor retries a failure as for many ranks
                 ctx = RankContext.single(cfg, select_device(cfg.device, 0))
                 observer = with_faults(self.observer, 0)
+                one = replace(cfg, queue=replace(cfg.queue, launch=f"{launch}/r0"))  # as replica 0's ranks are
                 try:
-                    self._report = execute(cfg, observer, ctx, skipped, report_name=name, decided=decided)
+                    self._report = execute(one, observer, ctx, skipped, report_name=name, decided=decided)
                 except ConfigError:
                     raise  # the user's mistake (a model that does not load): one line, exit 2
                 except Exception as exc:  # noqa: BLE001 - any other failure of the rank is the launch's outcome
