@@ -230,39 +230,26 @@ def test_replicas_must_fit_the_allocation(runner, tmp_path):
     assert "--replicas 4 must divide the 2 nodes, or split each node's 3 ranks evenly" in result.stderr
 
 
-@pytest.mark.distributed
-@pytest.mark.e2e
-def test_a_failing_replica_charges_only_its_own_item(runner, tmp_path, monkeypatch):
-    """2 replicas x 2 ranks: rank 3 (replica 1) raises inside item d. Every rank is stopped,
-    including replica 0 in the middle of its own item; only d is charged, and the item replica
-    0 was running is simply run again."""
+def four_items(tmp_path):
     prompts = tmp_path / "batch.jsonl"
     lines = [
         json.dumps({"id": i, "prompt": f"a {c} ball"})
         for i, c in zip("abcd", ("red", "green", "blue", "white"), strict=True)
     ]
     prompts.write_text("\n".join(lines) + "\n")
+    return ["generate", "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--gpus", "4", "--replicas", "2"]
+
+
+@pytest.mark.distributed
+@pytest.mark.e2e
+def test_a_failing_replica_charges_only_its_own_item(runner, tmp_path, monkeypatch):
+    """--queue static, 2 replicas x 2 ranks: rank 3 (replica 1) raises inside item d. Every rank
+    is stopped, including replica 0 in the middle of its own item; only d is charged, and the
+    item replica 0 was running is simply run again."""
     monkeypatch.setenv("DITANGO_FAULT_INJECT", "3:2:d")  # replica 1 takes b and d
+    args = [*four_items(tmp_path), "--parallel", "ring", "--executor", "local", "--retries", "0", "--queue", "static"]
+    result = runner.invoke(app, [*args, *FAST])
     out = tmp_path / "out"
-    args = [
-        "generate",
-        "--prompts",
-        str(prompts),
-        "--out",
-        str(out),
-        "--gpus",
-        "4",
-        "--replicas",
-        "2",
-        "--parallel",
-        "ring",
-        "--executor",
-        "local",
-        "--retries",
-        "0",
-        *FAST,
-    ]
-    result = runner.invoke(app, args)
     assert result.exit_code == 1
     assert "first: rank 3 failed: RuntimeError: injected fault on rank 3 after step 2" in result.stderr
     report = json.loads((out / "report.json").read_text())
@@ -271,6 +258,26 @@ def test_a_failing_replica_charges_only_its_own_item(runner, tmp_path, monkeypat
     for name in "abc":
         assert "attempts" not in json.loads((out / f"{name}.json").read_text())
     assert json.loads((out / "d.json").read_text())["attempts"] == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.e2e
+def test_a_failing_replica_ends_alone_under_the_queue(runner, tmp_path, monkeypatch):
+    """The shared queue, 2 replicas x 2 ranks: rank 3 (replica 1) raises in its first item. Only
+    replica 1 stops: its item is charged (no retry: given up), replica 0 makes the other three,
+    and the run says which worker was lost."""
+    monkeypatch.setenv("DITANGO_FAULT_INJECT", "3:2")
+    args = [*four_items(tmp_path), "--parallel", "ring", "--executor", "local", "--retries", "0"]
+    result = runner.invoke(app, [*args, *[a for a in FAST if a != "--quiet"]])
+    out = tmp_path / "out"
+    assert result.exit_code == 1, result.stderr
+    assert "replica 1 failed: rank 3 failed: RuntimeError: injected fault on rank 3 after step 2" in result.stderr
+    assert "note: replica 1 was lost" in result.stderr
+    report = json.loads((out / "report.json").read_text())
+    failed = [r for r in report["items"] if r["status"] == "failed"]
+    assert len(failed) == 1 and failed[0]["attempts"] == 1 and "injected fault" in failed[0]["error"]
+    done = [r for r in report["items"] if r["status"] == "done"]
+    assert len(done) == 3 and all("replica-0" in r["queue"]["label"] for r in done)
 
 
 def test_single_process_retries_an_item_in_process(runner, tmp_path, monkeypatch):

@@ -186,7 +186,9 @@ def run_ranks(
     (replica, RankFailed), the other replicas go on, and their results come back (None for the
     failed replica's ranks); only when every replica failed is RankFailed raised."""
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    # One message queue per replica: a replica stopped while one of its ranks held its queue's
+    # lock (a put in flight) would otherwise leave every other rank blocked on that lock.
+    queues = [ctx.Queue() for _ in range(replicas)]
     threads = rank_threads(world_size)
     if replicas < 1 or world_size % replicas:
         raise ValueError(f"{replicas} replicas do not divide {world_size} ranks")
@@ -197,7 +199,20 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_bootstrap,
-                args=(rank, world_size, replicas, rdzv, device, timeout_s, threads, log_dir, q, beats, target, args),
+                args=(
+                    rank,
+                    world_size,
+                    replicas,
+                    rdzv,
+                    device,
+                    timeout_s,
+                    threads,
+                    log_dir,
+                    queues[rank // (world_size // replicas)],
+                    beats,
+                    target,
+                    args,
+                ),
                 daemon=False,
             )
             for rank in range(world_size)
@@ -210,7 +225,7 @@ def run_ranks(
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
-            watch = _Watch(procs, q, beats, on_event)
+            watch = _Watch(procs, queues, beats, on_event)
             if on_replica_failed is not None:
                 return _isolated(watch, procs, replicas, stale_s, log_dir, on_replica_failed)
             while len(watch.results) < world_size and not watch.failures:
@@ -233,8 +248,8 @@ class _Watch:
     """What the supervisor knows of the ranks: their results, and the first sign of failure of
     each rank that failed."""
 
-    def __init__(self, procs, q, beats, on_event: Callable[[str, tuple], None] | None) -> None:
-        self.procs, self.q, self.beats, self.on_event = procs, q, beats, on_event
+    def __init__(self, procs, queues, beats, on_event: Callable[[str, tuple], None] | None) -> None:
+        self.procs, self.queues, self.beats, self.on_event = procs, list(queues), beats, on_event
         self.results: dict[int, object] = {}
         self.failures: dict[int, Failure] = {}
 
@@ -244,7 +259,7 @@ class _Watch:
         # so an exit seen here that the queue does not explain was a death without a word.
         now = time.monotonic()
         exited = {r: p.exitcode for r, p in enumerate(self.procs) if p.exitcode is not None}
-        for kind, rank, *rest in _receive(self.q, POLL_S):
+        for kind, rank, *rest in _receive(self.queues, POLL_S):
             if kind == "event":
                 if self.on_event is not None:
                     self.on_event(rest[0], rest[1])
@@ -298,6 +313,7 @@ def _isolated(watch: _Watch, procs, replicas: int, stale_s, log_dir, on_failed) 
             ranks = range(r * size, (r + 1) * size)
             failed[r] = rank_failed(watch.settle(ranks), log_dir)
             _stop([procs[g] for g in ranks])
+            watch.queues[r] = None  # its ranks may have died inside a put: never read again
             on_failed(r, failed[r])
     if len(failed) == replicas:
         raise failed[min(failed)]
@@ -307,16 +323,22 @@ def _isolated(watch: _Watch, procs, replicas: int, stale_s, log_dir, on_failed) 
     return [watch.results.get(g) for g in range(len(procs))]
 
 
-def _receive(q, timeout: float) -> list[tuple]:
-    """What the queue holds: waits up to `timeout` for a first message, then takes the rest."""
-    out = []
-    try:
-        out.append(q.get(timeout=timeout))
-        while True:
-            out.append(q.get_nowait())
-    except queue_mod.Empty:
-        pass
-    return out
+def _receive(queues, timeout: float) -> list[tuple]:
+    """What the queues hold (None: a stopped replica's, no longer read): waits up to `timeout`
+    for a first message, then takes the rest."""
+    live = [q for q in queues if q is not None]
+    out: list[tuple] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        for q in live:
+            try:
+                while True:
+                    out.append(q.get_nowait())
+            except queue_mod.Empty:
+                pass
+        if out or time.monotonic() >= deadline:
+            return out
+        time.sleep(min(0.01, timeout))
 
 
 def _exit_message(code: int) -> str:
