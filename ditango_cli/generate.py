@@ -41,8 +41,10 @@ def generate(args: RunOptions, run: GenerateArgs, options: dict, given: Given) -
         return _generate(args, run, options, given)
     except KeyboardInterrupt:  # typer then exits 130 without a word
         from runtime.outputs import status_counts
+        from runtime.queue_status import held_items
 
-        kept = status_counts(args.output.out, alive=False) if args.output.out.is_dir() else "nothing"
+        out = args.output.out
+        kept = status_counts(out, alive=False, held=held_items(out)) if out.is_dir() else "nothing"
         typer.echo(
             f"interrupted: {args.output.out} keeps what finished ({kept}); the same command resumes the rest", err=True
         )

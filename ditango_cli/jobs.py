@@ -27,7 +27,7 @@ def status(out: OutArg) -> int:
     from runtime.lock import FolderBusy, FolderLock
     from runtime.outputs import require_output_folder, status_counts
     from runtime.progress import heartbeat_line, read_progress
-    from runtime.queue_status import queue_lines, queue_view
+    from runtime.queue_status import held_items, queue_lines, queue_view
     from slurm.job_errors import job_states
     from slurm.jobs import ended_state, failed_state, recorded_jobs
 
@@ -45,7 +45,7 @@ def status(out: OutArg) -> int:
         alive = any(not ended_state(r["state"]) for r in rows)
     except FolderBusy:
         alive = True
-    counts = status_counts(out, alive)
+    counts = status_counts(out, alive, held_items(out))
     resume = "; the same command resumes the interrupted" if "interrupted" in counts else ""
     console.print(f"items in {out}: {counts}{resume}", highlight=False, soft_wrap=True)
     report = out / "report.json"

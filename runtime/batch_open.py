@@ -13,7 +13,9 @@ other videos.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import uuid
 from dataclasses import replace
 
@@ -21,7 +23,7 @@ from basics.errors import ConfigError
 from runtime.batch_queue import LEASE_S, BatchQueue, manifest_path, now_text, queue_dir
 from runtime.config import QueueSpec, RunConfig
 from runtime.outputs import video_method
-from runtime.queue_files import read_json_file, replace_json
+from runtime.queue_files import make_folder, read_json_file, replace_json
 from runtime.report import SCHEMA
 
 
@@ -84,7 +86,7 @@ def begin_batch(cfg: RunConfig, skipped: set[str], key: str, options: dict, ende
         ],
     }
     folder = queue_dir(cfg.out_dir)
-    (folder / batch).mkdir(parents=True, exist_ok=True)
+    make_folder(folder / batch)
     replace_json(manifest_path(cfg.out_dir), manifest)
     for stale in folder.iterdir():  # earlier batches' histories: nobody works on them any more
         if stale.is_dir() and stale.name != batch:
@@ -102,8 +104,16 @@ def clear_batch(cfg: RunConfig, ended=()) -> None:
 
 
 def refuse_if_live(cfg: RunConfig, manifest: dict, ended=()) -> None:
+    """A one-line ConfigError when a worker of another batch holds a live lease in the folder.
+    Not counted: the leases of the Slurm jobs in `ended`, and those of this very process (a
+    command it ran before, whose failure could not be recorded: a full disk)."""
+
+    def gone(lease: dict) -> bool:
+        here = lease.get("host") == socket.gethostname() and lease.get("pid") == os.getpid()
+        return here or lease.get("job") in ended
+
     try:
-        live = [(i, d) for i, d in BatchQueue(cfg.out_dir, manifest).live_leases() if d.get("job") not in ended]
+        live = [(i, d) for i, d in BatchQueue(cfg.out_dir, manifest).live_leases() if not gone(d)]
     except (KeyError, TypeError, ValueError):  # a damaged batch file: nobody can work on it
         return
     if live:

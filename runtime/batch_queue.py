@@ -33,7 +33,16 @@ from pathlib import Path
 
 from runtime.lock import _alive, _start_time
 from runtime.outputs import state_dir
-from runtime.queue_files import create_exclusive, fs_now, fsync_folder, numbered, read_json_file, replace_json, touch
+from runtime.queue_files import (
+    create_exclusive,
+    fs_now,
+    fsync_folder,
+    make_folder,
+    numbered,
+    read_json_file,
+    replace_json,
+    touch,
+)
 
 QUEUE_DIR = "queue"
 LEASE_S = 60.0  # --lease: a lease not renewed for this long is taken over
@@ -195,7 +204,7 @@ class BatchQueue:
     # -- changing: each a file n + 1, created exclusively -------------------------------
     def _next(self, item: str, last: int, data: dict) -> Path | None:
         folder = self.item_dir(item)
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder)
         path = folder / str(last + 1)
         return path if create_exclusive(path, {**data, "at": now_text()}) else None
 
@@ -290,7 +299,7 @@ class BatchQueue:
         )
         shutil.rmtree(self.stage(lease), ignore_errors=True)
         folder = self.root / "discarded"
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder)
         replace_json(
             folder / f"{lease.item}.{lease.token}.json",
             {"item": lease.item, "lease": lease.token, **worker.to_json(), "line": line, "at": now_text()},

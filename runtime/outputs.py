@@ -224,13 +224,19 @@ def progress_line(cfg: RunConfig, states: list[str]) -> str:
     )
 
 
-def status_counts(out_dir: Path, alive: bool = True) -> str:
-    """'5 done, 1 running': the item sidecars of `out_dir` by status (done always shown). Not
+def status_counts(out_dir: Path, alive: bool = True, held: frozenset[str] = frozenset()) -> str:
+    """'5 done, 1 running': the item sidecars of `out_dir` by status (done always shown), the
+    items a queue's lease holds (`held`, runtime/queue_status.py) running unless done. Not
     `alive` (no job and no process works on the folder): a running item was interrupted."""
     counts: dict[str, int] = {}
+    seen = set()
     for _, record in item_records(out_dir):
-        status = record.get("status")
+        seen.add(record.get("id"))
+        status = RUNNING if record.get("id") in held and record.get("status") != "done" else record.get("status")
         status = status if status != RUNNING or alive else "interrupted"
+        counts[status] = counts.get(status, 0) + 1
+    for _ in held - seen:
+        status = RUNNING if alive else "interrupted"
         counts[status] = counts.get(status, 0) + 1
     shown = ("done", RUNNING, "interrupted", "failed")
     return ", ".join(f"{counts.get(s, 0)} {s}" for s in shown if counts.get(s) or s == "done")

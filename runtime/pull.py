@@ -20,7 +20,7 @@ from runtime.batch_queue import BatchQueue, Lease, Worker, manifest_path, now_te
 from runtime.config import Item, RunConfig
 from runtime.context import Observer, RankContext
 from runtime.outputs import mark_running, record_failure
-from runtime.queue_files import read_json_file, replace_json
+from runtime.queue_files import make_folder, read_json_file, replace_json
 from runtime.writer import write_item
 
 BROADCAST_S = 5.0  # an idle writer tells its ranks to wait at least this often (their collectives time out)
@@ -179,7 +179,7 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.path = queue.worker_file(worker.id)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(self.path.parent)
         self._write()
         self._thread = threading.Thread(target=self._run, name="ditango-lease", daemon=True)
         self._thread.start()

@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
 from basics.errors import ConfigError
 from basics.user_files import read_text
+from runtime.errors import OutputWriteError
 
 READ_LIMIT = 2**20  # a queue file is a few hundred bytes; a larger one is not ours
 
@@ -32,10 +34,27 @@ def fsync_folder(folder: Path) -> None:
             os.close(fd)
 
 
+def make_folder(path: Path) -> Path:
+    """`path` made (with its parents) if missing; an OutputWriteError when the disk refuses."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputWriteError.of(path, exc) from None
+    return path
+
+
 def create_exclusive(path: Path, data: dict) -> bool:
     """Create `path` holding `data` (JSON) in one step, unless it exists: True when this call made
     it. Nobody ever reads it half written. The temporary file is fsynced first, so the link
-    never names an empty file after a crash."""
+    never names an empty file after a crash. A file system that refuses the write (full, read
+    only) is an OutputWriteError naming the file."""
+    try:
+        return _create_exclusive(path, data)
+    except OSError as exc:
+        raise OutputWriteError.of(path, exc) from None
+
+
+def _create_exclusive(path: Path, data: dict) -> bool:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     text = json.dumps(data, ensure_ascii=False, allow_nan=False) + "\n"
     try:
@@ -70,6 +89,8 @@ def replace_json(path: Path, data: dict) -> None:
     try:
         tmp.write_text(json.dumps(data, ensure_ascii=False, allow_nan=False) + "\n", encoding="utf-8")
         os.replace(tmp, path)
+    except OSError as exc:
+        raise OutputWriteError.of(path, exc) from None
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -86,10 +107,14 @@ def read_json_file(path: Path) -> dict | None:
 
 
 def fs_now(folder: Path) -> float:
-    """Now by the file server's clock (the one mtimes are set by): the mtime of a file touched."""
+    """Now by the file server's clock (the one mtimes are set by): the mtime of a file touched;
+    this host's clock where the file cannot be made (a full disk: ages are only read then)."""
     stamp = folder / ".clock"
-    stamp.touch()
-    return stamp.stat().st_mtime
+    try:
+        stamp.touch()
+        return stamp.stat().st_mtime
+    except OSError:
+        return time.time()
 
 
 def touch(path: Path) -> bool:

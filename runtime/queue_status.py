@@ -132,3 +132,15 @@ def queue_summary(out_dir: Path, batch: str | None) -> dict | None:
         ],
         "discarded": [d.get("line") for d in discarded],
     }
+
+
+def held_items(out_dir: Path) -> frozenset[str]:
+    """The items whose last word in the folder's batch is a lease: in flight, or interrupted."""
+    manifest = read_json_file(manifest_path(out_dir))
+    if manifest is None or not isinstance(manifest.get("batch"), str) or not isinstance(manifest.get("items"), list):
+        return frozenset()
+    try:
+        queue = BatchQueue(out_dir, manifest)
+    except (KeyError, TypeError, ValueError):
+        return frozenset()
+    return frozenset(lease.item for lease in queue.leases_of(lambda data: True))

@@ -95,7 +95,7 @@ def supervise(cfg: RunConfig, executor: Executor, tasks: int, say: Callable[[str
                 said, ok = blame(cfg, o.message, attempts, given_up, attempt, items, retry)
             lines, recorded = lines + said, recorded and ok
         if queue is not None:
-            lines += recorded_failures(queue, attempt)  # those its workers recorded themselves
+            lines += recorded_failures(queue, attempt, retry)  # those its workers recorded themselves
             if not queue.left():  # the workers that were left finished the batch
                 return Supervised(notes=[f"{lost(o)}; the other workers finished the batch" for o in failed] + lines)
         if not lines:  # a failure outside any item: retrying cannot help
@@ -126,11 +126,11 @@ def break_leases(cfg: RunConfig, queue, o: Outcome, given_up: dict, retry: bool)
     holder = o.holder or ""
     for lease in queue.leases_of(lambda data: holder and str(data.get("launch", "")).startswith(holder)):
         item = next(i for i in cfg.items if i.id == lease.item)
-        done, final = queue.fail(lease, o.message, not retry, "launcher")
-        if not done:  # another worker took it over first
-            continue
-        n = queue.state(item.id).leases
         try:
+            done, final = queue.fail(lease, o.message, not retry, "launcher")
+            if not done:  # another worker took it over first
+                continue
+            n = queue.state(item.id).leases
             record = record_failure(cfg, item, o.message, n, final=final)
         except OutputWriteError as exc:
             lines.append(f"{item.id} failed ({o.message}); the failure could not be recorded ({exc}); {STOPPED}")
@@ -150,10 +150,10 @@ def attempt_line(item_id: str, error: str, n: int, final: bool, retries: int, re
     return f"{item_id} failed ({error}); retry {n} of {retries}"
 
 
-def recorded_failures(queue, since: float) -> list[str]:
+def recorded_failures(queue, since: float, retry: bool = True) -> list[str]:
     """A line per failure the workers recorded in the queue since `since` (fs_clock)."""
     return [
-        attempt_line(item, data.get("error") or "failed", attempts, bool(data.get("final")), queue.retries)
+        attempt_line(item, data.get("error") or "failed", attempts, bool(data.get("final")), queue.retries, retry)
         for item, data, attempts in queue.failures_since(since)
         if data.get("recorded_by") != "launcher"
     ]
