@@ -182,7 +182,9 @@ class ParallelArgs:
             "or auto (env under such a launcher, Slurm when needed).",
         ),
     ] = ExecutorChoice.auto
-    replicas: Annotated[int, _o("--replicas", min=1, help="Independent model replicas taking items round-robin.")] = 1
+    replicas: Annotated[
+        int, _o("--replicas", min=1, help="Independent model replicas, each taking the next item (--queue).")
+    ] = 1
     layout: Annotated[
         LayoutChoice | None, _o("--layout", help="auto: the cost model picks replicas, strategy, CFG and sharding.")
     ] = None

@@ -269,8 +269,9 @@ class RunConfig:
     host_memory: int | None = None  # host bytes per node the run needs (planner/host_memory.py): Slurm's --mem
     retries: int = 1  # a failed item is tried again this many times before it is given up
     # Data parallelism: `replicas` independent copies of `layout` (each its own process group)
-    # take the items from the queue (or round-robin, --queue static). The allocation is replicas x layout.world_size ranks on
-    # nodes of `alloc_gpus_per_node` ranks (None: layout.gpus_per_node).
+    # take the items from the queue (or round-robin, --queue static). The allocation is
+    # replicas x layout.world_size ranks on nodes of `alloc_gpus_per_node` ranks (None:
+    # layout.gpus_per_node).
     replicas: int = 1
     alloc_gpus_per_node: int | None = None
     # The effective command-line options (report.json records them: a run file for a rerun)

@@ -3,7 +3,8 @@
 One rank runs in this process. Several ranks run as local processes (`--executor local`);
 `--nodes M` then means M virtual nodes: rank r sits on node r // gpus_per_node, which is
 what the byte counters and the topology-aware strategies see. With `--replicas R` the ranks
-form R independent process groups, each taking items round-robin. `--array N` runs the
+form R independent process groups, each taking the next item from the output folder's queue
+(round-robin with --queue static); a replica that fails ends alone. `--array N` runs the
 shards one after another. Retries are the supervisor's (slurm/supervise.py).
 """
 
