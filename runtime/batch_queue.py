@@ -179,8 +179,10 @@ class BatchQueue:
             return ItemState("done", last, data, leases, age)
         if kind == "failed":
             return ItemState("failed" if data.get("final") else "retry", last, data, leases, age)
-        if kind != "lease":  # a file of another kind, or one that cannot be read: not ours to judge
-            return ItemState("leased", last, data, leases, age)
+        if kind != "lease":  # unreadable, or of another kind: waited out as a lease would be
+            if age <= self.lease_s:
+                return ItemState("leased", last, data, leases, age)
+            return ItemState("expired", last, data, leases, age, f"its last record ({path.name}) cannot be read")
         if _dead_here(data):
             why = f"its worker, pid {data.get('pid')} on {data.get('host')}, is gone"
             return ItemState("expired", last, data, leases, age, why)
@@ -211,8 +213,8 @@ class BatchQueue:
     def claim(self, worker: Worker, on_given_up=None) -> Lease | str:
         """The next item in order this worker may take: a new lease on it, or "wait" (others
         hold what is left) or "end" (every item is settled). An expired lease is taken over;
-        one whose item used up its attempts is given up instead (`on_given_up(item, record)`,
-        the failure recorded in the history)."""
+        one whose item used up its attempts is given up instead (`on_given_up(item, record,
+        attempts)`, once the failure is recorded in the history)."""
         waiting = False
         for item in self.order:
             while not self.settled(item, now := fs_now(self.root)):

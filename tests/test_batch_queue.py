@@ -169,7 +169,7 @@ def test_the_same_command_goes_on_with_its_batch_and_another_is_refused_while_wo
     cfg, queue = begun(tmp_path)
     again = begin_batch(config(tmp_path), set(), "command-1", {})
     assert again.queue.batch == cfg.queue.batch
-    queue.claim(worker("busy"))
+    queue.claim(replace(worker("busy"), pid=os.getppid(), pid_start=None))  # a live process, not this one
     with pytest.raises(ConfigError, match="worker.s. of an earlier batch at work .*--join"):
         begin_batch(config(tmp_path), set(), "command-2", {})
     assert read_batch(tmp_path)["batch"] == cfg.queue.batch  # nothing changed
