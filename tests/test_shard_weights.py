@@ -27,8 +27,11 @@ def _run(runner, out: Path, *extra: str) -> tuple[torch.Tensor, dict]:
 
 @pytest.mark.parametrize(
     "strategy",
-    [["--parallel", "ring"], ["--parallel", "ulysses"], ["--parallel", "ditango", "--group-size", "1"]],
-    ids=["ring", "ulysses", "ditango"],
+    [
+        pytest.param(["--parallel", "ring"], id="ring"),
+        pytest.param(["--parallel", "ulysses"], id="ulysses", marks=pytest.mark.sweep),
+        pytest.param(["--parallel", "ditango", "--group-size", "1"], id="ditango", marks=pytest.mark.sweep),
+    ],
 )
 @pytest.mark.distributed
 def test_sharded_weights_give_the_unsharded_latents(runner, tmp_path, strategy):

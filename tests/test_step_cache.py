@@ -121,7 +121,14 @@ def _ranks_target(rank, world, events, strategy, texts):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("world", "strategy"), [(2, "ring"), (4, "ulysses"), (4, "ditango")])
+@pytest.mark.parametrize(
+    ("world", "strategy"),
+    [
+        (2, "ring"),
+        pytest.param(4, "ulysses", marks=pytest.mark.sweep),
+        pytest.param(4, "ditango", marks=pytest.mark.sweep),
+    ],
+)
 def test_every_rank_takes_the_same_decisions(one_process, world, strategy):
     """Each rank sees its own chunk: first-block's change of the first block's residual would
     differ per chunk, so ranks would skip different steps and their exchanges could not pair
