@@ -76,12 +76,12 @@ def status_kib(field: str) -> int:
 def load_before(model, placement, on_cpu=()):
     """The loader before this change (runtime/models/loading.py at 1507660): the pipeline
     on the CPU in the requested dtypes, then each component moved to its device."""
-    import diffusers
     import torch
 
+    from runtime.models.families import find_class
     from runtime.models.loading import _dtype_kwarg
 
-    pipeline_class = getattr(diffusers, model.spec.variant.pipeline)
+    pipeline_class = find_class(model.spec.variant.pipeline)
     dtypes = {"default": placement.dtype, "vae": torch.float32, "image_encoder": torch.float32}
     pipe = pipeline_class.from_pretrained(
         str(model.path), local_files_only=True, use_safetensors=True, **{_dtype_kwarg(pipeline_class): dtypes}

@@ -54,20 +54,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# kind, name, config overrides, (height, width, frames), dtype, tiling (VAE: tile px or 0)
+# kind, name, config (a transformer config, or a registry name: its transformer's or VAE's),
+# (height, width, frames), dtype, tiling (VAE: tile px or 0)
 WAN_SMALL = {"num_layers": 2, "num_attention_heads": 12, "attention_head_dim": 64, "ffn_dim": 3072, "in_channels": 16,
              "out_channels": 16, "text_dim": 256, "patch_size": [1, 2, 2], "rope_max_seq_len": 256,
              "qk_norm": "rms_norm_across_heads", "cross_attn_norm": True}  # fmt: skip
 WAN_WIDE = {**WAN_SMALL, "num_layers": 1, "num_attention_heads": 16, "attention_head_dim": 128, "ffn_dim": 8192}
 CASES = [
-    ("transformer", "tiny-wan", "tiny", (64, 64, 17), "float32", 0),
+    ("transformer", "tiny-wan", "tiny-wan", (64, 64, 17), "float32", 0),
     ("transformer", "wan C=768 F=3072", WAN_SMALL, (320, 320, 33), "float32", 0),
     ("transformer", "wan C=768 F=3072", WAN_SMALL, (320, 320, 33), "bfloat16", 0),
     ("transformer", "wan C=2048 F=8192", WAN_WIDE, (256, 256, 25), "float32", 0),
     ("transformer", "wan C=2048 F=8192", WAN_WIDE, (256, 256, 17), "bfloat16", 0),
-    ("vae", "wan2.1 vae", "wan", (64, 96, 9), "float32", 0),
-    ("vae", "wan2.1 vae", "wan", (128, 128, 5), "float32", 0),
-    ("vae", "wan2.1 vae tiled 64px", "wan", (96, 96, 5), "float32", 64),
+    ("vae", "wan2.1 vae", "wan2.1-14b", (64, 96, 9), "float32", 0),
+    ("vae", "wan2.1 vae", "wan2.1-14b", (128, 128, 5), "float32", 0),
+    ("vae", "wan2.1 vae tiled 64px", "wan2.1-14b", (96, 96, 5), "float32", 64),
     ("vae", "hunyuanvideo vae", "hunyuanvideo", (64, 64, 9), "float32", 0),
     ("vae", "hunyuanvideo vae tiled 64px", "hunyuanvideo", (64, 96, 5), "float32", 64),
 ]
@@ -111,7 +112,9 @@ def run_case(index: int) -> dict:
     from planner.layout import ParallelLayout
     from planner.memory import MemoryOptions, block_bytes
     from planner.models import VideoSize
-    from runtime.models import registry, wan
+    from runtime.models import wan
+    from runtime.models.families import FAMILIES
+    from runtime.models.registry import REGISTRY
 
     kind, name, config, (H, W, F), dtype, tile = CASES[index]
     torch.manual_seed(0)
@@ -121,9 +124,10 @@ def run_case(index: int) -> dict:
     if kind == "transformer":
         from diffusers import WanTransformer3DModel
 
-        cfg = registry.TINY_CONFIG if config == "tiny" else config
+        named = isinstance(config, str)
+        cfg = REGISTRY[config].named.transformer if named else config
         known = set(WanTransformer3DModel.extract_init_dict(cfg)[0])
-        stride = 4 if config == "tiny" else 8
+        stride = REGISTRY[config].defaults.vae_stride if named else 8
         shape = wan.shape_of(name, cfg, 0, 32, (4, stride, stride))
         f, h, w = shape.latent_shape(VideoSize(H, W, F))
         x = torch.randn(1, cfg["in_channels"], f, h, w, dtype=dt)
@@ -149,12 +153,12 @@ def run_case(index: int) -> dict:
     from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLWan
 
     cls = AutoencoderKLHunyuanVideo if config == "hunyuanvideo" else AutoencoderKLWan
-    cfg = registry.VAE_CONFIGS[config]
+    cfg = REGISTRY[config].named.vae
     before = _status("VmRSS")
     vae = cls(**cfg).eval()
     weights = _status("VmRSS") - before
     params = sum(p.numel() for p in vae.parameters())
-    adapter = registry.hunyuan if config == "hunyuanvideo" else wan
+    adapter = FAMILIES[REGISTRY[config].family]
     shape = adapter.vae_shape_of(cfg, params)
     latent = ((F - 1) // shape.temporal + 1, H // shape.spatial, W // shape.spatial)
     z = torch.randn(1, shape.z_dim, *latent)

@@ -63,7 +63,8 @@ def main() -> None:
     size = dict(height=args.height, width=args.width, num_frames=args.frames)
     text = Denoiser(components, placement, text_len).encode_text(prompt, negative, args.guidance)
     out = Path(tempfile.mkdtemp(prefix="ditango-overhead-"))
-    geometry = {"vae_stride": resolved.spec.defaults.vae_stride, "patch": resolved.spec.defaults.patch}
+    d = resolved.spec.defaults
+    geometry = {"vae_stride": d.vae_stride, "temporal_stride": d.temporal_stride, "patch": d.patch}
     item = Item(
         "bench", prompt, negative, seed, args.height, args.width, args.frames, args.steps, args.guidance, **geometry
     )

@@ -27,7 +27,7 @@ float32 (the CPU default), torch threads = the cores this process may use.
    (a) `tiny-wan` at its default size (64x64, 17 frames: 320 tokens, 4 blocks), the first
        prompt, `--rounds` runs per variant of `--timed-steps` steps (a schedule that long);
        ms per denoising step (both CFG branches and the scheduler step);
-   (b) Wan2.1-1.3B's widths (runtime/models/registry.py CONFIGS["wan2.1-1.3b"]: 12 heads x
+   (b) Wan2.1-1.3B's widths (runtime/models/wan/models.py WAN21_1_3B: 12 heads x
        128 = 1536 wide, FFN 8960, text_dim 4096) with 2 blocks instead of 30, random weights
        (seed 0), diffusers' WanTransformer3DModel called directly on latents
        [1, 16, --wide-frames, 30, 52] (5 frames: 1,950 tokens) and 512 text tokens, one
@@ -67,8 +67,8 @@ from benchmarks.harness import bench  # noqa: E402
 from runtime.compile import CompileRecord, compile_blocks  # noqa: E402
 from runtime.denoiser import Denoiser  # noqa: E402
 from runtime.models.loading import load_components, resolve_placement  # noqa: E402
-from runtime.models.registry import CONFIGS  # noqa: E402
 from runtime.models.resolve import resolve_model  # noqa: E402
+from runtime.models.wan.models import WAN21_1_3B  # noqa: E402
 from runtime.quality import latent_rel_err, psnr, ssim  # noqa: E402
 from runtime.quantize import quantize_transformers  # noqa: E402
 
@@ -225,7 +225,7 @@ def wide_model() -> torch.nn.Module:
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
-    return WanTransformer3DModel(**{**CONFIGS[WIDE], "num_layers": WIDE_BLOCKS}).eval()
+    return WanTransformer3DModel(**{**WAN21_1_3B, "num_layers": WIDE_BLOCKS}).eval()
 
 
 @torch.no_grad()
@@ -233,9 +233,9 @@ def wide_speed(frames: int, forwards: int) -> tuple[list[dict], int]:
     """Wan2.1-1.3B's widths, 2 blocks: s per transformer forward of each variant, the variants
     taking turns (one forward each, `forwards` rounds); and the tokens."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, CONFIGS[WIDE]["in_channels"], frames, 30, 52, generator=gen)
+    x = torch.randn(1, WAN21_1_3B["in_channels"], frames, 30, 52, generator=gen)
     t = torch.tensor([500.0])
-    text = torch.randn(1, WIDE_TEXT_LEN, CONFIGS[WIDE]["text_dim"], generator=gen)
+    text = torch.randn(1, WIDE_TEXT_LEN, WAN21_1_3B["text_dim"], generator=gen)
     tokens = frames * (30 // 2) * (52 // 2)
     models, records, step_s, outputs = {}, {}, {key: [] for key in VARIANTS}, {}
     for precision, compile_ in VARIANTS:

@@ -307,6 +307,7 @@ def check_size(defaults, height: int, width: int, frames: int, steps: int, guida
         guidance=guidance,
         source="simulate",
         vae_stride=defaults.vae_stride,
+        temporal_stride=defaults.temporal_stride,
         patch=defaults.patch,
     )
     check_geometry(item, defaults)

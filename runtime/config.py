@@ -23,19 +23,11 @@ from runtime.step_cache_options import StepCacheSpec
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
 
-# Wan2.1's VAE compresses 4x in time and 8x in space; the transformer patchifies 2x2.
-# Models may differ in space (Item.vae_stride, Item.patch); time is 4x for every Wan VAE.
-TEMPORAL_STRIDE = 4
-
 
 def _nearest_multiples(value: int, multiple: int) -> str:
     lo = max(multiple, value // multiple * multiple)
     hi = lo + multiple if lo <= value else lo
     return f"{lo}" if lo == hi else f"{lo} or {hi}"
-
-
-# diffusers' tile defaults: 256-pixel tiles every 192 pixels (a quarter overlaps, and is blended).
-STRIDE_FRACTION = 0.75
 
 
 @dataclass(frozen=True)
@@ -117,20 +109,23 @@ class Item:
     scheduler: str | None = None
     flow_shift: float | None = None
     fps: int = 16  # the MP4's frame rate
-    # The model's geometry (from its registry spec): VAE spatial stride and transformer patch.
+    # The model's geometry (from its spec): the VAE's spatial and temporal strides, the
+    # transformer's patch (Wan2.1: 8x in space, 4x in time, 2x2 patches).
     vae_stride: int = 8
     patch: tuple[int, int, int] = (1, 2, 2)
+    temporal_stride: int = 4
     _tokens: int = field(init=False, repr=False, compare=False)  # `tokens()`, counted once
 
     def __post_init__(self) -> None:
         where = f"{self.source}: " if self.source else ""
         if not self.prompt.strip():
             raise ConfigError(f"{where}prompt is empty")
-        if self.frames < 1 or (self.frames - 1) % TEMPORAL_STRIDE:
-            k = max(0, round((self.frames - 1) / TEMPORAL_STRIDE))
+        t = self.temporal_stride
+        if self.frames < 1 or (self.frames - 1) % t:
+            k = max(0, round((self.frames - 1) / t))
             raise ConfigError(
-                f"{where}frames must be 4k+1 (Wan's VAE compresses time 4x), got {self.frames}; "
-                f"try {4 * k + 1}" + (f" or {4 * k + 5}" if 4 * k + 1 < self.frames else "")
+                f"{where}frames must be {t}k+1 (the model's VAE compresses time {t}x), got {self.frames}; "
+                f"try {t * k + 1}" + (f" or {t * k + t + 1}" if t * k + 1 < self.frames else "")
             )
         multiple = self.vae_stride * self.patch[1]
         for name, value in (("height", self.height), ("width", self.width)):
@@ -168,7 +163,8 @@ class Item:
     @property
     def latent_shape(self) -> tuple[int, int, int]:
         """(frames, height, width) of the latent video."""
-        return ((self.frames - 1) // TEMPORAL_STRIDE + 1, self.height // self.vae_stride, self.width // self.vae_stride)
+        t, s = self.temporal_stride, self.vae_stride
+        return ((self.frames - 1) // t + 1, self.height // s, self.width // s)
 
     @property
     def size(self) -> VideoSize:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from basics.errors import ConfigError
 from basics.user_files import TEXT_LIMIT, check_text, parse_json, read_text, require_regular_file, user_path
-from runtime.config import TEMPORAL_STRIDE, Item
+from runtime.config import Item
 from runtime.models import adapters, schedulers
 from runtime.models.adapters import Adapter
 from runtime.models.registry import Defaults
@@ -180,6 +180,7 @@ def make_item(
         flow_shift=pick("flow_shift", cli.flow_shift, None),
         fps=pick("fps", cli.fps, defaults.fps),
         vae_stride=defaults.vae_stride,
+        temporal_stride=defaults.temporal_stride,
         patch=defaults.patch,
         index=index,
         source=source,
@@ -246,7 +247,7 @@ def check_geometry(item: Item, defaults: Defaults) -> None:
     transformer with a reshape error, on every retry.
 
     - width: a multiple of VAE stride x the patch's width (Item checks the patch's height);
-    - latent frames ((frames - 1) / 4 + 1): a multiple of the patch's time extent;
+    - latent frames ((frames - 1) / time stride + 1): a multiple of the patch's time extent;
     - patches along each axis: at most the rotary table's length (`rope_max_seq_len`), which
       WanRotaryPosEmbed slices and reshapes without a check.
     """
@@ -260,16 +261,17 @@ def check_geometry(item: Item, defaults: Defaults) -> None:
             f"{where}width must be a positive multiple of {multiple} (VAE {stride}x times patch {p_w}x), "
             f"got {item.width}; try {lo}" + (f" or {lo + multiple}" if lo < item.width else "")
         )
-    latent_frames = (item.frames - 1) // TEMPORAL_STRIDE + 1
+    t = item.temporal_stride
+    latent_frames = (item.frames - 1) // t + 1
     if latent_frames % p_t:
         lo = max(p_t, latent_frames // p_t * p_t)
-        options = [TEMPORAL_STRIDE * (n - 1) + 1 for n in ((lo,) if lo > latent_frames else (lo, lo + p_t))]
+        options = [t * (n - 1) + 1 for n in ((lo,) if lo > latent_frames else (lo, lo + p_t))]
         raise ConfigError(
             f"{where}frames must give a multiple of {p_t} latent frames (the transformer's time patch), "
             f"got {item.frames} ({latent_frames} latent frames); try {' or '.join(map(str, options))}"
         )
     largest = {
-        "frames": TEMPORAL_STRIDE * (limit * p_t - 1) + 1,
+        "frames": t * (limit * p_t - 1) + 1,
         "height": limit * p_h * stride,
         "width": limit * p_w * stride,
     }

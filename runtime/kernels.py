@@ -168,11 +168,9 @@ def _diffusers_refusal(name: str) -> str | None:
 def passes_attention_mask(family: str) -> bool:
     """Whether the family's diffusers transformer hands its attention a mask (a forward that
     takes `encoder_attention_mask`, the text's padding), which diffusers' flash-attn backends refuse."""
-    import diffusers
+    from runtime.models.families import FAMILIES, find_class
 
-    from runtime.models.families import FAMILIES
-
-    return _takes(getattr(diffusers, FAMILIES[family].TRANSFORMER_CLASS).forward, "encoder_attention_mask")
+    return _takes(find_class(FAMILIES[family].TRANSFORMER_CLASS).forward, "encoder_attention_mask")
 
 
 def use_on_one_rank(transformers: Iterable[torch.nn.Module], backend: Backend) -> None:

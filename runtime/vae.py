@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from runtime.comm import Comm
-from runtime.config import STRIDE_FRACTION, DecodeOptions
+from runtime.config import DecodeOptions
 from runtime.models.families import family_of_vae
 
 
@@ -44,24 +44,11 @@ class TiledDecoder:
 
     def __init__(self, vae, options: DecodeOptions) -> None:
         self.vae, self.options = vae, options
-        if options.tiled:
-            px = options.tile_px
-            if px is None:
-                vae.enable_tiling()
-            else:
-                stride = max(1, int(px * STRIDE_FRACTION))
-                vae.enable_tiling(
-                    tile_sample_min_height=px,
-                    tile_sample_min_width=px,
-                    tile_sample_stride_height=stride,
-                    tile_sample_stride_width=stride,
-                )
-        else:
-            vae.disable_tiling()
         self.family = family_of_vae(vae)
-        self.ratio = vae.spatial_compression_ratio
-        self.min_px, self.stride_px = vae.tile_sample_min_height, vae.tile_sample_stride_height
-        self.patch = vae.config.get("patch_size")  # pixel blocks as channels (Wan2.2's VAE)
+        tiling = self.family.tiling(vae, options.tiled, options.tile_px)
+        self.tiled, self.ratio = tiling.enabled, tiling.ratio
+        self.min_px, self.stride_px = tiling.min_px, tiling.stride_px
+        self.patch = tiling.patch  # pixel blocks as channels (Wan2.2's VAE)
 
     # -- the grid ------------------------------------------------------------------------------
     def chunks(self, F: int) -> list[slice]:
@@ -70,7 +57,7 @@ class TiledDecoder:
 
     def spatially_tiled(self, H: int, W: int) -> bool:
         lmin = self.min_px // self.ratio
-        return self.vae.use_tiling and (W > lmin or H > lmin)
+        return self.tiled and (W > lmin or H > lmin)
 
     def grid(self, z_BCFHW: torch.Tensor) -> list[Tile]:
         _, _, F, H, W = z_BCFHW.shape
@@ -104,7 +91,7 @@ class TiledDecoder:
     def _blend_spatial(self, grid: dict[tuple[int, int], torch.Tensor], H: int, W: int) -> torch.Tensor:
         if len(grid) == 1 and not self.spatially_tiled(H, W):
             return grid[(0, 0)]
-        vae, p = self.vae, self.patch or 1
+        vae, p = self.vae, self.patch
         stride = self.stride_px // p
         blend = self.min_px // p - stride  # diffusers' own rounding (Wan2.2 blends in patches)
         n_rows, n_cols = max(r for r, _ in grid) + 1, max(c for _, c in grid) + 1

@@ -63,13 +63,15 @@ def test_default_dtype_per_device():
 
 
 def test_registry_parameter_counts_are_those_of_the_configs():
-    """PARAMS restates what each checkpoint's transformer config builds (on the meta device)."""
-    from runtime.models import hunyuan, wan
-    from runtime.models.registry import CONFIGS, PARAMS
+    """Each named model's parameter count restates what its transformer config builds (on the
+    meta device), for every family."""
+    from runtime.models.families import FAMILIES
 
-    counted = {k: (hunyuan if k == "hunyuanvideo" else wan).count_params(c) for k, c in CONFIGS.items()}
-    assert counted == PARAMS
-    assert REGISTRY["wan2.2-t2v-a14b"].params == 2 * PARAMS["wan2.2-t2v-a14b"]  # two experts loaded
+    named = [(f, m) for f in FAMILIES.values() for m in f.MODELS]
+    assert len(named) >= len(FAMILIES) and all(m.params > 0 for _, m in named)
+    assert {m.name: family.count_params(m.transformer) for family, m in named} == {m.name: m.params for _, m in named}
+    a14b = REGISTRY["wan2.2-t2v-a14b"]
+    assert a14b.params == 2 * a14b.named.params  # two experts loaded
 
 
 def test_components_are_those_the_pipeline_class_loads():

@@ -66,6 +66,7 @@ def test_component_counts_and_vae_shapes_are_those_of_the_configs():
     from transformers import UMT5Config, UMT5EncoderModel
 
     from runtime.models import hunyuan, registry, wan
+    from runtime.models.wan import models as wan_models
 
     def count(module) -> int:
         return sum(p.numel() for p in module.parameters())
@@ -82,16 +83,24 @@ def test_component_counts_and_vae_shapes_are_those_of_the_configs():
         )
         encoder = UMT5EncoderModel(umt5)
         block = count(encoder.encoder.block[0])
-        assert (count(encoder), block, count(encoder) - 24 * block, 0) == registry.TEXT_ENCODERS["wan"]
-        for key, config in registry.VAE_CONFIGS.items():
-            vae = (AutoencoderKLHunyuanVideo if key == "hunyuanvideo" else AutoencoderKLWan)(**config)
-            assert count(vae) == registry.VAE_PARAMS[key], key
-            shape = (hunyuan if key == "hunyuanvideo" else wan).vae_shape_of(config, 0)
+        text = wan_models.UMT5_XXL_PARAMS
+        assert (count(encoder), block, count(encoder) - 24 * block, 0) == (
+            text.params,
+            text.block,
+            text.root,
+            text.whole,
+        )
+        vaes = {(m.name, family): m for family in (wan, hunyuan) for m in family.MODELS}
+        for (key, family), model in vaes.items():
+            config = model.vae
+            vae = (AutoencoderKLHunyuanVideo if family is hunyuan else AutoencoderKLWan)(**config)
+            assert count(vae) == model.vae_params, key
+            shape = family.vae_shape_of(config, 0)
             # per decoder resolution: the widest residual convolution, and (Wan) the input
             # channels of the causal convolutions that keep frames between chunks
             convs = [[m for m in b.resnets.modules() if isinstance(m, torch.nn.Conv3d)] for b in vae.decoder.up_blocks]
             assert list(shape.widths) == [max(max(m.in_channels, m.out_channels) for m in c) for c in convs], key
-            if key != "hunyuanvideo":
+            if family is wan:
                 d = vae.decoder
                 levels = [[d.conv_in, *d.mid_block.modules()], *[[*b.modules()] for b in d.up_blocks]]
                 levels[0] += levels.pop(1)  # up block 0 runs at the latent's resolution
@@ -101,8 +110,8 @@ def test_component_counts_and_vae_shapes_are_those_of_the_configs():
                     for ms in levels
                 ]
                 assert list(shape.cached) == cached, key
-        for key, config in registry.CONFIGS.items():
-            if key == "hunyuanvideo":
+        for key, family, config in [(m.name, f, m.transformer) for f in (wan, hunyuan) for m in f.MODELS if m.repo_id]:
+            if family is hunyuan:
                 model = HunyuanVideoTransformer3DModel(**{**config, "num_layers": 1, "num_single_layers": 1})
                 assert count(model.transformer_blocks[0]) == hunyuan.block_params(config)
                 single = count(model.single_transformer_blocks[0])
@@ -116,7 +125,9 @@ def test_component_counts_and_vae_shapes_are_those_of_the_configs():
                 )
                 assert count(model.blocks[0]) == wan.block_params(config), key
     tiny = json.loads((registry.BUILTIN_DIR / "vae" / "config.json").read_text())
-    assert all(tiny[k] == v for k, v in registry.TINY_VAE.items())
+    assert all(tiny[k] == v for k, v in wan_models.TINY_VAE.items())
+    tiny = json.loads((registry.BUILTIN_DIR / "transformer" / "config.json").read_text())
+    assert all(tiny[k] == v for k, v in wan_models.TINY.items())
     assert REGISTRY["wan2.2-ti2v-5b"].shape.vae.spatial == 16 and REGISTRY["wan2.2-ti2v-5b"].shape.per_token_time
     assert REGISTRY["wan2.1-i2v-14b-720p"].shape.image_encoder_params > 6e8
     assert REGISTRY["wan2.2-i2v-a14b"].shape.image_encoder_params == 0  # its image goes into the latents

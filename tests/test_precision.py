@@ -17,7 +17,7 @@ from planner.layout import ParallelLayout
 from planner.memory import GIB, MemoryOptions, estimate_memory
 from planner.models import ModelShape, VideoSize
 from planner.precision import attention_pricing, block_bytes, check_fp8_device, transformer_bytes
-from runtime.models.registry import CONFIGS, REGISTRY
+from runtime.models.registry import REGISTRY
 from tests.conftest import refused
 
 P720, P480 = VideoSize(720, 1280, 81), VideoSize(480, 832, 81)
@@ -110,7 +110,7 @@ def test_wan14b_fp8_is_about_half_of_bf16_counted_on_its_meta_build():
     half the bf16 bytes (the quantized weights go from 2 bytes to 1, plus 4 bytes a row)."""
     from diffusers import WanTransformer3DModel
 
-    config = CONFIGS["wan2.1-14b"]
+    config = REGISTRY["wan2.1-14b"].named.transformer
     known = set(WanTransformer3DModel.extract_init_dict(config)[0])
     with torch.device("meta"):
         model = WanTransformer3DModel(**{k: v for k, v in config.items() if k in known})

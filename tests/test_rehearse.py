@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from ditango_cli.app import app
 from runtime.models.meta import meta_components
-from runtime.models.registry import REGISTRY, TEXT_ENCODERS
+from runtime.models.registry import REGISTRY
 
 RUNNER = CliRunner()
 # Wan2.1-1.3B (12 heads, 30 layers) at 480x832, 9 frames: 3 latent frames, 4,680 tokens
@@ -30,11 +30,11 @@ def rehearse(*args: str) -> tuple[int, dict | None, str]:
 
 
 def test_meta_components_match_the_registry_counts():
-    for name, key in (("wan2.1-14b", "wan"), ("hunyuanvideo", "hunyuanvideo")):
+    for name in ("wan2.1-14b", "hunyuanvideo"):
         parts = meta_components(REGISTRY[name], None, torch.bfloat16, 512)
         assert all(p.is_meta for m in parts.values() if isinstance(m, torch.nn.Module) for p in m.parameters())
         text = sum(p.numel() for n in ("text_encoder", "text_encoder_2") if n in parts for p in parts[n].parameters())
-        assert text == TEXT_ENCODERS[key][0]
+        assert text == REGISTRY[name].named.text.params
         assert sum(p.numel() for p in parts["transformer"].parameters()) == REGISTRY[name].params
     wan = meta_components(REGISTRY["wan2.1-14b"], None, torch.bfloat16, 512)["transformer"]
     kept = {n for n, p in wan.named_parameters() if p.dtype == torch.float32}  # as from_pretrained keeps them
@@ -44,7 +44,6 @@ def test_meta_components_match_the_registry_counts():
 def test_fsdp_counts_match_the_meta_builds():
     """What --shard-weights gathers per forward (the non-root FSDP units but their float32
     parameters) and once (the root's), as runtime/weights.py shards each registry model."""
-    from runtime.models.registry import FSDP_GATHERED, FSDP_ROOT_GATHERED
     from runtime.weights import _main_dtype, block_stacks
 
     for name in ("wan2.1-1.3b", "wan2.1-i2v-14b-480p", "hunyuanvideo"):
@@ -54,7 +53,7 @@ def test_fsdp_counts_match_the_meta_builds():
         units = {id(p) for b in block_stacks(transformer) for p in b.parameters()}
         gathered = sum(p.numel() for b in block_stacks(transformer) for p in b.parameters() if p.dtype == main)
         root = sum(p.numel() for p in transformer.parameters() if id(p) not in units and p.dtype == main)
-        assert (gathered, root) == (FSDP_GATHERED[spec.config_key], FSDP_ROOT_GATHERED[spec.config_key])
+        assert (gathered, root) == (spec.named.fsdp_gathered, spec.named.fsdp_root_gathered)
         assert (spec.shape.fsdp_gathered_params, spec.shape.fsdp_root_gathered_params) == (gathered, root)
 
 

@@ -277,14 +277,14 @@ def check_fit(items, spec, path: Path | None) -> None:
     """Every adapter of `items` read (as diffusers converts it) and checked against the model's
     transformers built on the meta device: a LoRA of another model is refused in one line
     before any rank starts, by `check` as by `generate`."""
-    import diffusers
 
+    from runtime.models.families import find_class
     from runtime.models.meta import meta_transformers
 
     wanted = list(dict.fromkeys(a for item in items for a in item.loras))
     if not wanted:
         return
-    pipeline_class = getattr(diffusers, spec.variant.pipeline)
+    pipeline_class = find_class(spec.variant.pipeline)
     models = meta_transformers(spec, path)
     for adapter in dict.fromkeys(replace(a, scale=1.0) for a in wanted):
         where = "--lora" if adapter.expert == 1 else "--lora-2"

@@ -20,7 +20,7 @@ from pathlib import Path
 from basics.errors import ConfigError
 from basics.user_files import read_json_file
 from runtime.errors import ModelDirError
-from runtime.models.families import FAMILIES
+from runtime.models.families import FAMILIES, family_classes
 from runtime.models.wan import WanVariant
 from runtime.models.weight_files import PICKLE_SUFFIXES, tensor_shapes
 
@@ -119,10 +119,13 @@ def _refuse_unhonoured(path: Path, components: dict[str, tuple[str, str]], honou
 
 
 def _refuse_unknown_classes(path: Path, components: dict[str, tuple[str, str]]) -> None:
-    """Every component's class is one the installed diffusers or transformers has: the file is
-    the user's, so nothing else is imported by its word, and a class this environment lacks is
-    said here (by `check` too), not met while loading."""
+    """Every component's class is one the installed diffusers or transformers has, or one a
+    registered family brings: the file is the user's, so nothing else is imported by its word,
+    and a class this environment lacks is said here (by `check` too), not met while loading."""
+    own = family_classes()
     for name, (library, cls) in components.items():
+        if cls in own:
+            continue
         if library not in LIBRARIES:
             raise ModelDirError(
                 f"{path}/model_index.json: {name} comes from {library!r}, not one of {', '.join(LIBRARIES)}"
@@ -133,6 +136,17 @@ def _refuse_unknown_classes(path: Path, components: dict[str, tuple[str, str]]) 
                 f"{path}/model_index.json: {name} is a {library}.{cls}, which {library} "
                 f"{module.__version__} does not have"
             )
+
+
+def _saved_by(library: str, cls: str) -> str:
+    """The library whose file names a component's weights take: a family's own class saves as
+    the library it derives from (a diffusers ModelMixin, else a transformers model)."""
+    own = family_classes().get(cls)
+    if own is None:
+        return library
+    from diffusers import ModelMixin
+
+    return "diffusers" if issubclass(own, ModelMixin) else "transformers"
 
 
 def family_of_pipeline(pipeline_class: str) -> str | None:
@@ -167,7 +181,9 @@ def inspect_model_dir(path: Path) -> ModelDirInfo:
             raise ModelDirError(f"model directory is incomplete: component folder {folder} is missing")
     configs = {name: _read_json(path / name / "config.json") for name in WEIGHTED if name in components}
     variant = family.dir_variant(path, index, components, configs)  # what it asks for, before its files
-    weights = {name: _check_weights(path / name, name, components[name][0]) for name in WEIGHTED if name in components}
+    weights = {
+        name: _check_weights(path / name, name, _saved_by(*components[name])) for name in WEIGHTED if name in components
+    }
     params = {name: count_params(files) for name, files in weights.items()}  # every header read: no pickle inside
     _read_json(path / "scheduler" / "scheduler_config.json")
     for tokenizer in [n for n in ("tokenizer", "tokenizer_2") if n in components]:

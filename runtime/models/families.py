@@ -1,5 +1,7 @@
-"""Model families: one package per family, each implementing `Family`; a new family is one
-package under runtime/models/ and one entry in FAMILIES.
+"""Model families: one package per family, each implementing `Family`. The built-in ones are
+FAMILIES' entries; another is registered (`runtime.models.registry.register_family`) from its
+own module, named in $DITANGO_FAMILIES or in the `ditango.families` entry points, so every rank
+and every Slurm task loads it too: adding a family edits nothing outside its package.
 
 Nothing outside runtime/models/ names a family: the runtime finds a component's family by its
 class (`family_of`, `family_of_vae`) and asks it, and the planner reads what a family's shape
@@ -13,6 +15,7 @@ from typing import Protocol
 import torch
 
 from runtime.models import hunyuan, wan
+from runtime.models.protocol import FolderDefault, NamedModel, Tiling
 
 
 class FamilyModel(Protocol):
@@ -38,7 +41,13 @@ class Family(Protocol):
     """What each family package provides (runtime/models/wan/ is the model); its loaded model
     (`FamilyModel`) lives in the package's `loop` module.
 
-    - naming: TRANSFORMER_CLASS, VAE_CLASS, PIPELINES (diffusers' class names it runs);
+    - naming: TRANSFORMER_CLASS, VAE_CLASS, PIPELINES (the class names it runs: diffusers', or
+      its own, which an optional CLASSES {name: class} brings);
+    - its named models (MODELS: `protocol.NamedModel`, read by the registry, the planner and
+      the CLI); the VAE's (time, space) compression from its config (vae_strides: frames are
+      time x k + 1, sizes multiples of space x patch); the positions the rotary covers
+      (rope_max_seq_len); FOLDER_DEFAULTS (`protocol.FolderDefault`: defaults a model folder's
+      own configs set, read over PIPELINE_DEFAULTS);
     - checkpoint directories: COMPONENTS (name -> the classes honoured there), REQUIRED,
       dir_variant (what a directory asks of the loop, checked); named_parts (the public
       checkpoints' other components, built without weights);
@@ -47,7 +56,8 @@ class Family(Protocol):
     - the loop: load_model(components, device, max_text_len, variant) -> FamilyModel,
       expert_schedule (which expert runs each step), and SCHEDULE_BY_SIGMAS (the loop sets the
       schedule's sigmas: only solvers that take them apply, runtime/models/schedulers.py);
-    - the VAE's decode: vae_chunks, decode_tile, join_chunks (runtime/vae.py tiles and spreads it);
+    - the VAE's decode: tiling (how to cut it, `protocol.Tiling`), vae_chunks, decode_tile,
+      join_chunks (runtime/vae.py tiles and spreads it);
     - parallelism, installed on a built model: install/uninstall (context parallel: where tokens
       are sharded, which modules attend, where the output is gathered), install_tp/uninstall_tp,
       attention_shape, patch_size;
@@ -61,6 +71,9 @@ class Family(Protocol):
     COMPONENTS: dict[str, tuple[str, ...] | None]
     REQUIRED: tuple[str, ...]
     PIPELINE_DEFAULTS: dict
+    FOLDER_DEFAULTS: tuple[FolderDefault, ...]
+    MODELS: tuple[NamedModel, ...]
+    SCHEDULE_BY_SIGMAS: bool
 
     def dir_variant(self, path, index: dict, components: dict, configs: dict): ...
     def named_parts(self, transformer_config: dict, vae_config: dict, variant) -> dict: ...
@@ -69,6 +82,9 @@ class Family(Protocol):
     def blocks_params(self, config: dict) -> int: ...
     def fsdp_gathered_params(self, config: dict, hidden: int, layers: int) -> int: ...
     def vae_shape_of(self, config: dict, params: int): ...
+    def vae_strides(self, config: dict) -> tuple[int, int]: ...
+    def rope_max_seq_len(self, config: dict) -> int: ...
+    def tiling(self, vae, tiled: bool, px: int | None) -> Tiling: ...
     def count_params(self, config: dict) -> int: ...
     def expert_schedule(self, variant, timesteps: list[float], num_train_timesteps: int) -> list[int]: ...
     def load_model(self, components: dict, device: torch.device, max_text_len: int, variant=None) -> FamilyModel: ...
@@ -88,6 +104,45 @@ class Family(Protocol):
 
 
 FAMILIES: dict[str, Family] = {"wan": wan, "hunyuanvideo": hunyuan}
+# Everything a family provides: its constants and functions (`check_family` asks for each).
+MEMBERS = tuple(sorted({*Family.__annotations__, *(n for n in vars(Family) if not n.startswith("_"))}))
+
+
+def check_family(key: str, family) -> None:
+    """A one-line error unless `family` has every member of the protocol and claims no class
+    or pipeline another family runs (components are found by their class)."""
+    missing = [m for m in MEMBERS if not hasattr(family, m)]
+    if missing:
+        raise TypeError(f"model family {key!r} lacks {', '.join(missing)} (runtime/models/families.py Family)")
+    for other_key, other in FAMILIES.items():
+        if other_key == key:
+            continue
+        shared = {family.TRANSFORMER_CLASS, *family.PIPELINES} & {other.TRANSFORMER_CLASS, *other.PIPELINES}
+        if shared:
+            raise ValueError(
+                f"model family {key!r} claims {', '.join(sorted(shared))}, which family {other_key!r} runs"
+            )
+
+
+def family_classes() -> dict[str, type]:
+    """The classes registered families bring (their optional `CLASSES`: a model whose code is
+    not in diffusers), by name."""
+    return {name: cls for f in FAMILIES.values() for name, cls in getattr(f, "CLASSES", {}).items()}
+
+
+def find_class(name: str, libraries: tuple[str, ...] = ("diffusers", "transformers")):
+    """The class a model folder names: one a registered family brings, else diffusers' or
+    transformers' (None: none has it). Nothing is imported by a file's word."""
+    import importlib
+
+    own = family_classes().get(name)
+    if own is not None:
+        return own
+    for library in libraries:
+        cls = getattr(importlib.import_module(library), name, None)
+        if cls is not None:
+            return cls
+    return None
 
 
 def _by_class(obj, attr: str) -> Family:

@@ -13,6 +13,7 @@ from basics.errors import ConfigError
 from basics.user_files import read_json_file
 from runtime.errors import ModelDirError
 from runtime.models.checkpoint import LIBRARIES, WEIGHTED
+from runtime.models.families import family_classes, find_class
 from runtime.models.hub import hub_offline
 from runtime.models.resolve import ResolvedModel
 
@@ -101,11 +102,12 @@ def module_classes(path: Path) -> dict[str, type]:
     for name in MODULES:
         entry = index.get(name)
         if isinstance(entry, list) and len(entry) == 2 and None not in entry:
-            if entry[0] not in LIBRARIES:  # the file is the user's: import nothing else by its word
+            own = family_classes().get(entry[1])  # a registered family's own class
+            if own is None and entry[0] not in LIBRARIES:  # the file is the user's: import nothing else by its word
                 raise ModelDirError(
                     f"{path}/model_index.json: {name} comes from {entry[0]!r}, not one of {', '.join(LIBRARIES)}"
                 )
-            classes[name] = getattr(importlib.import_module(entry[0]), entry[1])
+            classes[name] = own or getattr(importlib.import_module(entry[0]), entry[1])
     return classes
 
 
@@ -126,11 +128,10 @@ def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[st
     directory shipped in the package, loaded through the same path as a user checkpoint. `on_cpu`: components read onto the CPU (in
     their dtype), sharded or split there first, then moved (runtime/weights.py).
     """
-    import diffusers
 
     check_torch()
     path = model.path
-    pipeline_class = getattr(diffusers, model.spec.variant.pipeline)
+    pipeline_class = find_class(model.spec.variant.pipeline)
     common = {"local_files_only": True, "use_safetensors": True}
     try:
         modules = {}

@@ -2,9 +2,11 @@
 its real shape and in the dtypes the loader gives it (runtime/models/loading.py), with no
 weight read. `ditango rehearse` (runtime/rehearse/) moves them onto fake GPUs.
 
-A registry name is built from the configs in runtime/models/registry.py and its family's (the
-public checkpoints' text encoders and schedulers: runtime/models/<family>/checkpoint.py); a directory from its own
-`<component>/config.json` files and tokenizers. Token ids come from `ShapeTokenizer`: a
+A registry name is built from its named model's configs (runtime/models/<family>/models.py) and
+its family's other components (the public checkpoints' text encoders and schedulers:
+runtime/models/<family>/checkpoint.py); a directory from its own components' config files
+(each class's own: config.json, scheduler_config.json, a guider's), with a stand-in tokenizer
+for each text encoder. Token ids come from `ShapeTokenizer`: a
 prompt of the longest length the pipeline asks for, which is what the memory model assumes.
 """
 
@@ -17,7 +19,7 @@ import torch
 from basics.errors import ConfigError
 from basics.user_files import read_json_file
 from runtime.models import registry
-from runtime.models.families import FAMILIES
+from runtime.models.families import FAMILIES, find_class
 from runtime.models.registry import ModelSpec
 
 
@@ -61,11 +63,11 @@ def cast_like_loader(module, dtype: torch.dtype) -> None:
                 param.data = param.data.to(want)
 
 
-def _read_config(path: Path) -> dict:
+def _read_config(file: Path) -> dict:
     try:
-        return read_json_file(path / "config.json", "model file")
+        return read_json_file(file, "model file")
     except FileNotFoundError:
-        raise ConfigError(f"cannot read {path / 'config.json'}: no such file") from None
+        raise ConfigError(f"cannot read {file}: no such file") from None
 
 
 def _transformers_model(class_name: str, config: dict):
@@ -81,15 +83,16 @@ def _transformers_model(class_name: str, config: dict):
     return getattr(transformers, class_name)(transformers.AutoConfig.for_model(model_type, **keys))
 
 
-def _named_configs(spec: ModelSpec, key: str) -> dict:
+def _named_configs(spec: ModelSpec) -> dict:
     """{component: (class name, config)} of a registry model (its family's other components)."""
-    transformer = registry.TINY_CONFIG if key == "tiny-wan" else registry.CONFIGS[key]
-    vae = registry.VAE_CONFIGS[registry.vae_key(key, spec.family)]
-    return FAMILIES[spec.family].named_parts(transformer, vae, spec.variant)
+    named = spec.named
+    return FAMILIES[spec.family].named_parts(named.transformer, named.vae, spec.variant)
 
 
 def _dir_configs(path: Path) -> dict:
-    """{component: (class name, config)} of a diffusers directory (model_index.json)."""
+    """{component: (class name, config)} of a diffusers directory (model_index.json): each
+    component's config file is the one its class saves (`config_name`: config.json for a model,
+    scheduler_config.json, a guider's); tokenizers and processors are stood in for."""
     try:
         index = read_json_file(path / "model_index.json", "model file")
     except FileNotFoundError:
@@ -100,11 +103,8 @@ def _dir_configs(path: Path) -> dict:
             continue
         if name.startswith("tokenizer") or name.endswith("processor"):
             continue
-        if name == "scheduler":
-            file = path / name / "scheduler_config.json"
-            parts[name] = (entry[1], read_json_file(file, "model file"))
-        else:
-            parts[name] = (entry[1], _read_config(path / name))
+        file = path / name / (getattr(find_class(entry[1]), "config_name", None) or "config.json")
+        parts[name] = (entry[1], _read_config(file))
     return parts
 
 
@@ -112,39 +112,38 @@ def _parts(spec: ModelSpec, path: Path | None) -> dict:
     """{component: (class name, config)}: `path`'s, else a registry name's built-in configs."""
     if path is None and spec.builtin:
         path = registry.BUILTIN_DIR
-    return _dir_configs(path) if path is not None else _named_configs(spec, spec.config_key)
+    return _dir_configs(path) if path is not None else _named_configs(spec)
 
 
 def meta_scheduler(spec: ModelSpec, path: Path | None):
     """The model's scheduler, from its config (nothing else built)."""
-    import diffusers
-
     class_name, config = _parts(spec, path)["scheduler"]
-    return getattr(diffusers, class_name).from_config({k: v for k, v in config.items() if k != "_class_name"})
+    return find_class(class_name).from_config({k: v for k, v in config.items() if k != "_class_name"})
 
 
 def meta_components(spec: ModelSpec, path: Path | None, dtype: torch.dtype, max_text_len: int) -> dict:
     """The components `load_components` returns, on the meta device: transformers and text
     encoders in `dtype` (their float32 modules kept), the VAE and the CLIP image encoder in
     float32. `path` None: a registry name's built-in configs."""
-    import diffusers
+    from diffusers.configuration_utils import ConfigMixin
 
-    components: dict = {"scheduler": meta_scheduler(spec, path)}
+    components: dict = {}
     for name, (class_name, config) in _parts(spec, path).items():
-        if name == "scheduler":
+        cls = find_class(class_name)
+        settings = {k: v for k, v in config.items() if not k.startswith("_")}
+        if cls is not None and not issubclass(cls, torch.nn.Module):  # a scheduler, a guider: its settings
+            components[name] = cls.from_config(settings)
             continue
         with torch.device("meta"):
-            if hasattr(diffusers, class_name):
-                cls = getattr(diffusers, class_name)
-                module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+            if isinstance(cls, type) and issubclass(cls, ConfigMixin):  # diffusers', or a family's own
+                module = cls.from_config(settings)
             else:
                 module = _transformers_model(class_name, config)
         want = torch.float32 if name in ("vae", "image_encoder") else dtype
         cast_like_loader(module, want)
         components[name] = module.eval().requires_grad_(False)
-    tokenizers = ("tokenizer", "tokenizer_2") if "text_encoder_2" in components else ("tokenizer",)
-    for name in tokenizers:
-        components[name] = ShapeTokenizer()
+    for name in [n for n in components if n.startswith("text_encoder")]:  # each encoder's own tokenizer
+        components[name.replace("text_encoder", "tokenizer")] = ShapeTokenizer()
     if "image_encoder" in components:
         from transformers import CLIPImageProcessor
 
@@ -155,13 +154,11 @@ def meta_components(spec: ModelSpec, path: Path | None, dtype: torch.dtype, max_
 def meta_transformers(spec: ModelSpec, path: Path | None) -> dict:
     """{"transformer"[, "transformer_2"]: the module on the meta device}: what a LoRA is checked
     against before anything is loaded (runtime/models/adapters.py)."""
-    import diffusers
-
     built = {}
     for name, (class_name, config) in _parts(spec, path).items():
         if name.startswith("transformer"):
             with torch.device("meta"):
-                built[name] = getattr(diffusers, class_name).from_config(
+                built[name] = find_class(class_name).from_config(
                     {k: v for k, v in config.items() if not k.startswith("_")}
                 )
     return built

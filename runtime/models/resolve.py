@@ -14,13 +14,21 @@ from pathlib import Path
 
 from basics.errors import ConfigError
 from basics.user_files import user_path
-from planner.models import ModelShape
 from runtime.errors import ModelDirError
 from runtime.models import hub
 from runtime.models.checkpoint import ModelDirInfo, count_params, inspect_model_dir
 from runtime.models.families import FAMILIES
 from runtime.models.hub import MODEL_ROOT_ENV, model_root
-from runtime.models.registry import BUILTIN_DIR, REGISTRY, TEXT_ENCODERS, Defaults, ModelSpec, with_components
+from runtime.models.protocol import TextEncoders
+from runtime.models.registry import (
+    BUILTIN_DIR,
+    REGISTRY,
+    Defaults,
+    ModelSpec,
+    geometry_of,
+    known_text_encoders,
+    with_components,
+)
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,10 @@ def checked_dir(spec: ModelSpec | None, path: Path) -> ResolvedModel:
     mismatch = None if spec is None else _differs(spec, found)
     if mismatch:
         raise ModelDirError(f"model {spec.name!r}: {path} is not that checkpoint ({mismatch})")
-    return ResolvedModel(found if spec is None else replace(spec, variant=info.variant), path)
+    if spec is None:
+        return ResolvedModel(found, path)
+    own = folder_defaults(path, FAMILIES[found.family])  # the folder's configs over the model card's
+    return ResolvedModel(replace(spec, variant=info.variant, defaults=replace(spec.defaults, **own)), path)
 
 
 def _differs(spec: ModelSpec, found: ModelSpec) -> str | None:
@@ -98,6 +109,7 @@ def _differs(spec: ModelSpec, found: ModelSpec) -> str | None:
         ("heads", spec.heads, found.heads),
         ("head_dim", spec.head_dim, found.head_dim),
         ("VAE stride", spec.defaults.vae_stride, found.defaults.vae_stride),
+        ("VAE time stride", spec.defaults.temporal_stride, found.defaults.temporal_stride),
     ):
         if a != b:
             return f"{what} {b!r} where {spec.name} has {a!r}"
@@ -105,53 +117,72 @@ def _differs(spec: ModelSpec, found: ModelSpec) -> str | None:
 
 
 def spec_from_dir(path: Path, info: ModelDirInfo) -> ModelSpec:
-    """A spec for a user-supplied directory: diffusers' pipeline defaults, shapes from its
-    transformer config (through the adapter), what it asks for from its model_index.json."""
+    """A spec for a user-supplied directory: the family's pipeline defaults under those the
+    folder's own configs set, shapes from its transformer config (through the family), the
+    VAE's strides from its config, what it asks for from its model_index.json."""
     config, variant = info.transformer_config, info.variant
-    stride = vae_stride(path)
     adapter = FAMILIES[info.family]
-
-    def components(shape: ModelShape) -> ModelShape:
-        counts = {
-            n: count_params(sorted((path / n).glob("*.safetensors"))) if (path / n).is_dir() else 0
-            for n in ("text_encoder", "text_encoder_2", "image_encoder", "vae")
-        }
-        text = counts["text_encoder"] + counts["text_encoder_2"]  # a known encoder's blocks, or only its size
-        known = next((t for t in TEXT_ENCODERS.values() if t[0] == text), (text, 0, 0, counts["text_encoder_2"]))
-        return with_components(
-            shape, adapter, config, variant, known, counts["image_encoder"], _vae_config(path), counts["vae"]
-        )
-
-    pipeline = adapter.PIPELINE_DEFAULTS  # the pipeline's defaults where they differ from `Defaults`
+    vae_config = _json_object(path / "vae" / "config.json")
+    try:
+        t, s = adapter.vae_strides(vae_config)
+    except ConfigError as exc:
+        raise ModelDirError(f"{path}/vae/config.json: {exc}") from None
+    counts = {
+        n: count_params(sorted((path / n).glob("*.safetensors"))) if (path / n).is_dir() else 0
+        for n in ("text_encoder", "text_encoder_2", "image_encoder", "vae")
+    }
+    text = counts["text_encoder"] + counts["text_encoder_2"]  # a known encoder's blocks, or only its size
+    known = next(
+        (k for k in known_text_encoders() if k.params == text), TextEncoders(text, whole=counts["text_encoder_2"])
+    )
+    pipeline = {**adapter.PIPELINE_DEFAULTS, **folder_defaults(path, adapter)}
     text_len = pipeline.get("max_text_len", Defaults.max_text_len)
     try:
-        shape = components(adapter.shape_of(str(path), config, info.transformer_params, text_len, (4, stride, stride)))
+        shape = adapter.shape_of(str(path), config, info.transformer_params, text_len, (t, s, s))
+        image_tokens = vision_tokens(_json_object(path / "image_encoder" / "config.json"))
+        shape = with_components(
+            shape, adapter, config, variant, known, counts["image_encoder"], image_tokens, vae_config, counts["vae"]
+        )
     except (TypeError, ValueError) as exc:  # a value of the wrong type in the user's config
         raise ModelDirError(f"{path}/transformer/config.json: a value is not what diffusers expects ({exc})") from None
-    defaults = Defaults(
-        vae_stride=stride,
-        patch=shape.patch,
-        rope_max_seq_len=int(config.get("rope_max_seq_len", 1024)),
-        image=variant.image,
-        experts=variant.experts,
-        **pipeline,
-    )
+    defaults = replace(geometry_of(adapter, config, shape, variant, (t, s)), **pipeline)
     return ModelSpec(
         str(path), "local diffusers-format directory", shape, defaults, variant=variant, family=info.family
     )
 
 
-def _vae_config(path: Path) -> dict:
+def folder_defaults(path: Path, adapter) -> dict:
+    """The generation defaults `path`'s own config files set (the family's `FOLDER_DEFAULTS`):
+    {Defaults field: value}; a value of the wrong type is a one-line ModelDirError."""
+    found = {}
+    for entry in adapter.FOLDER_DEFAULTS:
+        value = _json_object(path / entry.file).get(entry.key)
+        if value is None:
+            continue
+        kinds = (int, float) if entry.kind is float else (entry.kind,)
+        if isinstance(value, bool) or not isinstance(value, kinds) or (entry.kind is not str and value <= 0):
+            raise ModelDirError(
+                f"{path / entry.file}: {entry.key} must be a positive {entry.kind.__name__}, got {value!r}"
+            )
+        found[entry.default] = entry.kind(value)
+    return found
+
+
+def vision_tokens(config: dict) -> int:
+    """Tokens a ViT image encoder gives (patches and the class token); 0 without one."""
+    vision = config.get("vision_config", config)  # a CLIPModel nests it
+    size, patch = vision.get("image_size"), vision.get("patch_size")
+    if not (isinstance(size, int) and isinstance(patch, int) and 0 < patch <= size):
+        return 0
+    return (size // patch) ** 2 + 1
+
+
+def _json_object(file: Path) -> dict:
+    """A config file's object; {} where it is absent or unreadable (checked where the model is inspected)."""
     from basics.user_files import read_json_file
 
     try:
-        config = read_json_file(path / "vae" / "config.json", "model file")
-    except (OSError, ConfigError):  # checked where the model is inspected; here a default
+        config = read_json_file(file, "model file")
+    except (OSError, ConfigError):
         return {}
     return config if isinstance(config, dict) else {}
-
-
-def vae_stride(path: Path) -> int:
-    """Spatial compression of a directory's Wan VAE (diffusers' `scale_factor_spatial`, default 8)."""
-    stride = _vae_config(path).get("scale_factor_spatial")  # what WanPipeline sizes its latents by
-    return int(stride) if isinstance(stride, int) and stride > 0 else Defaults.vae_stride

@@ -37,6 +37,7 @@ from runtime.models.hunyuan.checkpoint import (
     dir_variant,
     named_parts,
 )
+from runtime.models.hunyuan.models import MODELS
 from runtime.models.hunyuan.shapes import (
     PIPELINE_DEFAULTS,
     SCHEDULE_BY_SIGMAS,
@@ -46,19 +47,24 @@ from runtime.models.hunyuan.shapes import (
     count_params,
     expert_schedule,
     fsdp_gathered_params,
+    rope_max_seq_len,
     shape_of,
     vae_shape_of,
+    vae_strides,
 )
 from runtime.models.hunyuan.vae import decode_tile, join_chunks, vae_chunks
+from runtime.models.vae_tiling import diffusers_tiling as tiling
 from runtime.profiling import region
 
 __all__ = [
-    "COMPONENTS", "PIPELINES", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "REQUIRED", "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR",
+    "COMPONENTS", "FOLDER_DEFAULTS", "MODELS", "rope_max_seq_len", "tiling", "vae_strides", "PIPELINES", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "REQUIRED", "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR",
     "VAE_CLASS", "JointAttention", "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile", "expert_schedule",
     "dir_variant", "from_block", "fsdp_gathered_params", "install", "install_tp", "join_chunks", "load_model",
     "named_parts", "pack_boundary", "patch_size", "probes", "segment_blocks", "shape_of", "uninstall",
     "uninstall_tp", "vae_chunks", "vae_shape_of", "valid_text_tokens",
 ]  # fmt: skip
+
+FOLDER_DEFAULTS = ()  # its pipeline reads no generation default from the checkpoint's configs
 
 
 class JointAttention:

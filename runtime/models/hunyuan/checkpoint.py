@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from runtime.errors import ModelDirError
+from runtime.models.protocol import Variant
 
 PIPELINES = ("HunyuanVideoPipeline",)
 TRANSFORMER_CLASS = "HunyuanVideoTransformer3DModel"
@@ -40,9 +41,7 @@ def named_parts(transformer_config: dict, vae_config: dict, variant) -> dict:
 
 def dir_variant(path: Path, index: dict, components: dict, configs: dict):
     """One expert, text-to-video: a transformer conditioned on an image is refused."""
-    from runtime.models.wan.shapes import WanVariant
-
     condition = configs["transformer"].get("image_condition_type")
     if condition is not None:
         raise ModelDirError(f"{path}: HunyuanVideo image conditioning ({condition}) is not supported")
-    return WanVariant(pipeline=index["_class_name"])
+    return Variant(pipeline=index["_class_name"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from planner.models import VaeShape
+from runtime.models.protocol import config_int
 
 VAE_ACTIVATION_FACTOR = 6.0  # as Wan's (runtime/models/wan/shapes.py), measured for this decoder
 # The HunyuanVideo authors' default negative prompt (their constants.py's NEGATIVE_PROMPT). It
@@ -18,6 +19,17 @@ NEGATIVE_PROMPT = (
 PIPELINE_DEFAULTS = {"guidance": 6.0, "height": 720, "width": 1280, "frames": 129, "fps": 24, "max_text_len": 256,
                      "true_cfg": 1.0, "negative_prompt": NEGATIVE_PROMPT}  # fmt: skip
 SCHEDULE_BY_SIGMAS = True  # the pipeline's loop sets the sigmas (np.linspace(1, 0, steps + 1)[:-1])
+
+
+def rope_max_seq_len(config: dict) -> int:
+    """Patches per axis the positions may reach: the rotary angles are computed for each size,
+    so no table bounds them; the bound is the one every family's checks share."""
+    return 1024
+
+
+def vae_strides(config: dict) -> tuple[int, int]:
+    """(time, space) compression of an `AutoencoderKLHunyuanVideo` config."""
+    return config_int(config, "temporal_compression_ratio", 4), config_int(config, "spatial_compression_ratio", 8)
 
 
 def shape_of(name: str, config: dict, params: int, text_len: int, vae_stride: tuple[int, int, int]):

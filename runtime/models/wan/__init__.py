@@ -30,6 +30,7 @@ import contextlib
 import torch
 
 from runtime.compile import attend
+from runtime.models.vae_tiling import diffusers_tiling as tiling
 from runtime.models.wan.checkpoint import (
     COMPONENTS,
     IMAGE_ENCODER_CLASSES,
@@ -41,6 +42,7 @@ from runtime.models.wan.checkpoint import (
     dir_variant,
     named_parts,
 )
+from runtime.models.wan.models import MODELS
 from runtime.models.wan.shapes import (
     PIPELINE_DEFAULTS,
     SCHEDULE_BY_SIGMAS,
@@ -51,21 +53,25 @@ from runtime.models.wan.shapes import (
     count_params,
     expert_schedule,
     fsdp_gathered_params,
+    rope_max_seq_len,
     same_architecture,
     shape_of,
     vae_shape_of,
+    vae_strides,
 )
 from runtime.models.wan.vae import decode_tile, join_chunks, vae_chunks
 from runtime.profiling import region
 
 __all__ = [
-    "COMPONENTS", "IMAGE_ENCODER_CLASSES", "IMAGE_PROCESSOR_CLASSES", "PIPELINES", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "REQUIRED",
+    "COMPONENTS", "FOLDER_DEFAULTS", "MODELS", "rope_max_seq_len", "tiling", "vae_strides", "IMAGE_ENCODER_CLASSES", "IMAGE_PROCESSOR_CLASSES", "PIPELINES", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "REQUIRED",
     "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR", "VAE_CLASS", "WanSelfAttention", "WanVariant", "apply_rotary",
     "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile", "dir_variant", "expert_schedule", "from_block",
     "fsdp_gathered_params", "install", "install_tp", "join_chunks", "load_model", "named_parts", "pack_boundary",
     "patch_size", "probes", "same_architecture", "segment_blocks", "shape_of", "uninstall", "uninstall_tp",
     "vae_chunks", "vae_shape_of",
 ]  # fmt: skip
+
+FOLDER_DEFAULTS = ()  # its pipeline reads no generation default from the checkpoint's configs
 
 
 def load_model(components: dict, device: torch.device, max_text_len: int, variant: WanVariant | None = None):

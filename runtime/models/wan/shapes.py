@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from planner.models import ModelShape, VaeShape
+from runtime.models.protocol import Variant, config_int
 
 # The decoder's live tensors at its widest resolution per (channels x frames x area): a residual
 # block's input, normed and activated copies, padded convolution inputs and outputs; measured
@@ -26,33 +27,29 @@ SCHEDULE_BY_SIGMAS = False  # the loop sets the number of steps: every solver of
 
 
 @dataclass(frozen=True)
-class WanVariant:
-    """What a Wan checkpoint asks of the denoising loop beyond Wan2.1 text-to-video."""
+class WanVariant(Variant):
+    """A Wan checkpoint's variant: WanPipeline unless it says otherwise; whether it takes an
+    image follows from its pipeline (`WanImageToVideoPipeline`: required) and per-token
+    timesteps (TI2V: optional)."""
 
-    pipeline: str = "WanPipeline"  # the diffusers pipeline that is the exact reference
-    boundary_ratio: float | None = None  # two experts: `transformer` at t >= ratio * T, then `transformer_2`
-    expand_timesteps: bool = False  # per-token timesteps (Wan2.2 TI2V-5B)
-    image_encoder: bool = False  # CLIP image embeddings in the cross-attention (Wan2.1 I2V)
+    pipeline: str = "WanPipeline"
+    image: str = ""  # "": from the pipeline, as above
 
-    @property
-    def experts(self) -> int:
-        return 1 if self.boundary_ratio is None else 2
+    def __post_init__(self) -> None:
+        if not self.image:
+            required = self.pipeline == "WanImageToVideoPipeline"
+            image = "required" if required else "optional" if self.expand_timesteps else "none"
+            object.__setattr__(self, "image", image)
 
-    @property
-    def image(self) -> str:
-        """'required' (an image-to-video checkpoint), 'optional' (TI2V: text or image to video)
-        or 'none' (text-to-video only)."""
-        if self.pipeline == "WanImageToVideoPipeline":
-            return "required"
-        return "optional" if self.expand_timesteps else "none"
 
-    @property
-    def task(self) -> str:
-        return {"required": "i2v", "optional": "ti2v", "none": "t2v"}[self.image]
+def rope_max_seq_len(config: dict) -> int:
+    """Patches per axis the rotary table covers (`WanRotaryPosEmbed` slices it without a check)."""
+    return int(config.get("rope_max_seq_len", 1024))
 
-    def image_pipeline(self) -> bool:
-        """Whether an item with an image runs through `WanImageToVideoPipeline`."""
-        return self.image != "none"
+
+def vae_strides(config: dict) -> tuple[int, int]:
+    """(time, space) compression of an `AutoencoderKLWan` config, as WanPipeline sizes its latents."""
+    return config_int(config, "scale_factor_temporal", 4), config_int(config, "scale_factor_spatial", 8)
 
 
 def shape_of(name: str, config: dict, params: int, text_len: int, vae_stride: tuple[int, int, int]) -> ModelShape:
