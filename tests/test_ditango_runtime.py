@@ -58,7 +58,9 @@ def _gap_target(rank, world, events, group_size, own_group):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("group_size", "own_group"), [(1, "decide"), (2, "decide"), (2, "fresh")])
+@pytest.mark.parametrize(
+    ("group_size", "own_group"), [(1, "decide"), (2, "decide"), pytest.param(2, "fresh", marks=pytest.mark.sweep)]
+)
 def test_every_plan_gives_exact_attention_and_reuse_moves_nothing(group_size, own_group):
     """All 2^U compute/reuse patterns, gaps included (group size 1: offsets 1, 2, 3). Guards
     the authors' snapshot bug: a skip counter not reset after a computed group fetched the

@@ -235,6 +235,7 @@ def test_cfg_parallel_is_exact(references):
 
 
 @pytest.mark.distributed
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_strategies_on_four_ranks_equal_one_process(name, references, distributed):
     ref = references[name]

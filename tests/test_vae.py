@@ -132,7 +132,7 @@ def _decode_on_ranks(rank, world, events):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.sweep)])
 def test_tiles_over_ranks_equal_one_process(world):
     per_rank = run_ranks(_decode_on_ranks, world, timeout_s=TIMEOUT_S)
     for case, (family, shape, tile) in enumerate(CASES):

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from runtime.models import hunyuan, wan
+from runtime.models import hunyuan, hunyuan15, skyreels, wan
 from runtime.models.protocol import FolderDefault, NamedModel, Tiling
 
 
@@ -103,7 +103,12 @@ class Family(Protocol):
     def probes(self, transformer) -> list[tuple]: ...
 
 
-FAMILIES: dict[str, Family] = {"wan": wan, "hunyuanvideo": hunyuan}
+FAMILIES: dict[str, Family] = {
+    "wan": wan,
+    "hunyuanvideo": hunyuan,
+    "hunyuanvideo-1.5": hunyuan15,
+    "skyreels-v2": skyreels,
+}
 # Everything a family provides: its constants and functions (`check_family` asks for each).
 MEMBERS = tuple(sorted({*Family.__annotations__, *(n for n in vars(Family) if not n.startswith("_"))}))
 

@@ -44,6 +44,14 @@ class ShapeTokenizer:
     def batch_decode(self, ids, **kwargs) -> list[str]:
         return [""] * len(ids)
 
+    def apply_chat_template(self, conversations, tokenize=False, padding=None, max_length=None, **kwargs):
+        """A chat-formatted prompt's ids as __call__ gives them (a pipeline that formats its
+        prompt as a conversation: HunyuanVideo-1.5's Qwen)."""
+        batch = len(conversations) if conversations and isinstance(conversations[0], list) else 1
+        if not tokenize:
+            return [""] * batch
+        return self([""] * batch, padding=padding, max_length=max_length)
+
 
 def cast_like_loader(module, dtype: torch.dtype) -> None:
     """`module` in `dtype` as from_pretrained leaves it: diffusers keeps the parameters of its
