@@ -144,3 +144,16 @@ def test_an_image_to_video_folder_is_refused_in_one_line(runner, tmp_path):
         result.stderr
     ), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_lora_is_refused_in_one_line(runner, folder, tmp_path):
+    """diffusers has no LoRA loader for HunyuanVideo-1.5: a --lora is refused before anything loads."""
+    from safetensors.torch import save_file
+
+    lora = tmp_path / "style.safetensors"
+    save_file({"transformer.x.lora_A.weight": torch.zeros(2, 2)}, str(lora))
+    size = [f"--{k}={v}" for k, v in SIZE.items()]
+    args = ["check", "--model", str(folder), "--prompt", "x", *size, "--lora", str(lora), "--out", str(tmp_path / "o")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "LoRA is not supported for HunyuanVideo15Pipeline" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

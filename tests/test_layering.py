@@ -178,3 +178,17 @@ def test_every_family_provides_the_whole_protocol():
         ]
         assert len(models) == 1, (name, models)
         assert sorted(m for m in methods if not hasattr(models[0], m)) == [], name
+
+
+def test_no_script_folder_shadows_the_standard_library():
+    """A script run as `python benchmarks/X.py` puts its folder first on sys.path: a module there
+    named as a standard one (queue.py) would be imported by torch in its place."""
+    import sys
+
+    found = [
+        str(path.relative_to(ROOT))
+        for folder in ("benchmarks", "scripts", "tiny_wan")
+        for path in (ROOT / folder).glob("*.py")
+        if path.stem in sys.stdlib_module_names
+    ]
+    assert found == [], found

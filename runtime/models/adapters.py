@@ -285,6 +285,8 @@ def check_fit(items, spec, path: Path | None) -> None:
     if not wanted:
         return
     pipeline_class = find_class(spec.variant.pipeline)
+    if not hasattr(pipeline_class, "lora_state_dict"):  # diffusers has no LoRA loader for it
+        raise ConfigError(f"--lora: LoRA is not supported for {spec.variant.pipeline} models (diffusers has no loader)")
     models = meta_transformers(spec, path)
     for adapter in dict.fromkeys(replace(a, scale=1.0) for a in wanted):
         where = "--lora" if adapter.expert == 1 else "--lora-2"

@@ -6,7 +6,7 @@ long take a group, and one more at the end), run by 4 local replicas of 1 rank e
 queue (the default) and with `--queue static`, interleaved (queue, static, queue, ...) so that
 the machine's drift hits both. Prints a markdown table.
 
-    .venv/bin/python benchmarks/queue.py [--runs 3] [--steps 6] [--out benchmarks/results/queue.md]
+    .venv/bin/python benchmarks/queue_makespan.py [--runs 3] [--steps 6] [--out benchmarks/results/queue.md]
 
 The makespan is first item started to last item written: each item's start is its sidecar's
 mtime less its `timing.total_s` (the item's whole time on its replica: inputs, denoising,
