@@ -32,6 +32,10 @@ class OneLineErrors(TyperGroup):
     def main(self, *args, **kwargs):  # type: ignore[override]
         kwargs["standalone_mode"] = False
         try:
+            from runtime.models.registry import PLUGIN_ERRORS
+
+            if PLUGIN_ERRORS:  # a family named in $DITANGO_FAMILIES or an entry point failed to register
+                raise ConfigError(PLUGIN_ERRORS[0])
             result = super().main(*args, **kwargs)
         except ConfigError as exc:
             say_error(str(exc))

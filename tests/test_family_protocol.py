@@ -179,3 +179,19 @@ def test_a_16x_vae_is_never_taken_as_8x(runner, tmp_path):
     checked = runner.invoke(app, ["check", "--model", str(folder), "--prompt", "x", *size, "--json"])
     assert checked.exit_code == 0, checked.stderr
     assert json.loads(checked.stdout)["items"][0]["tokens"] == 12
+
+
+def test_a_family_that_cannot_register_is_one_line(tmp_path):
+    """A module in DITANGO_FAMILIES that is missing, or is no family, stops the command in one
+    line with exit 2 (the registry is imported before any command parses its options)."""
+    import os
+    import subprocess
+    import sys
+
+    for module, needle in (("no_such_module", "No module named 'no_such_module'"), ("json", "lacks COMPONENTS")):
+        env = {**os.environ, "DITANGO_FAMILIES": module}
+        done = subprocess.run(
+            [sys.executable, "-m", "ditango_cli.app", "models"], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2 and needle in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr

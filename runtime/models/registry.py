@@ -269,7 +269,13 @@ def load_plugins() -> None:
             raise ConfigError(f"model family {module_name} ({PLUGINS_ENV} or {ENTRY_POINTS}): {exc}") from None
 
 
-load_plugins()
+# What a family named in the environment could not register with: the command says it in one
+# line before anything else (ditango_cli/app.py); a rank that imports this module goes on.
+PLUGIN_ERRORS: list[str] = []
+try:
+    load_plugins()
+except ConfigError as exc:
+    PLUGIN_ERRORS.append(str(exc))
 
 
 def known_text_encoders() -> tuple[TextEncoders, ...]:
