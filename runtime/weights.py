@@ -69,6 +69,11 @@ def move_unsplit(module: nn.Module, device: torch.device) -> None:
                 tensor.data = tensor.data.to(device)
 
 
+def move_module(module: nn.Module, device: torch.device) -> None:
+    """`module.to(device)`: the move `place` makes (a rehearsal makes it on fake tensors)."""
+    module.to(device)
+
+
 def place(modules: list[nn.Module], device: torch.device) -> None:
     """Move whole modules (not sharded ones) to `device` when they are elsewhere: the offload
     of a component a stage does not need when memory is short (RunConfig.offload)."""
@@ -76,7 +81,7 @@ def place(modules: list[nn.Module], device: torch.device) -> None:
     for module in modules:
         first = next(module.parameters(), None)
         if first is not None and first.device != device and not hasattr(module, "unshard"):
-            module.to(device)
+            move_module(module, device)
             moved = True
     if moved and device.type == "cpu" and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the allocator gives the freed blocks back to the GPU

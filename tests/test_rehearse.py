@@ -198,3 +198,19 @@ def test_an_fp8_rehearsal_loads_a_byte_a_quantized_weight():
         assert abs(drop / saved - 1) <= 0.05, (drop, saved)
         for phase in b["phases"].values():
             assert abs(phase["traced_bytes"] / phase["modelled_bytes"] - 1) <= 0.15
+
+
+@pytest.mark.e2e
+def test_an_offloaded_text_encoder_is_rehearsed():
+    """Bug: a text encoder the pre-flight offloads (a 16 GiB GPU for wan2.1-1.3b) is moved to the
+    GPU to encode and back; nn.Module.to swapped fake tensors the memory trackers reference,
+    and every such rehearsal failed in its encode phase."""
+    code, report, err = rehearse(
+        *("--model", "wan2.1-1.3b", "--height", "480", "--width", "832", "--frames", "9", "--steps", "2"),
+        *("--nodes", "1", "--gpus-per-node", "1", "--gpu-memory", "16GiB", "--json"),
+    )
+    assert report is not None, err
+    assert report["offload"] == ["text_encoder"]
+    (rank,) = report["ranks"]
+    assert rank["problems"] == [] and code == 0, (rank["problems"], err)
+    assert set(rank["phases"]) >= {"encode", "denoise", "decode"}

@@ -141,6 +141,7 @@ def rehearse_rank(
     import runtime.assembly as assembly
     import runtime.denoiser as denoiser_module
     import runtime.vae as vae_module
+    import runtime.weights as weights_module
     from runtime.bring_up import denoiser_for_run, quantize_for_run, run_host_loaded
     from runtime.comm import Comm
     from runtime.context import RankContext
@@ -204,6 +205,9 @@ def rehearse_rank(
                 if hasattr(family, "valid_text_tokens"):
                     stack.enter_context(mock.patch.object(family, "valid_text_tokens", lambda mask_L: mask_L.shape[0]))
             stack.enter_context(mock.patch.object(vae_module, "tile_shapes", tile_shapes))
+            # an offloaded component's moves (runtime/weights.py place): nn.Module.to would swap
+            # fake tensors the memory trackers still reference
+            stack.enter_context(mock.patch.object(weights_module, "move_module", fake_module_to))
             sdpa = torch.nn.functional.scaled_dot_product_attention
             stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", gpu_sdpa(sdpa)))
             stack.enter_context(
