@@ -144,6 +144,13 @@ def test_models_lists_registry(runner, tmp_path, monkeypatch):
         "wan2.2-i2v-a14b",
         "wan2.2-ti2v-5b",
         "hunyuanvideo",
+        "hunyuanvideo-1.5-480p-t2v",
+        "hunyuanvideo-1.5-720p-t2v",
+        "skyreels-v2-t2v-14b-540p",
+        "skyreels-v2-t2v-14b-720p",
+        "skyreels-v2-i2v-1.3b-540p",
+        "skyreels-v2-i2v-14b-540p",
+        "skyreels-v2-i2v-14b-720p",
     }
     assert rows["tiny-wan"]["resolves_to"] == "built-in"
     assert rows["wan2.1-1.3b"]["resolves_to"] == str(tmp_path / "Wan2.1-T2V-1.3B-Diffusers")
@@ -155,6 +162,14 @@ def test_models_lists_registry(runner, tmp_path, monkeypatch):
     assert rows["wan2.1-i2v-14b-720p"]["task"] == "i2v"
     hy = rows["hunyuanvideo"]
     assert (hy["family"], hy["heads"], hy["layers"], hy["head_dim"]) == ("hunyuanvideo", 24, 60, 128)
+    hy15, sky = rows["hunyuanvideo-1.5-720p-t2v"], rows["skyreels-v2-i2v-1.3b-540p"]
+    assert (hy15["family"], hy15["heads"], hy15["layers"], hy15["defaults"]["width"]) == (
+        "hunyuanvideo-1.5",
+        16,
+        54,
+        1280,
+    )
+    assert (sky["family"], sky["task"], sky["layers"], sky["defaults"]["guidance"]) == ("skyreels-v2", "i2v", 30, 5.0)
 
 
 def test_builtin_params_match_registry():

@@ -57,11 +57,12 @@ from runtime.models.vae_tiling import diffusers_tiling as tiling
 from runtime.profiling import region
 
 __all__ = [
-    "COMPONENTS", "FOLDER_DEFAULTS", "MODELS", "rope_max_seq_len", "tiling", "vae_strides", "PIPELINES", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "REQUIRED", "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR",
-    "VAE_CLASS", "JointAttention", "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile", "expert_schedule",
-    "dir_variant", "from_block", "fsdp_gathered_params", "install", "install_tp", "join_chunks", "load_model",
-    "named_parts", "pack_boundary", "patch_size", "probes", "segment_blocks", "shape_of", "uninstall",
-    "uninstall_tp", "vae_chunks", "vae_shape_of", "valid_text_tokens",
+    "COMPONENTS", "FOLDER_DEFAULTS", "MODELS", "PIPELINE_DEFAULTS", "PIPELINES", "REQUIRED", "SCHEDULE_BY_SIGMAS",
+    "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR", "VAE_CLASS", "attention_shape", "block_params", "blocks_params",
+    "count_params", "decode_tile", "dir_variant", "expert_schedule", "from_block", "fsdp_gathered_params", "install",
+    "install_tp", "join_chunks", "JointAttention", "load_model", "named_parts", "pack_boundary", "patch_size", "probes",
+    "rope_max_seq_len", "segment_blocks", "shape_of", "tiling", "uninstall", "uninstall_tp", "vae_chunks",
+    "vae_shape_of", "vae_strides", "valid_text_tokens", "video_token_hooks"
 ]  # fmt: skip
 
 FOLDER_DEFAULTS = ()  # its pipeline reads no generation default from the checkpoint's configs
@@ -119,6 +120,27 @@ def valid_text_tokens(mask_L: torch.Tensor) -> int:
     return int(mask_L.sum().item())
 
 
+def video_token_hooks(transformer, ctx) -> list:
+    """The hooks that shard the video tokens where they enter (`rope`'s cos and sin [N, D],
+    `x_embedder`'s [B, N, C], the same row-major order) and gather them at `proj_out`: the
+    HunyuanVideo families' (their text stays whole)."""
+
+    def shard_rope(module, args, output):
+        cos, sin = output  # [N, D] float32
+        ctx.begin_forward(cos.shape[0])
+        return ctx.shard(cos, dim=0), ctx.shard(sin, dim=0)
+
+    def shard_video(module, args, output):
+        assert output.shape[1] == ctx.tokens, "rope and video tokens disagree on the token count"
+        return ctx.shard(output)
+
+    return [
+        transformer.rope.register_forward_hook(shard_rope),
+        transformer.x_embedder.register_forward_hook(shard_video),
+        transformer.proj_out.register_forward_hook(lambda module, args, output: ctx.gather(output)),
+    ]
+
+
 def install(transformer, ctx) -> tuple[list, list]:
     """Shard `transformer`'s video tokens over `ctx` and route its joint attention through the
     strategy; returns (hook handles, the processors replaced) for `uninstall`."""
@@ -137,21 +159,8 @@ def install(transformer, ctx) -> tuple[list, list]:
         assert bool(mask[0, :valid].all()), "the valid text tokens must come first (right padding)"
         return args, {**kwargs, "encoder_hidden_states": text[:, :valid], "encoder_attention_mask": mask[:, :valid]}
 
-    def shard_rope(module, args, output):
-        cos, sin = output  # [N, D] float32
-        ctx.begin_forward(cos.shape[0])
-        return ctx.shard(cos, dim=0), ctx.shard(sin, dim=0)
-
-    def shard_video(module, args, output):
-        assert output.shape[1] == ctx.tokens, "rope and video tokens disagree on the token count"
-        return ctx.shard(output)
-
-    handles = [
-        transformer.register_forward_pre_hook(drop_text_padding, with_kwargs=True),
-        transformer.rope.register_forward_hook(shard_rope),
-        transformer.x_embedder.register_forward_hook(shard_video),
-        transformer.proj_out.register_forward_hook(lambda module, args, output: ctx.gather(output)),
-    ]
+    handles = [transformer.register_forward_pre_hook(drop_text_padding, with_kwargs=True)]
+    handles += video_token_hooks(transformer, ctx)
     blocks = _blocks(transformer)
     processors = [block.attn.processor for block in blocks]
     for layer, block in enumerate(blocks):

@@ -25,7 +25,7 @@ import contextlib
 import torch
 
 from basics.errors import ConfigError
-from runtime.models.hunyuan import JointAttention, pack_boundary, valid_text_tokens
+from runtime.models.hunyuan import JointAttention, pack_boundary, valid_text_tokens, video_token_hooks
 from runtime.models.hunyuan15.checkpoint import (
     COMPONENTS,
     PIPELINES,
@@ -79,21 +79,8 @@ def install(transformer, ctx) -> tuple[list, list]:
             assert bool(mask[0, : valid["n"]].all()), "the model puts the valid text tokens first"
         return (args[0], text[:, : valid["n"]], *args[2:])
 
-    def shard_rope(module, args, output):
-        cos, sin = output  # [N, D] float32
-        ctx.begin_forward(cos.shape[0])
-        return ctx.shard(cos, dim=0), ctx.shard(sin, dim=0)
-
-    def shard_video(module, args, output):
-        assert output.shape[1] == ctx.tokens, "rope and video tokens disagree on the token count"
-        return ctx.shard(output)
-
-    handles = [
-        transformer.register_forward_pre_hook(new_forward, with_kwargs=True),
-        transformer.rope.register_forward_hook(shard_rope),
-        transformer.x_embedder.register_forward_hook(shard_video),
-        transformer.proj_out.register_forward_hook(lambda module, args, output: ctx.gather(output)),
-    ]
+    handles = [transformer.register_forward_pre_hook(new_forward, with_kwargs=True)]
+    handles += video_token_hooks(transformer, ctx)
     blocks = list(transformer.transformer_blocks)
     handles += [block.register_forward_pre_hook(drop_text_padding) for block in blocks]
     processors = [block.attn.processor for block in blocks]

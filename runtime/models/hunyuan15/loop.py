@@ -8,13 +8,13 @@ Shape legend: B batch, C latent channels, F latent frames, H/W latent height/wid
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from runtime.loop_types import TextEmbeds
-from runtime.models import schedulers
+from runtime.models.hunyuan.loop import HunyuanModel
 
 
 @dataclass
@@ -28,10 +28,11 @@ class Hunyuan15Text:
         return tuple(self.inputs["encoder_hidden_states"].shape)
 
 
-class Hunyuan15Model:
+class Hunyuan15Model(HunyuanModel):
     """HunyuanVideo-1.5 text-to-video as `HunyuanVideo15Pipeline` runs it. The CFG scale is the
-    item's guidance (the folder's guider scale by default): two branches when it is not 1, the
-    negative prompt encoded as the pipeline encodes it ("" when none is given)."""
+    item's guidance (the folder's guider scale by default): two branches unless it is 1, the
+    negative prompt encoded as the pipeline encodes it ("" when none is given). The flow-
+    matching sigmas, the VAE's scaling and the postprocessing are HunyuanVideo's."""
 
     def __init__(self, components: dict, device: torch.device, max_text_len: int):
         from diffusers import HunyuanVideo15Pipeline
@@ -40,22 +41,11 @@ class Hunyuan15Model:
         self.transformers = [components["transformer"]]
         self.vae = components["vae"]
         self.scheduler = components["scheduler"]
-        names = (
-            "text_encoder",
-            "tokenizer",
-            "transformer",
-            "vae",
-            "scheduler",
-            "text_encoder_2",
-            "tokenizer_2",
-            "guider",
-        )
+        names = ("text_encoder", "tokenizer", "transformer", "vae", "scheduler", "text_encoder_2", "tokenizer_2")
+        names += ("guider",)
         self.pipe = HunyuanVideo15Pipeline(**{k: components[k] for k in names})
         self.pipe.tokenizer_max_length = max_text_len
         self.pipe.set_progress_bar_config(disable=True)
-
-    def text_encoders(self) -> list:
-        return [self.pipe.text_encoder, self.pipe.text_encoder_2]
 
     @torch.no_grad()
     def encode_text(self, prompt: str, negative_prompt: str | None, guidance: float, embedded: float | None = None):
@@ -72,7 +62,7 @@ class Hunyuan15Model:
                 }
             )
 
-        negative = encode(negative_prompt) if guidance != 1.0 else None
+        negative = None if math.isclose(guidance, 1.0) else encode(negative_prompt)  # as the guider decides
         return TextEmbeds(encode(prompt), negative)
 
     def initial_latents(self, seed: int, height: int, width: int, frames: int) -> torch.Tensor:
@@ -89,19 +79,6 @@ class Hunyuan15Model:
             generator=torch.Generator("cpu").manual_seed(seed),
         ).float()
 
-    def encode_image(self, image, latents_BCFHW, height: int, width: int, frames: int):
-        raise ValueError("this model takes no image (text-to-video only)")
-
-    def new_scheduler(self, steps: int, sampler=None):
-        scheduler = schedulers.fresh(self.scheduler, sampler)
-        sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]  # the pipeline's default schedule
-        scheduler.set_timesteps(sigmas=sigmas, device=self.device)
-        scheduler.set_begin_index(0)
-        return scheduler
-
-    def experts(self, timesteps: list[float], num_train_timesteps: int) -> list[int]:
-        return [0] * len(timesteps)
-
     def forward(self, transformer, latents_BCFHW: torch.Tensor, t: torch.Tensor, text: Hunyuan15Text, condition):
         """The prediction for `latents`: the noise with zero condition latents and mask (text-to-
         video), zero image embeddings (the model masks them out)."""
@@ -117,13 +94,3 @@ class Hunyuan15Model:
             return_dict=False,
             **text.inputs,
         )[0]
-
-    def final_latents(self, latents_BCFHW: torch.Tensor, condition) -> torch.Tensor:
-        return latents_BCFHW
-
-    def vae_input(self, latents_BCFHW: torch.Tensor) -> torch.Tensor:
-        """The denoised latents as the VAE takes them (the pipeline's scaling)."""
-        return latents_BCFHW.to(self.device, dtype=self.vae.dtype) / self.vae.config.scaling_factor
-
-    def postprocess(self, video_BCFHW: torch.Tensor):
-        return self.pipe.video_processor.postprocess_video(video_BCFHW, output_type="np")[0]

@@ -63,12 +63,13 @@ from runtime.models.wan.vae import decode_tile, join_chunks, vae_chunks
 from runtime.profiling import region
 
 __all__ = [
-    "COMPONENTS", "FOLDER_DEFAULTS", "MODELS", "rope_max_seq_len", "tiling", "vae_strides", "IMAGE_ENCODER_CLASSES", "IMAGE_PROCESSOR_CLASSES", "PIPELINES", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "REQUIRED",
-    "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR", "VAE_CLASS", "WanSelfAttention", "WanVariant", "apply_rotary",
-    "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile", "dir_variant", "expert_schedule", "from_block",
-    "fsdp_gathered_params", "install", "install_tp", "join_chunks", "load_model", "named_parts", "pack_boundary",
-    "patch_size", "probes", "same_architecture", "segment_blocks", "shape_of", "uninstall", "uninstall_tp",
-    "vae_chunks", "vae_shape_of",
+    "COMPONENTS", "FOLDER_DEFAULTS", "IMAGE_ENCODER_CLASSES", "IMAGE_PROCESSOR_CLASSES", "MODELS", "PIPELINE_DEFAULTS",
+    "PIPELINES", "REQUIRED", "SCHEDULE_BY_SIGMAS", "TRANSFORMER_CLASS", "VAE_ACTIVATION_FACTOR", "VAE_CLASS",
+    "apply_rotary", "attention_shape", "block_params", "blocks_params", "count_params", "decode_tile", "dir_variant",
+    "expert_schedule", "from_block", "fsdp_gathered_params", "install", "install_tp", "join_chunks", "load_model",
+    "named_parts", "pack_boundary", "patch_size", "probes", "rope_max_seq_len", "same_architecture", "segment_blocks",
+    "shape_of", "tiling", "uninstall", "uninstall_tp", "vae_chunks", "vae_shape_of", "vae_strides", "WanSelfAttention",
+    "WanVariant"
 ]  # fmt: skip
 
 FOLDER_DEFAULTS = ()  # its pipeline reads no generation default from the checkpoint's configs
