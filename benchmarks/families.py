@@ -44,6 +44,7 @@ def cases() -> list[Case]:
     from tiny_wan import TinyWanConfig, build_tiny_wan
     from tiny_wan.hunyuan import build_tiny_hunyuan
     from tiny_wan.hunyuan15 import build_tiny_hunyuan15
+    from tiny_wan.ltx2 import build_tiny_ltx2_components
     from tiny_wan.skyreels import build_tiny_skyreels
 
     wan = TinyWanConfig(seed=7, heads=2, head_dim=12, layers=2, ffn_dim=32, text_dim=24, text_heads=2)
@@ -80,10 +81,19 @@ def cases() -> list[Case]:
             {"guidance_scale": 4.0, "negative_prompt": NEGATIVE},
             ["--guidance", "4", "--negative-prompt", NEGATIVE],
         ),
+        Case(
+            "ltx-2 (T2V, video and audio latents)",
+            "LTX2Pipeline",
+            lambda: build_tiny_ltx2_components(seed=3),
+            {"height": 64, "width": 96, "frames": 17},
+            {"negative_prompt": NEGATIVE, "frame_rate": 24.0},
+            ["--negative-prompt", NEGATIVE],
+        ),
     ]
 
 
-def pipeline_latents(case: Case, folder: Path) -> torch.Tensor:
+def pipeline_latents(case: Case, folder: Path) -> dict[str, torch.Tensor]:
+    """The pipeline's final latents, as ditango's latents file names them (LTX-2: audio too)."""
     import diffusers
 
     pipe = getattr(diffusers, case.pipeline).from_pretrained(folder, local_files_only=True)
@@ -91,16 +101,17 @@ def pipeline_latents(case: Case, folder: Path) -> torch.Tensor:
     size = {"height": case.size["height"], "width": case.size["width"], "num_frames": case.size["frames"]}
     generator = torch.Generator("cpu").manual_seed(SEED)
     out = pipe(prompt=PROMPT, **size, num_inference_steps=STEPS, generator=generator, output_type="latent", **case.call)
-    return out.frames
+    audio = getattr(out, "audio", None)
+    return {"latents": out.frames} if audio is None else {"latents": out.frames, "audio_latents": audio}
 
 
-def ours(case: Case, folder: Path, out: Path, *extra: str) -> torch.Tensor:
+def ours(case: Case, folder: Path, out: Path, *extra: str) -> dict[str, torch.Tensor]:
     size = [f"--{k}={v}" for k, v in case.size.items()]
     cmd = [sys.executable, "-m", "ditango_cli.app", "generate", "--model", str(folder), "--prompt", PROMPT, *size]
     cmd += ["--steps", str(STEPS), "--seed", str(SEED), "--device", "cpu", "--quiet", "--save-latents"]
     subprocess.run([*cmd, *case.flags, "--out", str(out), *extra], check=True, cwd=ROOT)
     (file,) = out.glob("*.latents.safetensors")
-    return next(iter(load_file(file).values()))
+    return load_file(file)
 
 
 def main() -> None:
@@ -119,12 +130,16 @@ def main() -> None:
             getattr(diffusers, case.pipeline)(**case.build()).save_pretrained(folder, safe_serialization=True)
             want = pipeline_latents(case, folder)
             one = ours(case, folder, Path(tmp) / f"one{k}")
-            errors = [(one - want).abs().max().item()]
+            errors = {name: [(one[name] - want[name]).abs().max().item()] for name in want}
             for strategy in ("ring", "ulysses"):
                 flags = ("--parallel", strategy, "--gpus", "2", "--executor", "local")
-                errors.append((ours(case, folder, Path(tmp) / f"{strategy}{k}", *flags) - one).abs().max().item())
-            rows.append(f"| {case.family} | " + " | ".join(f"{e:.1e}" for e in errors) + " |")
-            print(rows[-1], flush=True)
+                two = ours(case, folder, Path(tmp) / f"{strategy}{k}", *flags)
+                for name in want:
+                    errors[name].append((two[name] - one[name]).abs().max().item())
+            for name, figures in errors.items():
+                label = case.family if name == "latents" else f"{case.family.split(' ')[0]}: {name}"
+                rows.append(f"| {label} | " + " | ".join(f"{e:.1e}" for e in figures) + " |")
+                print(rows[-1], flush=True)
     table = "\n".join(rows) + "\n"
     print(table)
     if args.out is not None:

@@ -120,7 +120,9 @@ class ItemArgs:
     fps: Annotated[int | None, _o("--fps", help="Frame rate of the MP4 [the model's].")] = None
     height: Annotated[int | None, _o("--height", help="Pixels, a multiple of the model's geometry.")] = None
     width: Annotated[int | None, _o("--width", help="Pixels, a multiple of the model's geometry.")] = None
-    frames: Annotated[int | None, _o("--frames", help="Video frames, 4k+1.")] = None
+    frames: Annotated[
+        int | None, _o("--frames", help="Video frames, tk+1 for the VAE's time stride t (4; LTX-2: 8).")
+    ] = None
 
 
 def given_path(value: str | Path) -> Path:
@@ -149,6 +151,9 @@ class OutputArgs:
     out: Annotated[Path, _o("--out", "-o", parser=_output_folder, metavar="PATH", help="Output folder.")] = Path("out")
     save_latents: Annotated[
         bool, _o("--save-latents", help="Also write ID.latents.safetensors (the final latents).")
+    ] = False
+    no_audio: Annotated[
+        bool, _o("--no-audio", help="A model with an audio track (LTX-2): write the MP4 without it.")
     ] = False
     overwrite: Annotated[bool, _o("--overwrite", help="Regenerate items whose outputs exist.")] = False
     profile: Annotated[

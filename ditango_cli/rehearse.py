@@ -34,6 +34,7 @@ def rehearse(args: RunOptions, run: RehearseArgs, options: dict, given: Given) -
     GPU): per rank the peak memory by phase against the memory model, the bytes each step
     receives by link against the cost model's count, and any problem found. Exit 1 on a problem."""
     from runtime.memory_plan import plan_memory
+    from runtime.models.families import FAMILIES
     from runtime.models.registry import REGISTRY
     from runtime.models.resolve import resolve_model
     from runtime.rehearse import rehearse as run_rehearsal
@@ -50,6 +51,9 @@ def rehearse(args: RunOptions, run: RehearseArgs, options: dict, given: Given) -
         args, where="sbatch", create_out=False, weights=False, warn=lambda text: None, given=given
     )
     spec = REGISTRY[cfg.model] if resolved is None else resolved.spec
+    why = getattr(FAMILIES[spec.family], "NOT_REHEARSED", None)  # a family whose rehearsal is not written yet
+    if why:
+        raise ConfigError(f"{spec.name} cannot be rehearsed yet: {why}")
     path = None if resolved is None or spec.builtin else resolved.path
     if resolved is None and args.model.model not in REGISTRY:
         path = resolve_model(args.model.model, args.model.model_root).path

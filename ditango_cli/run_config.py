@@ -101,6 +101,7 @@ def build_run_config(
     args, choice = choose_layout(args, spec, items, array, queue)  # --layout auto, else as given
     layout = layout_of(args, spec)
     step_cache = None if args.parallel.step_cache is None else parse_step_cache(args.parallel.step_cache)
+    check_own_guidance(spec, layout, args.guidance.hybrid, step_cache)
     args = args.without(checked_rules(args, layout, step_cache, where, given))  # the run file's moot ones
     device = ranks_device(
         where, args.model.device.value, layout.world_size * args.parallel.replicas, args.parallel.gpus_per_node
@@ -130,6 +131,7 @@ def build_run_config(
         device=device,
         dtype=None if args.model.dtype is None else args.model.dtype.value,
         save_latents=args.output.save_latents,
+        no_audio=args.output.no_audio,
         overwrite=args.output.overwrite,
         profile=args.output.profile,
         max_text_len=spec.defaults.max_text_len,
@@ -230,7 +232,22 @@ def layout_of(args: RunOptions, spec):
         group_size=args.ditango.group_size,
         ffn=spec.shape.ffn,
         joint_text=spec.shape.joint_text,
+        own_guidance=spec.shape.own_guidance,
     )
+
+
+def check_own_guidance(spec, layout, hybrid: bool, step_cache) -> None:
+    """A model whose pipeline guides with more forwards than a conditional and an unconditional
+    one (LTX-2: spatio-temporal and modality guidance too) runs each forward fresh: Hybridiff's
+    segments and a step cache's skips are refused by name (the layout refused the rest)."""
+    if not spec.shape.own_guidance:
+        return
+    for option, given in (("--hybrid", hybrid), ("--step-cache", step_cache is not None)):
+        if given:
+            raise ConfigError(
+                f"{option} does not apply to {spec.name}: its pipeline's guidance runs up to four forwards a step "
+                "(CFG, spatio-temporal, modality); use ring, ulysses or usp"
+            )
 
 
 def decode_options(args: RunOptions, layout) -> DecodeOptions:

@@ -116,7 +116,7 @@ def compare_layouts(
                 if "group_size" in strategy.options and group_size is not None:
                     group = parse_group_size(group_size, gpus_per_node)
                 layout = ParallelLayout(n, gpus_per_node, 1, strategy, None, group).with_defaults(shape.heads)
-                layout.check_model(shape.heads, shape.ffn, shape.joint_text)
+                layout.check_model(shape.heads, shape.ffn, shape.joint_text, shape.own_guidance)
                 if memory.quantize != "none" and layout.strategy.splits_weights:
                     raise ConfigError(f"--quantize {memory.quantize} does not combine with it")
             except (ConfigError, ValueError) as exc:

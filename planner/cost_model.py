@@ -311,7 +311,7 @@ def estimate(
     topo = Topology(layout)
     tokens = shape.tokens(size)
     sizes = chunk_sizes(tokens, layout.cp_degree)
-    forwards = 1 if layout.cfg_degree == 2 else 2
+    forwards = 1 if layout.cfg_degree == 2 else shape.guided_forwards
     attn = attention_time(hw, topo, shape, tokens, element_bytes, compute_fraction, own_group)
     strategy = layout.strategy  # a weight-splitting one: 1/tp of every matmul, then its collectives
     local = strategy.block_tokens(tokens, sizes)

@@ -74,10 +74,19 @@ class ParallelLayout:
             put(name, value)
         put("groups", self.cp_degree // degrees.group)
 
-    def check_model(self, heads: int, ffn: int | None = None, joint_text: bool = False) -> None:
+    def check_model(
+        self, heads: int, ffn: int | None = None, joint_text: bool = False, own_guidance: bool = False
+    ) -> None:
         """Errors that depend on the model: Ulysses splits heads, so its degree must divide them;
         tp splits heads and the FFN width (`ffn`, when known); tp has no joint text-video
-        (HunyuanVideo-style) blocks yet."""
+        (HunyuanVideo-style) blocks yet; a model whose pipeline guides with forwards of its own
+        (`own_guidance`, LTX-2) runs every forward fresh on one rank group, context parallel."""
+        if own_guidance and (self.cfg_degree > 1 or self.strategy.reuses or self.strategy.splits_weights):
+            option = "--cfg-parallel" if self.cfg_degree > 1 else f"--parallel {self.strategy}"
+            raise ConfigError(
+                f"{option} does not apply to a model whose guidance runs up to four forwards a step (LTX-2: CFG, "
+                "spatio-temporal, modality; an audio stream tp does not split); use ring, ulysses or usp"
+            )
         if self.ulysses > 1 and heads % self.ulysses:
             best = max(d for d in divisors(self.cp_degree) if heads % d == 0)
             hint = "use --parallel ring" + (f", or --parallel usp --ulysses-degree {best}" if best > 1 else "")
@@ -186,10 +195,11 @@ def replica_layout(
     group_size: str | int | None = None,
     ffn: int | None = None,
     joint_text: bool = False,
+    own_guidance: bool = False,
 ) -> ParallelLayout:
     """The layout of one replica of an allocation of `nodes` x `gpus_per_node` ranks (the whole
     allocation without replicas), for a model of `heads` heads (`ffn`, `joint_text`: its FFN
-    width and whether it has joint text-video blocks, for `check_model`). `strategy` None: ring
+    width, whether it has joint text-video blocks and its own guidance, for `check_model`). `strategy` None: ring
     on several cp ranks, none on one; `group_size` "node": the ranks of a node."""
     nodes, gpus_per_node = replica_shape(nodes, gpus_per_node, replicas)
     world = nodes * gpus_per_node
@@ -202,5 +212,5 @@ def replica_layout(
         group_size = parse_group_size(group_size, gpus_per_node)
     layout = ParallelLayout(nodes, gpus_per_node, cfg_degree, strategy, ulysses_degree, group_size)
     layout = layout.with_defaults(heads)
-    layout.check_model(heads, ffn, joint_text)
+    layout.check_model(heads, ffn, joint_text, own_guidance)
     return layout

@@ -99,6 +99,12 @@ class ModelShape:
     # Text tokens take part in every self-attention (HunyuanVideo's joint attention), instead
     # of a cross-attention: `text_len` rows and keys held whole on every rank.
     joint_text: bool = False
+    # The family's pipeline guides with forwards of its own beyond CFG's two (LTX-2): no
+    # CFG-parallel, Hybridiff, reuse or step cache (ditango_cli/run_config.py refuses them).
+    own_guidance: bool = False
+    # Forwards a guided step runs in turn on one rank group: CFG's two; LTX-2.0's pipeline three
+    # (CFG's and the modality-isolated one), four where its spatio-temporal guidance perturbs.
+    guided_forwards: int = 2
     # For the memory model (planner/memory.py); 0 / None: not known, not counted.
     block_params: int = 0  # the largest transformer block (what FSDP gathers at once)
     root_params: int = 0  # one transformer's parameters outside its blocks (embeddings, head)

@@ -174,7 +174,9 @@ def layouts(p: Problem, nodes: int, gpus: int) -> list[ParallelLayout]:
     the batch (as runtime/config.py refuses a run's layout for any one of them)."""
     world, out = nodes * gpus, []
     fewest = min(p.shape.tokens(size) for size, _, _ in p.kinds())
-    guided = all(cfg > 1 for _, _, cfg in p.kinds())  # cfg-parallel needs two branches in every item
+    # cfg-parallel needs two branches in every item, and a model that guides with more forwards
+    # of its own (LTX-2) runs them all on one rank group
+    guided = all(cfg > 1 for _, _, cfg in p.kinds()) and not p.shape.own_guidance
     for cfg in (1, 2) if guided and world % 2 == 0 else (1,):
         cp = world // cfg
         if cp > fewest:  # a rank without a token: the sequence cannot split so far
@@ -188,7 +190,7 @@ def layouts(p: Problem, nodes: int, gpus: int) -> list[ParallelLayout]:
             for options in strategy.variants(cp):
                 try:
                     layout = ParallelLayout(nodes, gpus, cfg, strategy, **options)
-                    layout.check_model(p.shape.heads, p.shape.ffn, p.shape.joint_text)
+                    layout.check_model(p.shape.heads, p.shape.ffn, p.shape.joint_text, p.shape.own_guidance)
                 except ConfigError:
                     continue
                 out.append(layout)
@@ -231,7 +233,9 @@ def _timing(hw: Hardware, p: Problem, layout: ParallelLayout, shard: bool) -> tu
             kwargs.update(compute_fraction=plan, own_group=p.source.own_group)
     est = estimate(hw, layout, p.shape, p.size, p.steps, **kwargs)
     forwards = cfg_branches(p.cfg_scale, layout.cfg_degree) if layout.cfg_degree == 1 else 1
-    if p.cfg_scale <= 1:  # one branch: the cost model prices two when CFG runs on one rank group
+    if p.shape.own_guidance:  # its pipeline's forwards, whatever the video's CFG scale
+        forwards = p.shape.guided_forwards
+    elif p.cfg_scale <= 1:  # one branch: the cost model prices two when CFG runs on one rank group
         est.e2e_s /= 2
         est.inter_node_bytes //= 2
         est.intra_node_bytes //= 2

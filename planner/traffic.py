@@ -241,7 +241,7 @@ def predict_traffic(
     `plan_kinds` (each step's kind, from its plan file) the control plane is counted too."""
     topo = Topology(layout, node_of)
     tokens = shape.tokens(size)
-    branches = 2 if guidance else 1
+    branches = shape.guided_forwards if guidance or shape.own_guidance else 1
     forwards = steps * (1 if layout.cfg_degree == 2 else branches)
     t = Traffic()
     attention_traffic(t, topo, shape, tokens, element_bytes, forwards, plan_bits, own_group)

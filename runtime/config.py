@@ -241,6 +241,7 @@ class RunConfig:
     device: Device = "auto"
     dtype: DType | None = None  # None: float32 on CPU, bfloat16 on CUDA
     save_latents: bool = False
+    no_audio: bool = False  # --no-audio: a model's audio track (LTX-2) is denoised but not decoded nor muxed
     overwrite: bool = False
     profile: bool = False  # --profile: a trace per rank and item, and a table of where the time went
     max_text_len: int = 512

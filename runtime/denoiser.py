@@ -96,9 +96,10 @@ class Denoiser:
 
     # -- inputs ------------------------------------------------------------------------------
     def encode_text(self, prompt: str, negative_prompt: str | None, guidance: float, embedded: float | None = None):
-        """The item's text per CFG branch (`TextEmbeds`); `embedded`: a distilled guidance scale
-        (HunyuanVideo's `guidance_scale`; None: the family's default)."""
-        return self.model.encode_text(prompt, negative_prompt, guidance, embedded)
+        """The item's text per CFG branch (`TextEmbeds`); `embedded`: a distilled guidance scale,
+        passed only when given, to the families that take one (HunyuanVideo's `guidance_scale`)."""
+        options = {} if embedded is None else {"embedded": embedded}
+        return self.model.encode_text(prompt, negative_prompt, guidance, **options)
 
     def text_encoders(self) -> list:
         return self.model.text_encoders()
@@ -110,10 +111,11 @@ class Denoiser:
     def encode_image(self, image, latents_BCFHW: torch.Tensor, height: int, width: int, frames: int) -> ImageCondition:
         return self.model.encode_image(image, latents_BCFHW, height, width, frames)
 
-    def new_scheduler(self, steps: int, sampler: Sampler | None = None):
+    def new_scheduler(self, steps: int, sampler: Sampler | None = None, latents_BCFHW: torch.Tensor | None = None):
         """A fresh scheduler (multistep solvers keep per-run state) with its timesteps set:
-        the model's own, or `sampler`'s solver and shift."""
-        return self.model.new_scheduler(steps, sampler)
+        the model's own, or `sampler`'s solver and shift (`latents_BCFHW`: the run's, for a
+        schedule shifted by the video's size)."""
+        return self.model.new_scheduler(steps, sampler, latents_BCFHW)
 
     def experts(self, scheduler) -> list[int]:
         """Per step, the expert that runs it; read from the host copy of the timesteps once per
@@ -161,8 +163,11 @@ class Denoiser:
         `run_steps`: only these steps of the schedule run (a rehearsal's sample), None: all;
         `sampler`: the solver and flow shift (None: the model's own scheduler); `trace`: gets a
         float32 host copy of the latents after every step (--reference exact's per-step error)."""
-        scheduler = self.new_scheduler(steps, sampler)
+        scheduler = self.new_scheduler(steps, sampler, latents_BCFHW)
         result = DenoiseResult(latents_BCFHW)
+        streams = getattr(self.model, "begin_run", None)  # a model with a stream of its own (LTX-2's audio)
+        if streams is not None:
+            streams(scheduler, condition)
         latents = latents_BCFHW
         listener, cache = self.listener, self.step_cache
         self._condition = condition
@@ -205,6 +210,8 @@ class Denoiser:
                 if cache is not None:
                     cache.end_run()
         result.latents_BCFHW = self.model.final_latents(latents, condition)
+        if streams is not None:
+            result.audio_BCLM = self.model.end_run(condition)
         flags = torch.stack(finite).tolist() if finite else []
         result.first_nonfinite_step = next((i + 1 for i, ok in enumerate(flags) if not ok), None)
         return result

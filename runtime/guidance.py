@@ -63,6 +63,9 @@ class SequentialCfg:
     def begin_run(self, steps: int) -> None: ...
 
     def noise(self, den, step: int, t, latents, text, guidance: float) -> torch.Tensor:
+        own = getattr(den.model, "guided_noise", None)  # a family whose pipeline guides its own way (LTX-2)
+        if own is not None:
+            return own(den, step, t, latents, text, guidance)
         den.begin_branch(0, "cond")
         noise = den.predict(latents, t, text.cond_BLE)
         if text.uncond_BLE is not None:

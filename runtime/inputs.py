@@ -35,6 +35,9 @@ def item_inputs(denoiser: Denoiser, item: Item, cfg: RunConfig, timing: ItemTimi
     if item.image is not None:
         image = load_image(item.image)
         condition = denoiser.encode_image(image, latents, item.height, item.width, item.frames)
+    streams = getattr(denoiser.model, "condition", None)  # a model with a stream of its own (LTX-2's audio)
+    if streams is not None:
+        condition = streams(item.seed, item.height, item.width, item.frames, item.fps)
     return text, latents, condition
 
 

@@ -160,7 +160,8 @@ def make_item(
     true_cfg = pick("true_cfg_scale", cli.true_cfg_scale, defaults.true_cfg)
     if true_cfg is not None and defaults.true_cfg is None:
         raise ConfigError(
-            f'{source}: --true-cfg-scale / "true_cfg_scale" apply to HunyuanVideo only (Wan\'s --guidance is its CFG scale)'
+            f'{source}: --true-cfg-scale / "true_cfg_scale" apply to HunyuanVideo only, whose --guidance is embedded '
+            "(this model's --guidance is its CFG scale)"
         )
     item = Item(
         loras=_loras_of(fields, cli, defaults, source, base),

@@ -44,6 +44,8 @@ class DenoiseResult:
     step_s: list[float] = field(default_factory=list)
     # The first step (1-based) after which the latents held a NaN or inf; None: they never did.
     first_nonfinite_step: int | None = None
+    # The audio latents denoised with the video (a model with an audio stream: LTX-2), float32.
+    audio_BCLM: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"DenoiseResult(latents_BCFHW={tuple(self.latents_BCFHW.shape)}, steps={len(self.step_s)})"

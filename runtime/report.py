@@ -142,6 +142,8 @@ def item_record(
     step_cache: dict | None = None,
     method: dict | None = None,
     profile: dict | None = None,
+    audio: dict | None = None,
+    guidance_terms: dict | None = None,
 ) -> dict:
     """The per-item record: the sidecar's body and one entry of report.json's `items`."""
     return {
@@ -170,6 +172,12 @@ def item_record(
         "method": method or {},
         # with --profile: per rank, ms per profiled step by category (runtime/profiling.py), and the traces
         "profile": profile,
+        # a model that denoises an audio track with the video (LTX-2): its latents' shape, and
+        # muxed (AAC, sample_rate, channels, seconds) or why not (--no-audio)
+        "audio": audio,
+        # a pipeline's guidance beyond the CFG scale (LTX-2: audio CFG, spatio-temporal and
+        # modality guidance, rescale, the shift's mu from the whole video's tokens)
+        "guidance_terms": guidance_terms,
         "error": error,
     }
 

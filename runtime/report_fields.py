@@ -38,6 +38,16 @@ ITEM_FIELDS: dict[str, tuple[bool, str]] = {
     "decode": (True, "mode (tiled or untiled), tiles, ranks, per_rank_s, bytes; psnr_vs_untiled"),
     "method": (True, "what else shaped the video ({}: an exact run): a folder resumes only under the same"),
     "profile": (True, "--profile: per rank, ms per profiled step by category, and the traces"),
+    "audio": (
+        True,
+        "a model with an audio track (LTX-2): its latents' shape; muxed, codec, sample_rate, channels, "
+        "seconds, decode_s, or why not (--no-audio)",
+    ),
+    "guidance_terms": (
+        True,
+        "LTX-2: the pipeline's guidance beyond the CFG scale (audio CFG, STG, modality, "
+        "rescale) and the shift's mu from the whole video's tokens",
+    ),
     "error": (True, "a failed item's error, one line"),
     "attempts": (False, "a retried or failed item: the launches that ran it"),
     "final": (False, "a failed item that no rerun retries (its failure was not the launch's)"),

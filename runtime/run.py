@@ -36,7 +36,7 @@ from runtime.quality import quality_record
 from runtime.queue_status import queue_summary
 from runtime.report import ItemTiming, ReportWriter, RunTiming, claim_bring_up_start, peak_memory, run_report
 from runtime.resume import plan_resume
-from runtime.video import write_json
+from runtime.video import Audio, write_json
 from runtime.weights import place
 
 
@@ -148,6 +148,10 @@ def decode_and_write(
             frames, untiled, result.latents_BCFHW, result.latents_BCFHW, "untiled"
         )["psnr"]
 
+    audio, audio_record = item_audio(denoiser, result, cfg.no_audio)
+    terms = getattr(denoiser.model, "guidance_record", None)
+    if terms is not None:
+        records = {**records, "guidance_terms": terms(item.cfg_scale, result.latents_BCFHW)}
     observer.phase("write")
     return work.write(
         cfg,
@@ -158,8 +162,33 @@ def decode_and_write(
         quality=quality,
         decode=decode,
         reference_frames=None if reference is None else ref_frames,
+        track=audio,
+        audio_latents=result.audio_BCLM,
+        **({} if audio_record is None else {"audio": audio_record}),
         **records,
     )
+
+
+def item_audio(denoiser: Denoiser, result: DenoiseResult, skip: bool) -> tuple[Audio | None, dict | None]:
+    """The item's audio track (a model that denoises one with the video: LTX-2), decoded on the
+    writer, and what the record says of it; (None, None) for a model without audio."""
+    if result.audio_BCLM is None:
+        return None, None
+    record = {"latents": list(result.audio_BCLM.shape)}
+    if skip:
+        return None, {**record, "muxed": False, "why": "--no-audio"}
+    start = time.perf_counter()
+    samples, rate = denoiser.model.decode_audio(result.audio_BCLM)
+    audio = Audio(samples, rate)
+    return audio, {
+        **record,
+        "muxed": True,
+        "codec": "aac",
+        "sample_rate": rate,
+        "channels": int(samples.shape[0]),
+        "seconds": round(audio.seconds, 6),
+        "decode_s": round(time.perf_counter() - start, 4),
+    }
 
 
 def denoise_item(

@@ -14,6 +14,8 @@ they are a small share of the weights.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -42,9 +44,27 @@ def shard_weights(components: dict, mesh: Mesh, device: torch.device, min_degree
         whole = {p for p in module.parameters() if p.dtype != dtype}
         for block in block_stacks(module):
             fully_shard(block, mesh=dmesh, ignored_params={p for p in block.parameters() if p in whole})
-        fully_shard(module, mesh=dmesh, ignored_params=whole)
+        with _outputs_recorded(module):
+            fully_shard(module, mesh=dmesh, ignored_params=whole)
         module.to(device)
     return degree
+
+
+@contextlib.contextmanager
+def _outputs_recorded(module: nn.Module):
+    """Keep a transformers model's `output_hidden_states` through FSDP2's class swap: transformers
+    (5.x) looks up which layer outputs a model records by the name of its class, and
+    `fully_shard` gives the module a new class (FSDP<Name>), under which it records nothing:
+    `hidden_states` came back None (HunyuanVideo-1.5's Qwen, HunyuanVideo's Llama: the pipelines
+    read a hidden state before the last). The new class is registered with the old one's."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY as registry
+    except ImportError:  # another transformers: nothing keyed by class
+        registry = None
+    flags = None if registry is None else registry.get(module)
+    yield
+    if flags:
+        registry[module] = flags
 
 
 def block_stacks(module: nn.Module) -> list[nn.Module]:

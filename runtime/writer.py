@@ -12,7 +12,7 @@ from runtime.models.adapters import file_sha256
 from runtime.outputs import output_paths, video_method
 from runtime.plots import write_heatmap, write_rel_mae_plot, write_step_plot
 from runtime.report import SCHEMA, ItemTiming, item_record
-from runtime.video import write_json, write_latents, write_mp4, write_png
+from runtime.video import Audio, write_json, write_latents, write_mp4, write_png
 
 
 def write_item(
@@ -26,16 +26,19 @@ def write_item(
     hybrid: dict | None,
     reference_frames: np.ndarray | None = None,
     fence: dict | None = None,
+    track: Audio | None = None,
+    audio_latents=None,
     **records,
 ) -> dict:
     """Write `item`'s files (uint8 `frames` [F, H, W, 3]; float32 latents [1, C, F, H, W]; the
     exact run's frames, with --reference exact) and return its record; `records`: the rest of
     the record's parts (comm, quality, decode, step_cache). `fence`: the queue's lease the files
     are written under (batch, token, worker), kept in the sidecar; the sidecar also keeps the
-    MP4's SHA-256, which says whose video was published."""
+    MP4's SHA-256, which says whose video was published. `track`: the audio muxed into the MP4
+    (AAC); `audio_latents`: the audio stream's latents, kept beside the video's with --save-latents."""
     paths = output_paths(cfg.out_dir, item.id)
     start = time.perf_counter()
-    write_mp4(paths["video"], frames, item.fps)
+    write_mp4(paths["video"], frames, item.fps, track)
     write_png(paths["poster"], frames[len(frames) // 2])
     if reference_frames is not None and records.get("quality") is not None:
         write_mp4(paths["exact"], reference_frames, item.fps)
@@ -43,7 +46,7 @@ def write_item(
     latents_name = None
     if cfg.save_latents:
         meta = {"id": item.id, "model": cfg.model, "seed": str(item.seed), "steps": str(item.steps)}
-        write_latents(paths["latents"], latents_BCFHW, meta)
+        write_latents(paths["latents"], latents_BCFHW, meta, audio_latents)
         latents_name = paths["latents"].name
     timing.write_s = time.perf_counter() - start
 

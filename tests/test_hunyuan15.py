@@ -132,6 +132,40 @@ def test_counts_restate_the_configs():
     assert (count(qwen) + count(byt5), count(qwen.layers[0]), text.whole) == (text.params, text.block, count(byt5))
 
 
+@pytest.mark.e2e
+def test_a_rehearsal_runs_the_forwards_text_reorder(runner, folder):
+    """Bug: the forward's boolean text reorder (valid tokens first) has no size on fake tensors
+    and stopped every HunyuanVideo-1.5 rehearsal in its denoise (DynamicOutputShapeException:
+    aten.nonzero). The tiny model rehearses through every phase, each selection read once a
+    forward (2 steps x 2 CFG branches); its sizes are too small for the memory model's figures
+    (the 720p check is tests/test_rehearse.py's)."""
+    size = [f"--{k}={v}" for k, v in SIZE.items()]
+    args = ["rehearse", "--model", str(folder), *size, "--steps", "2", "--nodes", "1", "--gpus-per-node", "2"]
+    result = runner.invoke(app, [*args, "--parallel", "ring", "--json"])
+    report = json.loads(result.stdout)
+    assert not [p for p in report["problems"] if "Error" in p or "Exception" in p], report["problems"]
+    for rank in report["ranks"]:
+        assert set(rank["phases"]) == {"load", "encode", "denoise", "decode"} and rank["peak"] is not None
+        reads = [r for r in rank["host_reads"] if "transformer_hunyuan_video15" in r["site"]]
+        assert len(reads) >= 6 and all(r["count"] == 4 for r in reads), reads
+
+
+def test_the_vae_shape_holds_each_resolutions_own_width():
+    """Bug: the memory model counted each upsampled resolution of the decoder at the wider
+    block's channels (HunyuanVideo's interpolate-then-convolve upsampler), twice what this
+    VAE's pixel-shuffle upsampler leaves there: the 720p tiled decode was modelled at 2x its
+    traced working set (`ditango rehearse`, tests/test_rehearse.py)."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    with torch.device("meta"):
+        decoder = AutoencoderKLHunyuanVideo15(**hunyuan15.MODELS[0].vae).decoder
+    # a block's resnets run at one resolution, the one its predecessor's upsampler made
+    widths = tuple(block.resnets[-1].conv2.conv.out_channels for block in decoder.up_blocks)
+    assert widths == (1024, 1024, 512, 256, 128)
+    for model in hunyuan15.MODELS:
+        assert REGISTRY[model.name].shape.vae.widths == widths
+
+
 def test_an_image_to_video_folder_is_refused_in_one_line(runner, tmp_path):
     from diffusers import HunyuanVideo15ImageToVideoPipeline
 

@@ -89,6 +89,34 @@ def test_hunyuan_reads_the_device_once_a_forward():
         assert rank["bytes_per_step"] == rank["modelled_bytes_per_step"]
 
 
+@pytest.mark.slow  # 5.5 to 8.5 min on 2 cores: a 7B text encoder, 2 x 2 forwards of 54 blocks, 4 VAE tiles
+@pytest.mark.e2e
+def test_hunyuan15_720p_rehearses_within_the_memory_model():
+    """HunyuanVideo-1.5 720p (1280x720x121, 111,600 tokens) on 1 node of 8 GPUs. Bugs: its
+    forward's boolean text reorder stopped the rehearsal in the denoise (see
+    test_a_boolean_selection_keeps_every_valid_token); its VAE's shape counted each upsampled
+    resolution at the wider block's channels, which modelled the tiled decode twice what it
+    holds (66.2 GiB against 43.1 traced on rank 0)."""
+    code, report, err = rehearse(
+        "--model", "hunyuanvideo-1.5-720p-t2v", "--nodes", "1", "--gpus-per-node", "8", "--parallel", "ring", "--json"
+    )
+    assert report is not None, err
+    assert code == 0, report["problems"]
+    assert (report["item"]["width"], report["item"]["height"], report["item"]["frames"]) == (1280, 720, 121)
+    assert [r["rank"] for r in report["ranks"]] == [0, 7]
+    for rank in report["ranks"]:
+        assert set(rank["phases"]) == {"load", "encode", "denoise", "decode"}
+        assert abs(rank["peak"]["ratio"] - 1) <= 0.15, rank["peak"]
+        for phase in rank["phases"].values():
+            assert abs(phase["traced_bytes"] / phase["modelled_bytes"] - 1) <= 0.15, rank["phases"]
+        assert rank["bytes_per_step"] == rank["modelled_bytes_per_step"]
+        # every text token counted: the forward's selections and the padding cut, read a forward
+        reads = [
+            r for r in rank["host_reads"] if r["phase"] == "denoise" and "transformer_hunyuan_video15" in r["site"]
+        ]
+        assert reads and all(r["count"] == 2 * len(rank["steps"]) for r in reads), reads
+
+
 @pytest.mark.parametrize(
     "parallel",
     [
@@ -129,6 +157,41 @@ def test_small_rehearsal_agrees_with_the_models(parallel):
     assert kinds == (["exact", "anchor", "selective"] if "ditango" in parallel else ["exact", "exact"])
     if "--shard-weights" in parallel:  # FSDP's weight gathers cross the nodes every step
         assert all(s["collectives"].get("_allgather_base_", 0) >= 30 for r in report["ranks"] for s in r["steps"])
+
+
+def test_a_boolean_selection_keeps_every_valid_token():
+    """Bug: HunyuanVideo-1.5's forward puts the valid text tokens first by boolean indexing
+    (diffusers' transformer_hunyuan_video15.py), which has no size on fake tensors
+    (aten.nonzero: DynamicOutputShapeException), so its rehearsal failed in the denoise. Now a
+    mask of unknown values selects every element and its negation none, a mask made by a fill
+    its own value, a write into it forgets that; each selection is a read (a GPU waits)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from runtime.rehearse.fake_gpu import fake_cuda
+    from runtime.rehearse.watch import Watch
+
+    gpu = torch.device("cuda", 0)
+    watch = Watch(0, gpu, (0,), {})
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), fake_cuda(1, 0, 2**30, lambda: 0), watch:
+        text, text_mask = torch.empty(1, 1000, 8, device=gpu), torch.empty(1, 1000, device=gpu, dtype=torch.bfloat16)
+        glyph, glyph_mask = torch.empty(1, 256, 8, device=gpu), torch.zeros(1, 256, device=gpu, dtype=torch.long)
+        image = torch.empty(1, 729, 8, device=gpu)
+        image_mask = torch.zeros(1, 729, device=gpu, dtype=text_mask.dtype)  # text-to-video: no image token
+        rows = []
+        for t, tm, g, gm, i, im in zip(
+            text, text_mask.bool(), glyph, glyph_mask.bool(), image, image_mask.bool(), strict=True
+        ):
+            rows.append([len(x) for x in (i[im], g[gm], t[tm], i[~im], g[~gm], t[~tm])])
+        assert rows == [[0, 0, 1000, 729, 256, 0]]
+        assert torch.nonzero(torch.ones(3, 4, device=gpu)).shape == (12, 2)
+        assert torch.nonzero(torch.zeros(3, 4, device=gpu)).shape == (0, 2)
+        assert bool((torch.zeros(2, device=gpu) == 0).all())  # a read answered by the fill's value
+        assert not bool(torch.zeros(2, device=gpu, dtype=torch.bool).any())
+        written = torch.zeros(4, device=gpu, dtype=torch.bool)
+        written[1:3].fill_(True)  # a view's write: the whole no longer one value
+        assert watch.known.get(written) is None and len(text[0][written]) == 4  # unknown: every element
+    assert watch.problems == {}
+    assert sum(watch.reads.values()) == 6 * 1 + 2 + 2 + 1  # the selections, nonzeros, reads, the last
 
 
 def test_a_tensor_made_without_device_is_a_problem(monkeypatch):

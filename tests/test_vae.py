@@ -1,9 +1,10 @@
 """The VAE decode: diffusers' tiles in one process, and spread over 2 and 3 gloo ranks.
 
-Every VAE family we run: Wan2.1's AutoencoderKLWan, Wan2.2's (residual, 2x2 patches, 16x),
-HunyuanVideo's (frame chunks blended in time as well). One process is held to the VAE's own
-`decode` with tiling enabled (diffusers' tiled_decode); R ranks to one process. Tile counts
-are chosen so the split is uneven (5 tiles; 10 for HunyuanVideo's two frame chunks).
+Every VAE family we run: Wan2.1's AutoencoderKLWan (SkyReels-V2's too), Wan2.2's (residual,
+2x2 patches, 16x), HunyuanVideo's (frame chunks blended in time as well), HunyuanVideo-1.5's
+(16x, the whole clip in each tile). One process is held to the VAE's own `decode` with tiling
+enabled (diffusers' tiled_decode); R ranks to one process. Tile counts are chosen so the split
+is uneven (5 tiles; 10 for HunyuanVideo's two frame chunks; 3 for HunyuanVideo-1.5's).
 """
 
 from __future__ import annotations
@@ -24,10 +25,20 @@ TIMEOUT_S = 60
 
 
 def build_vae(family: str):
-    from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLWan
+    from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo15, AutoencoderKLWan
 
     torch.manual_seed(7)
-    if family == "wan2.1":
+    if family == "hunyuan15":
+        vae = AutoencoderKLHunyuanVideo15(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            block_out_channels=(8, 8, 8, 8, 8),
+            layers_per_block=1,
+            spatial_compression_ratio=16,
+            temporal_compression_ratio=4,
+        )
+    elif family == "wan2.1":
         vae = AutoencoderKLWan(
             base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
         )
@@ -63,8 +74,38 @@ def build_vae(family: str):
     return vae.eval()
 
 
-# (family, latent [B, C, F, H, W], tile px): one row of 5 tiles; HunyuanVideo: 2 frame chunks of 5.
-CASES = [("wan2.1", (1, 4, 3, 3, 13), 32), ("wan2.2", (1, 4, 2, 3, 13), 64), ("hunyuan", (1, 4, 6, 3, 13), 32)]
+# (family, latent [B, C, F, H, W], tile px): one row of 5 tiles; HunyuanVideo: 2 frame chunks of 5;
+# HunyuanVideo-1.5: one row of 3 (4 latents a side, stride 3), one latent frame (its decoder is slow).
+CASES = [
+    ("wan2.1", (1, 4, 3, 3, 13), 32),
+    ("wan2.2", (1, 4, 2, 3, 13), 64),
+    ("hunyuan", (1, 4, 6, 3, 13), 32),
+    ("hunyuan15", (1, 4, 1, 3, 9), 64),
+]
+TILES = {"hunyuan": 10, "hunyuan15": 3}  # others: 5
+
+
+def diffusers_tiling(vae, tile: int) -> None:
+    """Tiling on as diffusers' own tiled_decode runs it: `tile` pixels a side, a quarter overlapping."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    if isinstance(vae, AutoencoderKLHunyuanVideo15):  # sides in latents too, and an overlap factor
+        latent = tile // vae.spatial_compression_ratio
+        vae.enable_tiling(
+            tile_sample_min_height=tile,
+            tile_sample_min_width=tile,
+            tile_latent_min_height=latent,
+            tile_latent_min_width=latent,
+            tile_overlap_factor=0.25,
+        )
+        return
+    stride = int(tile * 0.75)
+    vae.enable_tiling(
+        tile_sample_min_height=tile,
+        tile_sample_min_width=tile,
+        tile_sample_stride_height=stride,
+        tile_sample_stride_width=stride,
+    )
 
 
 def latents(shape) -> torch.Tensor:
@@ -77,14 +118,8 @@ def test_one_process_equals_diffusers_tiled_decode(family, shape, tile):
     z = latents(shape)
     options = DecodeOptions(tiling=True, tile_px=tile)
     ours = decode_video(vae, z, options)
-    assert ours.record["tiles"] == (10 if family == "hunyuan" else 5)
-    stride = int(tile * 0.75)
-    vae.enable_tiling(
-        tile_sample_min_height=tile,
-        tile_sample_min_width=tile,
-        tile_sample_stride_height=stride,
-        tile_sample_stride_width=stride,
-    )
+    assert ours.record["tiles"] == TILES.get(family, 5)
+    diffusers_tiling(vae, tile)
     with torch.no_grad():
         ref = vae.decode(z, return_dict=False)[0]
     assert ours.video_BCFHW.shape == ref.shape

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +93,7 @@ def _dtype_kwarg(cls: type) -> str:
 
 # The components that are torch modules, each read by its own class (the rest: the pipeline's).
 MODULES = WEIGHTED
-FLOAT32 = ("vae", "image_encoder")  # as Wan's reference code and diffusers' examples run them
+FLOAT32 = ("vae", "image_encoder", "audio_vae", "vocoder")  # as Wan's reference code and diffusers' examples run them
 
 
 def module_classes(path: Path) -> dict[str, type]:
@@ -109,6 +111,20 @@ def module_classes(path: Path) -> dict[str, type]:
                 )
             classes[name] = own or getattr(importlib.import_module(entry[0]), entry[1])
     return classes
+
+
+@contextlib.contextmanager
+def _unverifiable_quiet():
+    """diffusers warns, with the module's whole repr, that it cannot check the type of a module
+    passed in from a pipeline's own package (LTX-2's connectors and vocoder): `module_classes`
+    read each by the class model_index.json names, so the warning says nothing here."""
+    logger = logging.getLogger("diffusers.pipelines.pipeline_loading_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @hub_offline()  # a local directory only: a rank never downloads (runtime/models/hub.py)
@@ -149,7 +165,8 @@ def load_components(model: ResolvedModel, placement: Placement, on_cpu: tuple[st
             # One device: no dispatch hooks, but the map would make later moves (offload, FSDP) suspect.
             vars(module).pop("hf_device_map", None)
             modules[name] = module.eval().requires_grad_(False)
-        pipe = pipeline_class.from_pretrained(str(path), **common, **modules)
+        with _unverifiable_quiet():
+            pipe = pipeline_class.from_pretrained(str(path), **common, **modules)
         components = {k: v for k, v in pipe.components.items() if v is not None}
     except Exception as exc:  # diffusers/transformers raise many types for a broken directory
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

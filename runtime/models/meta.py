@@ -29,6 +29,8 @@ class ShapeTokenizer:
     gives the same shapes). Enough of a tokenizer for diffusers' prompt encoding."""
 
     model_max_length = 1 << 20
+    pad_token = eos_token = "<pad>"  # a pipeline that sets its padding (LTX-2's Gemma) finds one
+    padding_side = "left"
 
     def __init__(self, length: int = 16) -> None:
         self.length = length  # without padding="max_length"

@@ -13,7 +13,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from basics.errors import ConfigError
 
@@ -101,12 +104,17 @@ class NamedModel:
 @dataclass(frozen=True)
 class FolderDefault:
     """A default (`Defaults` field) read from `file` (relative to the model folder) at `key`;
-    `kind` is the type it must have (a float default also takes an integer)."""
+    `kind` is the type it must have (a float default also takes an integer).
+
+    `derive`: for defaults the value implies rather than states (a pipeline's size from the
+    transformer's target size, its guidance from its class): `derive(value, folder)` gives
+    {Defaults field: value}, and `default` names what it sets, for the reader."""
 
     default: str
     file: str
     key: str
     kind: type = float
+    derive: Callable[[Any, Path], dict] | None = None
 
 
 @dataclass(frozen=True)

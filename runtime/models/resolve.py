@@ -164,7 +164,10 @@ def folder_defaults(path: Path, adapter) -> dict:
             raise ModelDirError(
                 f"{path / entry.file}: {entry.key} must be a positive {entry.kind.__name__}, got {value!r}"
             )
-        found[entry.default] = entry.kind(value)
+        if entry.derive is None:
+            found[entry.default] = entry.kind(value)
+        else:
+            found.update(entry.derive(entry.kind(value), path))
     return found
 
 

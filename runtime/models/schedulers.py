@@ -61,6 +61,11 @@ def check(name: str | None, shift: float | None, base, by_sigmas: bool, where: s
     name = own.name if name is None else getattr(name, "value", name)  # --scheduler's choice, or a JSONL line's text
     if name not in SOLVERS and name != own.name:
         raise ConfigError(f"{where}: scheduler {name!r} is not one of {', '.join(SOLVERS)}")
+    if base.config.get("use_dynamic_shifting") and (name != own.name or shift is not None):
+        raise ConfigError(
+            f"{where}: the model's scheduler shifts its sigmas by the video's size (dynamic shifting): "
+            "drop --scheduler and --flow-shift"
+        )
     if shift is not None and (isinstance(shift, bool) or not (isinstance(shift, int | float) and 0 < shift <= 100)):
         raise ConfigError(f"{where}: flow shift must be a number in (0, 100], got {shift!r}")
     if name not in SOLVERS and shift is not None and _shift_key(name) not in base.config:

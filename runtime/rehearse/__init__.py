@@ -18,7 +18,8 @@ torch's `fake` backend (collectives return at once). Four observers watch it:
   read returns True for a bool, 0 otherwise. Where a value decides a shape or a plan, the
   rehearsal supplies it instead: DiTango's plan replays the recorded plan shape simulate uses
   (planner/plan_shape.py), the expert schedule comes from a real scheduler on the host, and
-  text masks count every token valid (the longest prompt, as the memory model assumes).
+  text masks count every token valid (the longest prompt, as the memory model assumes; a mask
+  of unknown values selects every element, a filled one all or none: known.py).
 """
 
 from __future__ import annotations
@@ -182,12 +183,12 @@ def rehearse_rank(
             yield
         traced[name] = tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0)
 
+    shapes: dict = {}  # the item's latents' shape: a schedule shifted by the video's size (LTX-2) reads it
+
     def real_timesteps(scheduler) -> list[float]:
-        with (
-            unset_fake_temporarily(),
-            mock.patch.object(denoiser.model, "device", torch.device("cpu")),
-        ):
-            return denoiser.new_scheduler(len(scheduler.timesteps)).timesteps.tolist()
+        with unset_fake_temporarily(), mock.patch.object(denoiser.model, "device", torch.device("cpu")):
+            latents = torch.empty(shapes["latents"], device="meta")
+            return denoiser.new_scheduler(len(scheduler.timesteps), None, latents).timesteps.tolist()
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     error = None
@@ -242,6 +243,7 @@ def rehearse_rank(
                         replay_on(denoiser.ditango, plans)
                 with phase("encode"):
                     text, latents, condition = item_inputs(denoiser, item, cfg)
+                    shapes["latents"] = tuple(latents.shape)
                 with phase("denoise"):
                     watch.step = steps_run[0] if listener is None else None
                     if listener is not None:

@@ -1,8 +1,8 @@
 """What a rehearsed rank is watched for (runtime/rehearse/): every op dispatched, as a
 `TorchDispatchMode`: ops off the rank's GPU or mixing devices, a matmul, convolution or
 attention in a dtype the configuration does not give its module, float64 on the GPU, large
-computations on the CPU, host reads of tensors by call site, and the bytes each collective
-receives by link class and step."""
+computations on the CPU, host reads of tensors by call site (a boolean selection's size is
+one: known.py answers it), and the bytes each collective receives by link class and step."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from runtime.rehearse.known import MASK_DTYPES, Known
 
 CPU_OP_BYTES = 1 << 20  # a computation on the CPU with an output this large is a problem
 HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -36,6 +38,8 @@ MATMUL_OPS = {
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+# Ops that take boolean masks among their indices (their size from the mask's values)
+SELECTIONS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
 # What may run on the CPU at any size: making and copying tensors (diffusers draws the initial
 # noise on the CPU for reproducibility; offloading copies whole modules), and views.
 CPU_OK = {"empty", "empty_strided", "randn", "normal_", "_to_copy", "copy_", "detach", "clone", "zeros", "ones",
@@ -88,13 +92,33 @@ class Watch(TorchDispatchMode):
         self.reads: Counter = Counter()
         self.step: int | None = None
         self.steps: dict[int, StepBytes] = {}
+        self.known = Known()
 
     # -- reads -------------------------------------------------------------------------------
     def read(self, t: torch.Tensor):
         if getattr(t, "constant", None) is not None:  # host data the rehearsal knows (a replayed plan)
             return t.constant.item()
         self.reads[(self.phase, t.device.type, call_site())] += 1
+        known = self.known.get(t)  # a fill's value (runtime/rehearse/known.py)
+        if known is not None:
+            return known
         return True if t.dtype == torch.bool else 0
+
+    def select(self, args: tuple) -> tuple:
+        """`args` of a boolean selection (`x[mask]`, `x[mask] = v`) with each mask the rehearsal
+        has no values of replaced by the integer indices it selects (known.py); the selection's
+        size is a read (a GPU's boolean indexing waits for it)."""
+        indices = args[1]
+        if not any(_unknown_mask(i) for i in indices):
+            return args
+        replaced = []
+        for i in indices:
+            if _unknown_mask(i):
+                self.reads[(self.phase, i.device.type, call_site())] += 1
+                replaced += self.known.selection(i)
+            else:
+                replaced.append(i)
+        return (args[0], replaced, *args[2:])
 
     # -- collectives -------------------------------------------------------------------------
     def _link(self, peer: int) -> str:
@@ -196,11 +220,26 @@ class Watch(TorchDispatchMode):
         if func is aten._local_scalar_dense.default:
             return self.read(args[0])
         if func is aten.nonzero.default and getattr(args[0], "constant", None) is None:
-            # a shape from values the rehearsal does not have: every element counts as nonzero
-            self.read(args[0].reshape(-1)[:1])
-            return torch.empty((args[0].numel(), args[0].dim()), dtype=torch.long, device=args[0].device)
+            # a shape from values the rehearsal does not have: every element, or none (known.py)
+            mask = args[0]
+            self.reads[(self.phase, mask.device.type, call_site())] += 1
+            n = mask.numel() if self.known.selected(mask) else 0
+            return torch.empty((n, mask.dim()), dtype=torch.long, device=mask.device)
+        if func in SELECTIONS:
+            args = self.select(args)
         if func.namespace in ("c10d", "_c10d_functional"):
             self.collective(func, args)
         out = func(*args, **kwargs)
         self.check(func, args, out)
+        self.known.after(func, args, kwargs, out)
         return out
+
+
+def _unknown_mask(index) -> bool:
+    """A boolean index (of at least one dimension) whose values the fake mode does not carry."""
+    return (
+        isinstance(index, torch.Tensor)
+        and index.dtype in MASK_DTYPES
+        and index.dim() > 0
+        and getattr(index, "constant", None) is None
+    )

@@ -26,7 +26,7 @@ from runtime.compile import register
 from runtime.kernels import Backend, attention
 from runtime.mesh import Mesh
 from runtime.models.families import family_of
-from runtime.state import AttentionState, merge, merge_all
+from runtime.state import AttentionState, merge_all
 from runtime.strategies.exact import EXACT
 
 
@@ -101,17 +101,28 @@ class ShardContext:
           everywhere, and exact (a partition of the keys, merged by (out, lse)).
         """
         chunk = self.attention(q_BSHD, k_BSHD, v_BSHD, scale, layer, extra_kv=(k_BLHD, v_BLHD))
-        own = attention(q_BLHD, k_BSHD, v_BSHD, scale, self.backend)
         text = attention(q_BLHD, k_BLHD, v_BLHD, scale, self.backend)
+        return chunk, merge_all([*self._chunk_states(q_BLHD, k_BSHD, v_BSHD, scale), text]).out_BSHD.to(q_BLHD.dtype)
+
+    def whole_query_attention(self, q_BLHD, k_BSHD, v_BSHD, scale: float) -> torch.Tensor:
+        """Queries every rank holds whole ([B, L, H, D]: LTX-2's audio) over the keys of every
+        chunk (this rank's [B, S, H, D]): each rank's state over its own chunk, all-gathered over
+        the cp group and merged in cp order, so the rows are bit-identical on every rank. Returns
+        [B, L, H, D] in q's dtype."""
+        return merge_all(self._chunk_states(q_BLHD, k_BSHD, v_BSHD, scale)).out_BSHD.to(q_BLHD.dtype)
+
+    def _chunk_states(self, q_BLHD, k_BSHD, v_BSHD, scale: float) -> list[AttentionState]:
+        """The whole-held queries' states over each rank's chunk, in cp order (always fresh:
+        DiTango's reuse never reaches them)."""
+        own = attention(q_BLHD, k_BSHD, v_BSHD, scale, self.backend)
         if self.cp == 1:
-            return chunk, merge(own, text).out_BSHD.to(q_BLHD.dtype)
+            return [own]
         mesh, L = self.mesh, q_BLHD.shape[1]
         packed = torch.cat([own.out_BSHD, own.lse_BSH.unsqueeze(-1)], dim=-1)  # [B, L, H, D + 1]
         every = self.comm.all_gather_seq(packed, [L] * self.cp, mesh.cp_ranks, mesh.cp_group, purpose="joint")
-        states = [
+        return [
             AttentionState(part[..., :-1].contiguous(), part[..., -1].contiguous()) for part in every.split(L, dim=1)
         ]
-        return chunk, merge_all([*states, text]).out_BSHD.to(q_BLHD.dtype)
 
 
 @dataclass

@@ -92,7 +92,7 @@ class HunyuanModel:
     def encode_image(self, image, latents_BCFHW, height: int, width: int, frames: int):
         raise ValueError("this model takes no image (text-to-video only)")
 
-    def new_scheduler(self, steps: int, sampler=None):
+    def new_scheduler(self, steps: int, sampler=None, latents_BCFHW=None):
         scheduler = schedulers.fresh(self.scheduler, sampler)
         sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]  # the pipeline's default schedule
         scheduler.set_timesteps(sigmas=sigmas, device=self.device)

@@ -28,6 +28,22 @@ class Hunyuan15Text:
         return tuple(self.inputs["encoder_hidden_states"].shape)
 
 
+def register_blocks() -> None:
+    """Make HunyuanVideo-1.5's blocks known to diffusers' first-block and MagCache hooks
+    (--step-cache), which find what a block returns in a registry keyed by its class: diffusers
+    (0.42) does not register HunyuanVideo15TransformerBlock, and enabling the cache failed with
+    "Model class HunyuanVideo15TransformerBlock not registered". It returns (video, text), as
+    HunyuanVideo's dual-stream block, which diffusers registers so."""
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
+
+    try:
+        TransformerBlockRegistry.get(HunyuanVideo15TransformerBlock)
+    except ValueError:
+        metadata = TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
+        TransformerBlockRegistry.register(model_class=HunyuanVideo15TransformerBlock, metadata=metadata)
+
+
 class Hunyuan15Model(HunyuanModel):
     """HunyuanVideo-1.5 text-to-video as `HunyuanVideo15Pipeline` runs it. The CFG scale is the
     item's guidance (the folder's guider scale by default): two branches unless it is 1, the
@@ -38,6 +54,7 @@ class Hunyuan15Model(HunyuanModel):
         from diffusers import HunyuanVideo15Pipeline
 
         self.device, self.max_text_len = device, max_text_len
+        register_blocks()
         self.transformers = [components["transformer"]]
         self.vae = components["vae"]
         self.scheduler = components["scheduler"]
@@ -48,7 +65,7 @@ class Hunyuan15Model(HunyuanModel):
         self.pipe.set_progress_bar_config(disable=True)
 
     @torch.no_grad()
-    def encode_text(self, prompt: str, negative_prompt: str | None, guidance: float, embedded: float | None = None):
+    def encode_text(self, prompt: str, negative_prompt: str | None, guidance: float):
         dtype = self.transformers[0].dtype
 
         def encode(text: str | None) -> Hunyuan15Text:

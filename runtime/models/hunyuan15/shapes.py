@@ -4,15 +4,49 @@ need of its transformer (54 dual-stream blocks of joint text-video attention) an
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from basics.errors import ConfigError
 from planner.models import ModelShape, VaeShape
+from runtime.errors import ModelDirError
 from runtime.models.protocol import FolderDefault, config_int
 
 # HunyuanVideo15Pipeline's defaults: 121 frames at 24 fps (five seconds), 50 steps; the
-# guidance scale is its guider's (guider/guider_config.json, read from the folder).
+# guidance scale is its guider's (guider/guider_config.json), the size its transformer's
+# target size implies (`default_size`): both read from the folder.
 PIPELINE_DEFAULTS = {"frames": 121, "fps": 24, "max_text_len": 1000, "negative_prompt": "", "guidance": 6.0}
-FOLDER_DEFAULTS = (FolderDefault("guidance", "guider/guider_config.json", "guidance_scale"),)
+# HunyuanVideo15Pipeline.default_aspect_ratio (width 16 : height 9), as (height, width).
+DEFAULT_ASPECT = (9, 16)
+
+
+def default_size(target_size: int, folder: Path) -> dict:
+    """{height, width} HunyuanVideo15Pipeline runs without them: of the buckets of about
+    (target_size / s)^2 latent pixels (s: the VAE's spatial compression, from the folder's
+    vae/config.json), the one closest to 16:9 (its video processor's
+    `calculate_default_height_width`). {} where the target size makes no bucket."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    from basics.user_files import read_json_file
+
+    file = folder / "vae" / "config.json"
+    try:
+        vae = read_json_file(file, "model file") if file.is_file() else {}
+        s = config_int(vae if isinstance(vae, dict) else {}, "spatial_compression_ratio", 16)
+    except ConfigError as exc:
+        raise ModelDirError(f"{file}: {exc}") from None
+    if round((target_size / s) ** 2) < 1:
+        return {}
+    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=s)
+    height, width = processor.calculate_default_height_width(*DEFAULT_ASPECT, target_size)
+    return {"height": int(height), "width": int(width)}
+
+
+FOLDER_DEFAULTS = (
+    FolderDefault("guidance", "guider/guider_config.json", "guidance_scale"),
+    FolderDefault("height, width", "transformer/config.json", "target_size", int, derive=default_size),
+)
 SCHEDULE_BY_SIGMAS = True  # the pipeline sets the sigmas (np.linspace(1, 0, steps + 1)[:-1])
 # Text tokens every block attends besides the video: SigLIP's semantic tokens (masked out in
 # text-to-video), ByT5's glyph text (256, masked where the prompt quotes none) and the Qwen
@@ -77,11 +111,14 @@ def rope_max_seq_len(config: dict) -> int:
 def vae_shape_of(config: dict, params: int) -> VaeShape:
     """The decoder of an `AutoencoderKLHunyuanVideo15` config as diffusers builds it: up blocks
     from the widest, spatial upsampling in the first log2(spatial) of them, temporal in the
-    first log2(temporal); the whole clip in one pass (no frame chunks, no causal caches)."""
+    first log2(temporal); the whole clip in one pass (no frame chunks, no causal caches).
+    Each resolution holds its own block's width: the upsampler convolves at the lower
+    resolution into the next block's channels times the factor and rearranges them into
+    pixels (HunyuanVideo's interpolates first, so its higher resolution holds the wider
+    channels; counted so here, the widest activation came out twice the traced one)."""
     widths = [int(w) for w in config.get("block_out_channels", (128, 256, 512, 1024, 1024))][::-1]
     t, s = vae_strides(config)
     n = len(widths)
-    levels = [max(widths[max(i - 1, 0)], w) for i, w in enumerate(widths)]
     time_up = tuple(i < t.bit_length() - 1 for i in range(n))
     return VaeShape(
         params,
@@ -89,7 +126,7 @@ def vae_shape_of(config: dict, params: int) -> VaeShape:
         s,
         t,
         1,
-        tuple(levels),
+        tuple(widths),
         (0,) * n,
         time_up,
         chunk_frames=1 << 20,

@@ -11,14 +11,18 @@ from runtime.models.vae_tiling import STRIDE_FRACTION
 
 def tiling(vae, tiled: bool, px: int | None) -> Tiling:
     """The VAE's tiles: its own settings (a side and an overlap factor, in pixels and latents),
-    set from `px` as a side with diffusers' quarter overlap."""
+    set from `px` as a side with diffusers' quarter overlap, rounded down to a multiple of 4
+    latents (64 pixels at 16x; 4 at least). `tiled_decode` steps int(3/4) of the latent side but
+    keeps 3/4 of the pixel side: the two agree only there. Another side made its frames the
+    wrong size, and a side under 2 latents a zero step (--vae-tile 16 failed: "range() arg 3
+    must not be zero")."""
     ratio = vae.spatial_compression_ratio
     if not tiled:
         vae.disable_tiling()
     elif px is None:
         vae.enable_tiling()
     else:
-        latent = max(1, px // ratio)
+        latent = max(4, px // ratio // 4 * 4)
         vae.enable_tiling(
             tile_sample_min_height=latent * ratio,
             tile_sample_min_width=latent * ratio,

@@ -43,6 +43,7 @@ from runtime.models.skyreels.checkpoint import (
 )
 from runtime.models.skyreels.models import MODELS
 from runtime.models.skyreels.shapes import (
+    FOLDER_DEFAULTS,
     I2V,
     PIPELINE_DEFAULTS,
     SCHEDULE_BY_SIGMAS,
@@ -66,8 +67,6 @@ __all__ = [
     "rope_max_seq_len", "segment_blocks", "shape_of", "tiling", "uninstall", "uninstall_tp", "vae_chunks",
     "vae_shape_of", "vae_strides",
 ]  # fmt: skip
-
-FOLDER_DEFAULTS = ()  # its pipelines read no generation default from the checkpoint's configs
 
 
 def load_model(components: dict, device: torch.device, max_text_len: int, variant=None):

@@ -18,6 +18,21 @@ from runtime.models.skyreels.shapes import T2V
 from runtime.models.wan.loop import WanModel
 
 
+def register_blocks() -> None:
+    """Make SkyReels-V2's blocks known to diffusers' first-block and MagCache hooks (--step-cache),
+    which find what a block returns in a registry keyed by its class: diffusers (0.42) registers
+    WanTransformerBlock but not this copy of it, and enabling the cache failed with "Model class
+    SkyReelsV2TransformerBlock not registered". It returns what Wan's block returns."""
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+    from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2TransformerBlock
+
+    try:
+        TransformerBlockRegistry.get(SkyReelsV2TransformerBlock)
+    except ValueError:
+        metadata = TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=None)
+        TransformerBlockRegistry.register(model_class=SkyReelsV2TransformerBlock, metadata=metadata)
+
+
 class SkyReelsModel(WanModel):
     """SkyReels-V2 text- or image-to-video (`variant`) as diffusers' SkyReels-V2 pipelines run it."""
 
@@ -27,6 +42,7 @@ class SkyReelsModel(WanModel):
         self.device, self.max_text_len = device, max_text_len
         self.variant = variant = variant or T2V
         assert variant.experts == 1 and not variant.expand_timesteps, "SkyReels-V2 has one transformer"
+        register_blocks()
         self.transformers = [components["transformer"]]
         self.vae = components["vae"]
         self.scheduler = components["scheduler"]

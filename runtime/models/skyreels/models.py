@@ -14,7 +14,7 @@ UMT5-XXL; the I2V image encoder is CLIP ViT-H/14 with its projection
 from __future__ import annotations
 
 from runtime.models.protocol import NamedModel
-from runtime.models.skyreels.shapes import I2V, T2V
+from runtime.models.skyreels.shapes import GUIDANCE, I2V, T2V
 from runtime.models.wan.models import CLIP_IMAGE_TOKENS, UMT5_XXL_PARAMS, WAN21_VAE, WAN21_VAE_PARAMS
 
 T2V_14B = {
@@ -28,7 +28,7 @@ I2V_1_3B = {**I2V_14B, "num_layers": 30, "num_attention_heads": 12, "ffn_dim": 8
 # CLIP ViT-H/14 (1280 wide, 32 layers) and its 1280 -> 1024 projection.
 CLIP_VIT_H_PROJ_PARAMS = 632_076_800
 P720 = {"height": 720, "width": 1280}
-I2V_GUIDANCE = {"guidance": 5.0}  # SkyReelsV2ImageToVideoPipeline's default
+I2V_GUIDANCE = {"guidance": GUIDANCE[I2V.pipeline]}  # SkyReelsV2ImageToVideoPipeline's default
 
 
 def _skyreels(name: str, description: str, repo: str, transformer: dict, params: int, **extra) -> NamedModel:

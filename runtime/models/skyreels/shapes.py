@@ -9,10 +9,12 @@ pipelines size their latents (from the VAE's `temperal_downsample`), and the def
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from basics.errors import ConfigError
-from runtime.models.protocol import Variant
+from runtime.models.protocol import FolderDefault, Variant
 from runtime.models.wan.shapes import (
     block_params,
     blocks_params,
@@ -24,8 +26,9 @@ from runtime.models.wan.shapes import (
 )
 
 __all__ = [
-    "I2V", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "T2V", "block_params", "blocks_params", "count_params",
-    "expert_schedule", "fsdp_gathered_params", "rope_max_seq_len", "shape_of", "vae_shape_of", "vae_strides",
+    "FOLDER_DEFAULTS", "GUIDANCE", "I2V", "PIPELINE_DEFAULTS", "SCHEDULE_BY_SIGMAS", "T2V", "block_params",
+    "blocks_params", "count_params", "expert_schedule", "fsdp_gathered_params", "pipeline_guidance",
+    "rope_max_seq_len", "shape_of", "vae_shape_of", "vae_strides",
 ]  # fmt: skip
 
 T2V = Variant(pipeline="SkyReelsV2Pipeline")
@@ -35,8 +38,19 @@ I2V = Variant(pipeline="SkyReelsV2ImageToVideoPipeline", image="required", image
 
 # SkyReelsV2Pipeline's __call__ defaults: 544x960 (540p), 97 frames, 50 steps, guidance 6.0, no
 # negative prompt; its example writes 24 fps. SkyReelsV2ImageToVideoPipeline's guidance is 5.0:
-# the I2V named models say so (a folder gets the family's, the text-to-video one).
-PIPELINE_DEFAULTS: dict = {"negative_prompt": "", "guidance": 6.0, "height": 544, "width": 960, "frames": 97, "fps": 24}
+# the I2V named models say so, and a folder's model_index.json names its pipeline
+# (`FOLDER_DEFAULTS`: each pipeline's own).
+GUIDANCE = {T2V.pipeline: 6.0, I2V.pipeline: 5.0}
+PIPELINE_DEFAULTS: dict = {"negative_prompt": "", "guidance": GUIDANCE[T2V.pipeline], "height": 544, "width": 960,
+                           "frames": 97, "fps": 24}  # fmt: skip
+
+
+def pipeline_guidance(pipeline: str, folder: Path) -> dict:
+    """{guidance: the __call__ default of the pipeline a folder names} ({} for one not run here)."""
+    return {"guidance": GUIDANCE[pipeline]} if pipeline in GUIDANCE else {}
+
+
+FOLDER_DEFAULTS = (FolderDefault("guidance", "model_index.json", "_class_name", str, derive=pipeline_guidance),)
 SCHEDULE_BY_SIGMAS = False  # the loop sets the number of steps: every solver of schedulers.py applies
 
 

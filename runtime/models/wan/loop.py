@@ -50,8 +50,8 @@ class WanModel:
         return [self.pipe.text_encoder]
 
     @torch.no_grad()
-    def encode_text(self, prompt: str, negative_prompt: str | None, guidance: float, embedded: float | None = None):
-        """`embedded`: a distilled guidance scale (none in Wan; ignored)."""
+    def encode_text(self, prompt: str, negative_prompt: str | None, guidance: float):
+        """Both branches as the pipeline encodes them (the negative one only when `guidance` > 1)."""
         cond, uncond = (self.image_pipe or self.pipe).encode_prompt(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -93,7 +93,7 @@ class WanModel:
             return ImageCondition(out[1], first_frame_mask=out[2], image_BLE=image_BLE)
         return ImageCondition(out[1], image_BLE=image_BLE)
 
-    def new_scheduler(self, steps: int, sampler=None):
+    def new_scheduler(self, steps: int, sampler=None, latents_BCFHW=None):
         """A fresh scheduler (multistep solvers keep per-run state) with its timesteps set."""
         scheduler = schedulers.fresh(self.scheduler, sampler)
         scheduler.set_timesteps(steps, device=self.device)
