@@ -168,10 +168,17 @@ def test_frames_follow_the_8x_temporal_vae(runner, folder, tmp_path):
 
 
 def test_counts_restate_the_configs():
-    from runtime.models.ltx2.shapes import count_params, vae_strides
+    from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
+
+    from runtime.models.ltx2.shapes import block_params, count_params, vae_strides
 
     (model,) = ltx2.MODELS
     assert count_params(model.transformer) == model.params
+    gated = {**model.transformer, "gated_attn": True, "audio_cross_attn_mod": True, "ff_bias": False}
+    for config in (model.transformer, gated):  # the block's count is written out: the registry builds nothing
+        with torch.device("meta"):
+            block = LTX2VideoTransformer3DModel(**{**config, "num_layers": 1}).transformer_blocks[0]
+        assert block_params(config) == sum(p.numel() for p in block.parameters())
     assert vae_strides(model.vae) == (8, 32)
     from diffusers import AutoencoderKLLTX2Video
 

@@ -26,8 +26,17 @@ from runtime.models.weight_files import PICKLE_SUFFIXES, tensor_shapes
 
 LIBRARIES = ("diffusers", "transformers")  # where a model_index.json's classes may come from
 # Components that carry weights, and the config file diffusers/transformers expect in each.
-WEIGHTED = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "vae", "image_encoder",
-            "connectors", "audio_vae", "vocoder")  # fmt: skip
+WEIGHTED = (
+    "transformer",
+    "transformer_2",
+    "text_encoder",
+    "text_encoder_2",
+    "vae",
+    "image_encoder",
+    "connectors",
+    "audio_vae",
+    "vocoder",
+)
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,14 @@ CONNECTORS = {
     "audio_connector_attention_head_dim": 128, "audio_connector_num_layers": 2,
     "audio_connector_num_learnable_registers": 128, "connector_rope_base_seq_len": 4096, "rope_type": "split",
 }  # fmt: skip
-SCHEDULER = {"use_dynamic_shifting": True, "base_shift": 0.95, "max_shift": 2.05, "base_image_seq_len": 1024,
-             "max_image_seq_len": 4096, "shift_terminal": 0.1}  # fmt: skip
+SCHEDULER = {
+    "use_dynamic_shifting": True,
+    "base_shift": 0.95,
+    "max_shift": 2.05,
+    "base_image_seq_len": 1024,
+    "max_image_seq_len": 4096,
+    "shift_terminal": 0.1,
+}
 # gemma-3-12b-it (its SigLIP tower is loaded, never run by the text path).
 GEMMA3_12B = {
     "model_type": "gemma3",

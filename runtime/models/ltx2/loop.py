@@ -25,9 +25,16 @@ from runtime.loop_types import TextEmbeds
 
 # LTX2Pipeline.__call__'s guidance defaults: the video's CFG scale is the item's --guidance (3.0).
 GUIDANCE = {
-    "audio_guidance": 7.0, "stg": 1.0, "audio_stg": 1.0, "modality": 3.0, "audio_modality": 3.0,
-    "rescale": 0.7, "audio_rescale": 0.7, "stg_blocks": (28,), "cross_timestep": True,
-}  # fmt: skip
+    "audio_guidance": 7.0,
+    "stg": 1.0,
+    "audio_stg": 1.0,
+    "modality": 3.0,
+    "audio_modality": 3.0,
+    "rescale": 0.7,
+    "audio_rescale": 0.7,
+    "stg_blocks": (28,),
+    "cross_timestep": True,
+}
 
 
 @dataclass(frozen=True)

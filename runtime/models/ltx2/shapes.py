@@ -17,8 +17,16 @@ from runtime.models.protocol import config_int
 # LTX2Pipeline's __call__ defaults: 512x768, 121 frames (its fixed default without a duration
 # head) at 24 fps, 30 steps, guidance 3.0, no negative prompt (""). Its other guidance terms
 # are runtime/models/ltx2/loop.py's GUIDANCE.
-PIPELINE_DEFAULTS = {"height": 512, "width": 768, "frames": 121, "fps": 24, "steps": 30, "guidance": 3.0,
-                     "negative_prompt": "", "max_text_len": 1024}  # fmt: skip
+PIPELINE_DEFAULTS = {
+    "height": 512,
+    "width": 768,
+    "frames": 121,
+    "fps": 24,
+    "steps": 30,
+    "guidance": 3.0,
+    "negative_prompt": "",
+    "max_text_len": 1024,
+}
 FOLDER_DEFAULTS = ()  # the pipeline reads no generation default from the checkpoint's configs
 SCHEDULE_BY_SIGMAS = True  # the pipeline sets the sigmas (np.linspace(1, 1/steps, steps)) and a shift
 
@@ -45,13 +53,46 @@ def shape_of(name: str, config: dict, params: int, text_len: int, vae_stride: tu
     )
 
 
-def block_params(config: dict) -> int:
-    """Parameters of one `LTX2VideoTransformerBlock`, counted on the meta device."""
-    from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
+def _attention_params(query: int, kv: int, inner: int, heads: int, bias: int, out_bias: int, gated: bool) -> int:
+    """An `LTX2Attention`: RMS norms of q and k, q from `query`, k and v from `kv`, the output
+    back to `query`, and per-head gate logits when gated."""
+    return (
+        2 * inner
+        + (query + bias) * inner
+        + 2 * (kv + bias) * inner
+        + (inner + out_bias) * query
+        + gated * (query + 1) * heads
+    )
 
-    with torch.device("meta"):
-        model = LTX2VideoTransformer3DModel(**{**_known(config), "num_layers": 1})
-    return sum(p.numel() for p in model.transformer_blocks[0].parameters())
+
+def block_params(config: dict) -> int:
+    """Parameters of one `LTX2VideoTransformerBlock` (checked against the meta-device block by
+    tests/test_ltx2.py): per stream its modulation tables, self-attention, text cross-attention
+    and 4x feed-forward; the audio-to-video and video-to-audio cross-attentions (audio heads)."""
+    g = config.get
+    heads, audio_heads = int(g("num_attention_heads", 32)), int(g("audio_num_attention_heads", 32))
+    video, audio = heads * int(g("attention_head_dim", 128)), audio_heads * int(g("audio_attention_head_dim", 64))
+    bias, out_bias, ff_bias = (
+        int(g("attention_bias", True)),
+        int(g("attention_out_bias", True)),
+        int(g("ff_bias", True)),
+    )
+    audio_ff_bias = int(g("audio_ff_bias", True))
+    v_gate, a_gate = bool(g("gated_attn", False)), bool(g("audio_gated_attn", False))
+    v_mod, a_mod = bool(g("cross_attn_mod", False)), bool(g("audio_cross_attn_mod", False))
+    text, audio_text = int(g("cross_attention_dim", 4096)), int(g("audio_cross_attention_dim", 2048))
+    tables = (9 if v_mod else 6) * video + (9 if a_mod else 6) * audio + 5 * (video + audio)
+    tables += 2 * (video + audio) if v_mod or a_mod else 0
+    attentions = (
+        _attention_params(video, video, video, heads, bias, out_bias, v_gate)
+        + _attention_params(audio, audio, audio, audio_heads, bias, out_bias, a_gate)
+        + _attention_params(video, text, video, heads, bias, out_bias, v_gate)
+        + _attention_params(audio, audio_text, audio, audio_heads, bias, out_bias, a_gate)
+        + _attention_params(video, audio, audio, audio_heads, bias, out_bias, v_gate)
+        + _attention_params(audio, video, audio, audio_heads, bias, out_bias, a_gate)
+    )
+    feed_forward = 8 * video * video + 5 * video * ff_bias + 8 * audio * audio + 5 * audio * audio_ff_bias
+    return tables + attentions + feed_forward
 
 
 def blocks_params(config: dict) -> int:

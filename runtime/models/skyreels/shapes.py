@@ -41,8 +41,14 @@ I2V = Variant(pipeline="SkyReelsV2ImageToVideoPipeline", image="required", image
 # the I2V named models say so, and a folder's model_index.json names its pipeline
 # (`FOLDER_DEFAULTS`: each pipeline's own).
 GUIDANCE = {T2V.pipeline: 6.0, I2V.pipeline: 5.0}
-PIPELINE_DEFAULTS: dict = {"negative_prompt": "", "guidance": GUIDANCE[T2V.pipeline], "height": 544, "width": 960,
-                           "frames": 97, "fps": 24}  # fmt: skip
+PIPELINE_DEFAULTS: dict = {
+    "negative_prompt": "",
+    "guidance": GUIDANCE[T2V.pipeline],
+    "height": 544,
+    "width": 960,
+    "frames": 97,
+    "fps": 24,
+}
 
 
 def pipeline_guidance(pipeline: str, folder: Path) -> dict:
