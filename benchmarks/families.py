@@ -38,6 +38,7 @@ class Case:
     size: dict
     call: dict = field(default_factory=dict)
     flags: list = field(default_factory=list)
+    image: bool = False  # image-to-video: both get IMAGE (a 70x110 picture the pipeline resizes)
 
 
 def cases() -> list[Case]:
@@ -74,6 +75,15 @@ def cases() -> list[Case]:
             ["--negative-prompt", NEGATIVE],
         ),
         Case(
+            "hunyuanvideo-1.5 (I2V)",
+            "HunyuanVideo15ImageToVideoPipeline",
+            lambda: build_tiny_hunyuan15(image=True),
+            {"frames": 5},  # its size is the image's bucket (the pipeline takes no height, width)
+            {"negative_prompt": NEGATIVE},
+            ["--negative-prompt", NEGATIVE],
+            image=True,
+        ),
+        Case(
             "skyreels-v2 (T2V)",
             "SkyReelsV2Pipeline",
             build_tiny_skyreels,
@@ -82,25 +92,47 @@ def cases() -> list[Case]:
             ["--guidance", "4", "--negative-prompt", NEGATIVE],
         ),
         Case(
-            "ltx-2 (T2V, video and audio latents)",
+            "ltx-2 (T2V)",
             "LTX2Pipeline",
             lambda: build_tiny_ltx2_components(seed=3),
             {"height": 64, "width": 96, "frames": 17},
             {"negative_prompt": NEGATIVE, "frame_rate": 24.0},
             ["--negative-prompt", NEGATIVE],
         ),
+        Case(
+            "ltx-2 (I2V)",
+            "LTX2ImageToVideoPipeline",
+            lambda: build_tiny_ltx2_components(seed=3),
+            {"height": 64, "width": 96, "frames": 17},
+            {"negative_prompt": NEGATIVE, "frame_rate": 24.0},
+            ["--negative-prompt", NEGATIVE],
+            image=True,
+        ),
     ]
+
+
+def picture(folder: Path) -> Path:
+    """IMAGE: a seeded noisy 70x110 picture."""
+    import numpy as np
+    from PIL import Image
+
+    path = folder / "image.png"
+    Image.fromarray(np.random.default_rng(SEED).integers(0, 256, (70, 110, 3), dtype=np.uint8)).save(path)
+    return path
 
 
 def pipeline_latents(case: Case, folder: Path) -> dict[str, torch.Tensor]:
     """The pipeline's final latents, as ditango's latents file names them (LTX-2: audio too)."""
     import diffusers
+    from PIL import Image
 
     pipe = getattr(diffusers, case.pipeline).from_pretrained(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    size = {"height": case.size["height"], "width": case.size["width"], "num_frames": case.size["frames"]}
+    names = {"height": "height", "width": "width", "frames": "num_frames"}
+    size = {names[k]: v for k, v in case.size.items()}
     generator = torch.Generator("cpu").manual_seed(SEED)
-    out = pipe(prompt=PROMPT, **size, num_inference_steps=STEPS, generator=generator, output_type="latent", **case.call)
+    call = {**case.call, **({"image": Image.open(picture(folder.parent))} if case.image else {})}
+    out = pipe(prompt=PROMPT, **size, num_inference_steps=STEPS, generator=generator, output_type="latent", **call)
     audio = getattr(out, "audio", None)
     return {"latents": out.frames} if audio is None else {"latents": out.frames, "audio_latents": audio}
 
@@ -109,6 +141,7 @@ def ours(case: Case, folder: Path, out: Path, *extra: str) -> dict[str, torch.Te
     size = [f"--{k}={v}" for k, v in case.size.items()]
     cmd = [sys.executable, "-m", "ditango_cli.app", "generate", "--model", str(folder), "--prompt", PROMPT, *size]
     cmd += ["--steps", str(STEPS), "--seed", str(SEED), "--device", "cpu", "--quiet", "--save-latents"]
+    cmd += ["--image", str(picture(folder.parent))] if case.image else []
     subprocess.run([*cmd, *case.flags, "--out", str(out), *extra], check=True, cwd=ROOT)
     (file,) = out.glob("*.latents.safetensors")
     return load_file(file)
@@ -137,7 +170,7 @@ def main() -> None:
                 for name in want:
                     errors[name].append((two[name] - one[name]).abs().max().item())
             for name, figures in errors.items():
-                label = case.family if name == "latents" else f"{case.family.split(' ')[0]}: {name}"
+                label = case.family if name == "latents" else f"{case.family}: {name}"
                 rows.append(f"| {label} | " + " | ".join(f"{e:.1e}" for e in figures) + " |")
                 print(rows[-1], flush=True)
     table = "\n".join(rows) + "\n"

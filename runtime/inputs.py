@@ -36,8 +36,8 @@ def item_inputs(denoiser: Denoiser, item: Item, cfg: RunConfig, timing: ItemTimi
         image = load_image(item.image)
         condition = denoiser.encode_image(image, latents, item.height, item.width, item.frames)
     streams = getattr(denoiser.model, "condition", None)  # a model with a stream of its own (LTX-2's audio)
-    if streams is not None:
-        condition = streams(item.seed, item.height, item.width, item.frames, item.fps)
+    if streams is not None:  # it holds the image's condition too
+        condition = streams(item.seed, item.height, item.width, item.frames, item.fps, condition)
     return text, latents, condition
 
 

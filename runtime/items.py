@@ -7,6 +7,8 @@
   (a two-expert model's low-noise scale), `image` (image-to-video: a path, relative to
   the prompt file), `loras`, `scheduler`, `flow_shift` and `fps`; a line's values override the
   command line.
+An image-to-video model whose pipeline sizes the video by its image (HunyuanVideo-1.5's:
+`Defaults.size_of_image`) takes that size where an item gives neither height nor width.
 Item ids are the given `id`, or `<index>-<hash of prompt, seed and image>`: short,
 filesystem-safe, and never the raw prompt text.
 """
@@ -105,6 +107,18 @@ def load_image(path: str):
     return diffusers_load_image(path)
 
 
+def image_size(path: str) -> tuple[int, int]:
+    """(height, width) of the image an item conditions on, as the run reads it (`load_image`:
+    turned upright by its EXIF orientation)."""
+    from PIL import ExifTags, Image
+
+    with Image.open(path) as image:
+        width, height = image.size
+        if image.getexif().get(ExifTags.Base.Orientation) in (5, 6, 7, 8):  # a quarter turn
+            width, height = height, width
+    return height, width
+
+
 def _image_of(fields: dict, cli: Overrides, defaults: Defaults, where: str) -> str | None:
     image = fields.get("image")
     image = str(cli.image) if image is None and cli.image is not None else image
@@ -154,6 +168,9 @@ def make_item(
     seed = pick("seed", cli.seed, 0)
     image = _image_of(fields, cli, defaults, source)
     item_id = _check_id(fields["id"], source) if "id" in fields else derived_id(index, prompt, seed, image)
+    height, width = pick("height", cli.height, None), pick("width", cli.width, None)
+    if image is not None and defaults.size_of_image is not None and height is None and width is None:
+        height, width = defaults.size_of_image(*image_size(image))  # the pipeline's size for this image
     guidance_2 = pick("guidance_2", cli.guidance_2, defaults.guidance_2)
     if guidance_2 is not None and defaults.experts == 1:
         raise ConfigError(f'{source}: --guidance-2 / "guidance_2" apply to two-expert models (Wan2.2 A14B) only')
@@ -169,8 +186,8 @@ def make_item(
         prompt=prompt,
         negative_prompt=pick("negative_prompt", cli.negative_prompt, defaults.negative_prompt),
         seed=seed,
-        height=pick("height", cli.height, defaults.height),
-        width=pick("width", cli.width, defaults.width),
+        height=defaults.height if height is None else height,
+        width=defaults.width if width is None else width,
         frames=pick("frames", cli.frames, defaults.frames),
         steps=pick("steps", cli.steps, defaults.steps),
         guidance=float(pick("guidance", cli.guidance, defaults.guidance)),

@@ -26,12 +26,14 @@ class TextEmbeds:
 
 @dataclass
 class ImageCondition:
-    """Image-to-video inputs of one item, fixed over its run (diffusers' WanImageToVideoPipeline).
+    """Image-to-video inputs of one item, fixed over its run (diffusers' WanImageToVideoPipeline,
+    HunyuanVideo15ImageToVideoPipeline).
 
-    `latents_BCFHW`: the VAE-encoded conditioning video: [mask (4 ch) | image latents] joined to
-    the noisy latents on the channels, or (per-token timesteps, TI2V) the first frame's latents
-    that replace the noisy latents where `first_frame_mask` is 0. `image_BLE`: CLIP image
-    embeddings for the cross-attention (Wan2.1 I2V), else None."""
+    `latents_BCFHW`: the VAE-encoded conditioning video joined to the noisy latents on the
+    channels (Wan: [mask (4 ch) | image latents]; HunyuanVideo-1.5: [image latents | mask (1
+    ch)]), or (per-token timesteps, TI2V) the first frame's latents that replace the noisy
+    latents where `first_frame_mask` is 0. `image_BLE`: image embeddings (Wan2.1 I2V's CLIP ones
+    for the cross-attention, HunyuanVideo-1.5's SigLIP tokens for its joint text), else None."""
 
     latents_BCFHW: torch.Tensor
     first_frame_mask: torch.Tensor | None = None

@@ -10,10 +10,12 @@ which `ditango status` reads.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 from basics.errors import ConfigError
 from runtime.batch_queue import BatchQueue, Lease, Worker, manifest_path, now_text, renew_every, sleep_idle
@@ -54,6 +56,34 @@ def open_batch(cfg: RunConfig) -> BatchQueue:
     if manifest is None or manifest.get("batch") != cfg.queue.batch:
         raise ConfigError(f"{cfg.out_dir}: the batch {cfg.queue.batch} is no longer the folder's (a new one began)")
     return BatchQueue(cfg.out_dir, manifest)
+
+
+def worker_label(report_name: str) -> str:
+    """How status lines and records name a replica's worker: by its report (a task's, a
+    replica's, a join's) and host."""
+    name = Path(report_name).stem
+    return f"{'main' if name == 'report' else name}@{socket.gethostname()}"
+
+
+def own_skips(cfg: RunConfig, skipped: dict[str, dict]) -> dict[str, dict]:
+    """Of the items complete on disk, those this run reports as skipped: under the queue, only
+    what the batch left out when it began (made by an earlier run); what other workers of the
+    batch made since is theirs to report."""
+    if not cfg.queue.shared:
+        return skipped
+    left_out = {e["id"] for e in open_batch(cfg).manifest["items"] if e.get("skipped")}
+    return {k: v for k, v in skipped.items() if k in left_out}
+
+
+def own_decided(cfg: RunConfig, decided: dict[str, dict], report_name: str) -> dict[str, dict]:
+    """Of the items earlier launches of this command settled, those this replica's report lists:
+    its own share's (--queue static), or under the queue those its own worker published (the
+    record's fence names it); another worker's are that worker's to report, and every replica of
+    a relaunch listing them all would count them twice."""
+    if not cfg.queue.shared:
+        return decided
+    label = worker_label(report_name)
+    return {k: v for k, v in decided.items() if (v.get("queue") or {}).get("label") == label}
 
 
 class QueueWork:

@@ -70,6 +70,13 @@ def completed_record(cfg: RunConfig, item: Item) -> dict | None:
             f"{item.source}: {paths['video']} exists but was made with {_method_text(made, k)}, not "
             f"{_method_text(asked, k)}; use --overwrite to replace it, or another --out"
         )
+    audio = record.get("audio")  # a model with an audio track (LTX-2): muxed, or left out by --no-audio
+    if isinstance(audio, dict) and bool(audio.get("muxed")) == cfg.no_audio:
+        made, asked = ("with", "without (--no-audio)") if cfg.no_audio else ("without", "with")
+        raise ConfigError(
+            f"{item.source}: {paths['video']} exists {made} its audio track, not {asked}; "
+            "use --overwrite to replace it, or another --out"
+        )
     if cfg.save_latents and not paths["latents"].is_file():
         return None
     return record

@@ -13,7 +13,6 @@ import contextlib
 import time
 from dataclasses import replace
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
@@ -31,7 +30,7 @@ from runtime.models.loading import placement_on
 from runtime.models.resolve import resolve_model
 from runtime.profiling import StepProfiler, trace_name
 from runtime.progress import ProgressFile, progress_path
-from runtime.pull import QueueWork, StaticWork
+from runtime.pull import QueueWork, StaticWork, own_decided, own_skips, worker_label
 from runtime.quality import quality_record
 from runtime.queue_status import queue_summary
 from runtime.report import ItemTiming, ReportWriter, RunTiming, claim_bring_up_start, peak_memory, run_report
@@ -278,13 +277,14 @@ def execute(
         cfg.attention_backend, placement.device, placement.dtype, one_rank=one_rank, masked=masked
     )
     skipped = own_skips(cfg, plan_resume(cfg) if skipped is None else skipped)
-    records: dict[str, dict] = {**skipped, **(decided or {})}
+    settled = {**skipped, **(decided or {})}
+    records: dict[str, dict] = {**skipped, **own_decided(cfg, decided or {}, report_name)}
     report = ReportWriter(cfg, cfg.out_dir / report_name, placement.device, placement.dtype_name, backend, records)
     report.timing = RunTiming()
     heartbeat = None
     if ctx.is_writer:  # the writer's heartbeat file (`ditango status`), whatever launched this rank
         observer = heartbeat = writer_observer(cfg, observer, report_name, skipped, decided or {})
-    todo = [item for item in cfg.items if item.id not in records]
+    todo = [item for item in cfg.items if item.id not in settled]
     observer.run_started(len(todo))
     try:
         if todo:
@@ -299,18 +299,6 @@ def execute(
         heartbeat.finish()
     rank_peaks = [p for p, _ in ctx.gather(peak_memory(placement.device))]
     return report.write(rank_peaks) if ctx.is_writer else None
-
-
-def own_skips(cfg: RunConfig, skipped: dict[str, dict]) -> dict[str, dict]:
-    """Of the items complete on disk, those this run reports as skipped: under the queue, only
-    what the batch left out when it began (made by an earlier run); what other workers of the
-    batch made since is theirs to report."""
-    if not cfg.queue.shared:
-        return skipped
-    from runtime.pull import open_batch
-
-    left_out = {e["id"] for e in open_batch(cfg).manifest["items"] if e.get("skipped")}
-    return {k: v for k, v in skipped.items() if k in left_out}
 
 
 def writer_observer(cfg: RunConfig, observer: Observer, report_name: str, skipped: dict, decided: dict):
@@ -360,16 +348,8 @@ def item_source(running: Running, ctx: RankContext, observer: Observer, report_n
     """Where this replica's items come from (runtime/pull.py)."""
     if not running.cfg.queue.shared:
         return StaticWork(running.cfg, running.todo)
-    label = worker_label(report_name, ctx)
+    label = worker_label(report_name)
     return QueueWork(running.cfg, ctx, running.todo, observer, label)
-
-
-def worker_label(report_name: str, ctx: RankContext) -> str:
-    """How status lines name this replica: by its report (a task's, a replica's, a join's) and host."""
-    import socket
-
-    name = Path(report_name).stem
-    return f"{'main' if name == 'report' else name}@{socket.gethostname()}"
 
 
 def one_item(running: Running, item: Item, ctx, observer, report, report_name, reference, work) -> dict | None:

@@ -49,6 +49,7 @@ class TiledDecoder:
         self.tiled, self.ratio = tiling.enabled, tiling.ratio
         self.min_px, self.stride_px = tiling.min_px, tiling.stride_px
         self.patch = tiling.patch  # pixel blocks as channels (Wan2.2's VAE)
+        self.min_side = tiling.min_side
 
     # -- the grid ------------------------------------------------------------------------------
     def chunks(self, F: int) -> list[slice]:
@@ -66,11 +67,20 @@ class TiledDecoder:
             if not self.spatially_tiled(H, W):
                 tiles.append(Tile(c, 0, 0, frames, slice(0, H), slice(0, W)))
                 continue
-            lmin, lstride = self.min_px // self.ratio, self.stride_px // self.ratio
-            for r, i in enumerate(range(0, H, lstride)):
-                for k, j in enumerate(range(0, W, lstride)):
+            lmin = self.min_px // self.ratio
+            for r, i in enumerate(self.starts(H)):
+                for k, j in enumerate(self.starts(W)):
                     tiles.append(Tile(c, r, k, frames, slice(i, min(i + lmin, H)), slice(j, min(j + lmin, W))))
         return tiles
+
+    def starts(self, n: int) -> list[int]:
+        """Where tiles begin along a side of `n` latents: every stride, as diffusers' grid; a last
+        one narrower than the decoder takes is left out when the one before covers it."""
+        lmin, lstride = self.min_px // self.ratio, self.stride_px // self.ratio
+        found = list(range(0, n, lstride))
+        if len(found) > 1 and n - found[-1] < self.min_side and found[-2] + lmin >= n:
+            found.pop()
+        return found
 
     # -- one tile --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -104,7 +114,9 @@ class TiledDecoder:
                     tile = vae.blend_v(rows[i - 1][j], tile, blend)
                 if j > 0:
                     tile = vae.blend_h(row[j - 1], tile, blend)
-                line.append(tile[:, :, :, :stride, :stride])
+                # The last row and column keep all they hold (a last tile left out: the edge is theirs).
+                down, across = (None if i == n_rows - 1 else stride), (None if j == n_cols - 1 else stride)
+                line.append(tile[:, :, :, :down, :across])
             result.append(torch.cat(line, dim=-1))
         return torch.cat(result, dim=3)[:, :, :, : H * self.ratio // p, : W * self.ratio // p]
 

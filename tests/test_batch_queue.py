@@ -229,3 +229,25 @@ def test_a_given_up_item_has_a_failed_sidecar(tmp_path):
     assert queue.claim(worker("b"), work._given_up) == "end"
     record = read_record(tmp_path / "i0.json")
     assert record["status"] == "failed" and record["final"] and "lease 1 lost" in record["error"]
+
+
+def test_a_relaunched_replica_reports_only_what_its_own_worker_made(tmp_path):
+    """After a launch failed and is relaunched, every replica is told the items settled so far;
+    under the queue each replica's report lists only those its own worker published (the
+    record's fence), so the replicas' reports never list an item twice. --queue static keeps
+    its share's."""
+    import socket
+
+    from runtime.pull import own_decided
+
+    cfg, _ = begun(tmp_path)
+    host = socket.gethostname()
+    decided = {
+        "i0": {"id": "i0", "status": "done", "queue": {"label": f"replica-0@{host}"}},
+        "i1": {"id": "i1", "status": "done", "queue": {"label": f"replica-1@{host}"}},
+        "i2": {"id": "i2", "status": "failed", "final": True},  # given up by the launcher: no fence
+    }
+    mine = [sorted(own_decided(cfg, decided, f".ditango/reports/replica-{r}.json")) for r in (0, 1)]
+    assert mine == [["i0"], ["i1"]]
+    static = replace(cfg, queue=replace(cfg.queue, mode="static"))
+    assert own_decided(static, decided, ".ditango/reports/replica-0.json") == decided

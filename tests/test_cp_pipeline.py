@@ -213,7 +213,7 @@ def test_replicas_split_the_items_and_match_one_process(runner, tmp_path):
         ids = [[i["id"] for i in share["items"]] for share in shares]
         if queue == "static":
             assert ids == [everything[0::2], everything[1::2]]
-        assert sorted(ids[0] + ids[1]) == everything  # each item made once
+        assert sorted(ids[0] + ids[1]) == everything, result.stderr  # each item made once
         assert all(share["layout"]["world_size"] == 1 for share in shares)
         report = json.loads((out / "report.json").read_text())
         assert report["counts"] == {"done": 3, "skipped": 0, "failed": 0}

@@ -146,16 +146,24 @@ def test_models_lists_registry(runner, tmp_path, monkeypatch):
         "hunyuanvideo",
         "hunyuanvideo-1.5-480p-t2v",
         "hunyuanvideo-1.5-720p-t2v",
+        "hunyuanvideo-1.5-480p-i2v",
+        "hunyuanvideo-1.5-720p-i2v",
         "skyreels-v2-t2v-14b-540p",
         "skyreels-v2-t2v-14b-720p",
         "skyreels-v2-i2v-1.3b-540p",
         "skyreels-v2-i2v-14b-540p",
         "skyreels-v2-i2v-14b-720p",
-        "ltx-2-t2v",
+        "ltx-2",
     }
     assert rows["tiny-wan"]["resolves_to"] == "built-in"
-    ltx = rows["ltx-2-t2v"]
-    assert (ltx["family"], ltx["heads"], ltx["layers"], ltx["defaults"]["frames"]) == ("ltx-2", 32, 48, 121)
+    ltx = rows["ltx-2"]
+    assert (ltx["family"], ltx["task"], ltx["heads"], ltx["layers"], ltx["defaults"]["frames"]) == (
+        "ltx-2",
+        "ti2v",
+        32,
+        48,
+        121,
+    )
     assert rows["wan2.1-1.3b"]["resolves_to"] == str(tmp_path / "Wan2.1-T2V-1.3B-Diffusers")
     assert rows["wan2.1-14b"]["resolves_to"] == "not found: ditango download wan2.1-14b"
     assert (rows["wan2.1-14b"]["heads"], rows["wan2.1-14b"]["layers"]) == (40, 40)

@@ -1,13 +1,15 @@
 """LTX-2 (runtime/models/ltx2/): a tiny random model saved in diffusers' layout runs through
 `ditango generate` as `LTX2Pipeline` runs it, video and audio latents alike, on 1 process and
-under ring and Ulysses on 2 ranks; its audio is muxed into the MP4 (AAC) or left out with
---no-audio; what its guidance cannot split is refused in one line; its counts restate what its
-configs build."""
+under ring and Ulysses on 2 ranks, and with an image as `LTX2ImageToVideoPipeline` runs it; its
+audio is muxed into the MP4 (AAC) or left out with --no-audio; what its guidance cannot split is
+refused in one line; its counts restate what its configs build."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -58,12 +60,16 @@ def one_process(folder, tmp_path_factory):
     return (*_run(CliRunner(), folder, out), out)
 
 
-def _pipeline(folder, guidance: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
-    from diffusers import LTX2Pipeline
+def _pipeline(folder, guidance: float = 3.0, image=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(video, audio) latents of LTX2Pipeline, or with `image` (a path) LTX2ImageToVideoPipeline."""
+    import diffusers
+    from PIL import Image
 
-    pipe = LTX2Pipeline.from_pretrained(folder, local_files_only=True)
+    name = "LTX2Pipeline" if image is None else "LTX2ImageToVideoPipeline"
+    pipe = getattr(diffusers, name).from_pretrained(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe(
+        **({} if image is None else {"image": Image.open(image)}),
         prompt=PROMPT,
         height=SIZE["height"],
         width=SIZE["width"],
@@ -123,6 +129,15 @@ def test_no_audio_writes_the_video_alone(runner, folder, one_process, tmp_path):
     assert torch.equal(latents["audio_latents"], one_process[0]["audio_latents"])  # still denoised with the video
 
 
+def test_a_folder_made_with_its_audio_does_not_resume_without_it(runner, folder, one_process):
+    """--no-audio makes another MP4: a folder made with the track refuses it in one line."""
+    _, _, out = one_process
+    result = runner.invoke(app, _args(folder, out, "--no-audio"))
+    assert result.exit_code == 2, result.stderr
+    assert "exists with its audio track, not without (--no-audio); use --overwrite" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.distributed
 @pytest.mark.sweep
 @pytest.mark.parametrize(
@@ -140,6 +155,57 @@ def test_two_ranks_equal_one_process(runner, folder, one_process, tmp_path, layo
     assert item["guidance_terms"]["shift_mu"] == alone_item["guidance_terms"]["shift_mu"]
     sent = item["comm"]["by_purpose"]  # the video's attention over the ranks, the audio's rows over both chunks
     assert sent["attention"]["intra_node_bytes"] > 0 and sent["joint"]["intra_node_bytes"] > 0, sent
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    """A noisy 70x110 picture: resized to the video's 64x96 by the pipeline's processor, after its
+    H.264 re-compression (CRF 33 for LTX-2's Gemma 3 text encoder)."""
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp("image") / "first.png"
+    pixels = np.random.default_rng(5).integers(0, 256, (70, 110, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def i2v_folder(folder, tmp_path_factory):
+    """The same checkpoint as `LTX2ImageToVideoPipeline` saves it: only model_index.json differs."""
+    copy = tmp_path_factory.mktemp("ltx2-i2v") / "model"
+    shutil.copytree(folder, copy)
+    index = json.loads((copy / "model_index.json").read_text())
+    (copy / "model_index.json").write_text(json.dumps({**index, "_class_name": "LTX2ImageToVideoPipeline"}))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def from_image(i2v_folder, image, tmp_path_factory):
+    from typer.testing import CliRunner
+
+    return _run(CliRunner(), i2v_folder, tmp_path_factory.mktemp("i2v"), "--image", str(image))
+
+
+def test_an_image_gives_the_image_pipelines_latents(i2v_folder, image, from_image):
+    """Video and audio latents as LTX2ImageToVideoPipeline's: the image's latents are the first
+    frame (never stepped, its tokens at timestep 0), the others denoised from the same noise."""
+    got, item = from_image
+    video, audio = _pipeline(i2v_folder, image=image)
+    assert (got["latents"] - video).abs().max().item() <= PARITY
+    assert (got["audio_latents"] - audio).abs().max().item() <= PARITY
+    assert item["image"] == str(image) and item["guidance_terms"]["tokens"] == 18
+
+
+@pytest.mark.distributed
+@pytest.mark.sweep
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+def test_an_image_under_two_ranks_equals_one_process(runner, folder, image, from_image, tmp_path, strategy):
+    """The per-token timesteps (0 on the image's frame) are sharded with the video's tokens."""
+    alone, _ = from_image
+    extra = ["--image", str(image), "--parallel", strategy, "--gpus", "2", "--executor", "local"]
+    two, _ = _run(runner, folder, tmp_path, *extra)
+    assert (two["latents"] - alone["latents"]).abs().max().item() <= PARITY
+    assert (two["audio_latents"] - alone["audio_latents"]).abs().max().item() <= PARITY
 
 
 @pytest.mark.parametrize(
@@ -246,6 +312,6 @@ def test_a_lora_gives_the_pipelines_latents(runner, folder, one_process, lora, t
 
 def test_a_rehearsal_is_refused_in_one_line(runner, tmp_path):
     """Not written yet for this family: said before anything runs, not an abort at the end."""
-    result = runner.invoke(app, ["rehearse", "--model", "ltx-2-t2v", "--gpus", "2", "--prompt", "x"])
-    assert result.exit_code == 2 and "ltx-2-t2v cannot be rehearsed yet" in result.stderr, result.stderr
+    result = runner.invoke(app, ["rehearse", "--model", "ltx-2", "--gpus", "2", "--prompt", "x"])
+    assert result.exit_code == 2 and "ltx-2 cannot be rehearsed yet" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -153,6 +153,27 @@ def test_tile_grid_follows_the_tile_size():
     assert grid[-1].cols == slice(12, 13)  # clipped to the latent's 13 columns
 
 
+def test_a_reflect_padded_decoder_gets_no_tile_one_latent_wide():
+    """LTX-2's decoder pads with reflection, which fails on a side of 1: diffusers' grid would put
+    a last tile one latent wide where a side is one more than a multiple of the stride (7 latents,
+    128 px tiles: 4 latents, stride 3: tiles at 0, 3, 6). That tile is left out, the one before
+    covers the edge, and the edge's pixels are that tile's own."""
+    from tiny_wan.ltx2 import build_tiny_ltx2_components
+
+    vae = build_tiny_ltx2_components(seed=1)["vae"]
+    z = torch.randn((1, vae.config.latent_channels, 2, 2, 7), generator=torch.Generator().manual_seed(3))
+    decoder = TiledDecoder(vae, DecodeOptions(tiling=True, tile_px=128))
+    assert [t.cols for t in decoder.grid(z)] == [slice(0, 4), slice(3, 7)]
+    out = decode_video(vae, z, DecodeOptions(tiling=True, tile_px=128))
+    assert out.record["tiles"] == 2 and out.video_BCFHW.shape[-1] == 7 * 32
+    with torch.no_grad():
+        last = vae.decoder(z[..., 3:7], None)
+    blend = 128 - 96  # pixels the two tiles blend over; right of them the last tile alone
+    assert torch.equal(out.video_BCFHW[..., 3 * 32 + blend :], last[..., blend:])
+    wan = TiledDecoder(build_vae("wan2.1"), DecodeOptions(tiling=True, tile_px=32))
+    assert wan.starts(13) == [0, 3, 6, 9, 12]  # a decoder that takes a thin tile keeps diffusers' grid
+
+
 def _decode_on_ranks(rank, world, events):
     from runtime.context import RankContext
 

@@ -216,11 +216,15 @@ def _freeze(components: dict) -> dict:
     return components
 
 
-def build_tiny_hunyuan15(cfg: TinyHunyuan15Config = TINY_HUNYUAN15, image: bool = False) -> dict:
+def build_tiny_hunyuan15(
+    cfg: TinyHunyuan15Config = TINY_HUNYUAN15, image: bool = False, meanflow: bool = False
+) -> dict:
     """The components of `HunyuanVideo15Pipeline`: {text_encoder, tokenizer, transformer, vae, scheduler,
     text_encoder_2, tokenizer_2, guider}; with `image`, those of `HunyuanVideo15ImageToVideoPipeline`
     (plus image_encoder, feature_extractor; the transformer's task_type "i2v"). Every module is in eval
-    mode without gradients; both variants share all weights."""
+    mode without gradients; both variants share all weights. `meanflow`: the transformer also embeds a
+    second timestep (`use_meanflow`, as the step-distilled image-to-video checkpoint), which draws
+    other transformer weights."""
     tokenizer = build_qwen_tokenizer(cfg.vocab)
     tokenizer_2 = ByT5Tokenizer()
     # One generator state per component so changing one never changes another's weights.
@@ -259,7 +263,7 @@ def build_tiny_hunyuan15(cfg: TinyHunyuan15Config = TINY_HUNYUAN15, image: bool 
         rope_axes_dim=cfg.rope_axes_dim,
         target_size=cfg.target_size,
         task_type="i2v" if image else "t2v",
-        use_meanflow=False,
+        use_meanflow=meanflow,
     )
     torch.manual_seed(cfg.seed + 2)
     vae = AutoencoderKLHunyuanVideo15(

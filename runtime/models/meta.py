@@ -102,7 +102,7 @@ def _named_configs(spec: ModelSpec) -> dict:
 def _dir_configs(path: Path) -> dict:
     """{component: (class name, config)} of a diffusers directory (model_index.json): each
     component's config file is the one its class saves (`config_name`: config.json for a model,
-    scheduler_config.json, a guider's); tokenizers and processors are stood in for."""
+    scheduler_config.json, a guider's); tokenizers and processors (feature extractors) are stood in for."""
     try:
         index = read_json_file(path / "model_index.json", "model file")
     except FileNotFoundError:
@@ -111,7 +111,7 @@ def _dir_configs(path: Path) -> dict:
     for name, entry in index.items():
         if name.startswith("_") or not isinstance(entry, list) or entry[1] is None:
             continue
-        if name.startswith("tokenizer") or name.endswith("processor"):
+        if name.startswith("tokenizer") or name.endswith(("processor", "feature_extractor")):
             continue
         file = path / name / (getattr(find_class(entry[1]), "config_name", None) or "config.json")
         parts[name] = (entry[1], _read_config(file))
@@ -155,10 +155,20 @@ def meta_components(spec: ModelSpec, path: Path | None, dtype: torch.dtype, max_
     for name in [n for n in components if n.startswith("text_encoder")]:  # each encoder's own tokenizer
         components[name.replace("text_encoder", "tokenizer")] = ShapeTokenizer()
     if "image_encoder" in components:
-        from transformers import CLIPImageProcessor
-
-        components["image_processor"] = CLIPImageProcessor()
+        components.update(_image_processor(components["image_encoder"]))
     return components
+
+
+def _image_processor(encoder) -> dict:
+    """A stand-in processor for `encoder`, under the name its pipeline reads: SigLIP's (HunyuanVideo-
+    1.5's `feature_extractor`) at the encoder's own input size, else CLIP's (`image_processor`)."""
+    import transformers
+
+    if type(encoder).__name__ == "SiglipVisionModel":  # transformers 5 names its PIL processor so
+        siglip = getattr(transformers, "SiglipImageProcessorPil", None) or transformers.SiglipImageProcessor
+        size = encoder.config.image_size
+        return {"feature_extractor": siglip(size={"height": size, "width": size})}
+    return {"image_processor": transformers.CLIPImageProcessor()}
 
 
 def meta_transformers(spec: ModelSpec, path: Path | None) -> dict:

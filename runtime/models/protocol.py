@@ -122,10 +122,13 @@ class Tiling:
     """A VAE's spatial tiles, in output pixels: `min_px` a side, one every `stride_px`;
     `ratio`: output pixels per latent pixel; `patch`: the decoder's output pixel blocks per side
     (its channels hold them; Wan2.2's VAE: 2). `enabled` False: every frame chunk is one tile.
-    Tiles are blended with the VAE's `blend_v` / `blend_h`, as diffusers' tiled decodes do."""
+    Tiles are blended with the VAE's `blend_v` / `blend_h`, as diffusers' tiled decodes do.
+    `min_side`: the narrowest tile, in latents, the decoder takes (LTX-2's reflect-padded one: 2);
+    a narrower last tile, which the one before it covers whole, is not decoded."""
 
     enabled: bool
     min_px: int
     stride_px: int
     ratio: int
     patch: int = 1
+    min_side: int = 1

@@ -9,6 +9,7 @@ resolves it to a checked directory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -46,6 +47,10 @@ class Defaults:
     # guidance is this scale (diffusers' true_cfg_scale; two branches only when > 1). None: a
     # family whose `guidance` is the CFG scale itself (Wan).
     true_cfg: float | None = None
+    # An image-to-video pipeline that sizes the video by its image (HunyuanVideo-1.5's): called
+    # with the image's (height, width), the (height, width) of an item that gives neither.
+    # None: `height` x `width`, as for every other model.
+    size_of_image: Callable[[int, int], tuple[int, int]] | None = None
 
     @property
     def cfg_scale(self) -> float:

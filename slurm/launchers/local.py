@@ -16,9 +16,9 @@ from dataclasses import replace
 from basics.errors import ConfigError
 from runtime.config import RunConfig
 from runtime.context import Observer, RankContext, SilentObserver
-from runtime.pull import open_batch
+from runtime.pull import open_batch, own_skips
 from runtime.resume import plan_resume
-from runtime.run import execute, own_skips, settled_report
+from runtime.run import execute, settled_report
 from slurm.aggregate import aggregate
 from slurm.entry import run_rank
 from slurm.faults import with_faults

@@ -8,8 +8,11 @@ What the parallel strategies need of this family (runtime/strategies/parallelize
   pre-hook): masked keys add nothing and the padded rows never reach the output, so this is
   the mask's computation without the mask, and every attention runs unmasked;
 - video tokens enter at `rope` (cos, sin [N, D], sequence on dim 0) and at `x_embedder`
-  ([B, N, C]): both sharded to the rank's chunk, in the same row-major order;
-- text tokens stay whole on every rank; per-sample inputs (temb) stay whole;
+  ([B, N, C]): both sharded to the rank's chunk, in the same row-major order. Image-to-video's
+  condition latents and mask are channels of the same input ([B, 2C + 1, F, H, W] before the
+  patch embedding), so they are sharded with the tokens they belong to;
+- text tokens stay whole on every rank (image-to-video's 729 SigLIP tokens are valid text
+  there, first in the joint text); per-sample inputs (temb) stay whole;
 - joint self-attention in every block (`transformer_blocks[i].attn`), as HunyuanVideo's
   dual-stream blocks (runtime/models/hunyuan `JointAttention`: video projections, RMS norms,
   rotary on the video, then the strategy over all chunks plus the text keys; the text rows
@@ -154,6 +157,6 @@ def load_model(components: dict, device: torch.device, max_text_len: int, varian
     """The loaded checkpoint as the denoising loop drives it (runtime/models/hunyuan15/loop.py)."""
     from runtime.models.hunyuan15.loop import Hunyuan15Model
 
-    if variant is not None and (variant.experts != 1 or variant.expand_timesteps or variant.image != "none"):
+    if variant is not None and (variant.experts != 1 or variant.expand_timesteps or variant.image == "optional"):
         raise ValueError(f"HunyuanVideo-1.5 has no variant {variant}")
-    return Hunyuan15Model(components, device, max_text_len)
+    return Hunyuan15Model(components, device, max_text_len, variant)

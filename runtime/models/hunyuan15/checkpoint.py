@@ -20,6 +20,9 @@ COMPONENTS: dict[str, tuple[str, ...] | None] = {
     "guider": ("ClassifierFreeGuidance",), "image_encoder": ("SiglipVisionModel",), "feature_extractor": None,
 }  # fmt: skip
 REQUIRED = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler", "text_encoder_2", "tokenizer_2", "guider")
+IMAGE_COMPONENTS = ("image_encoder", "feature_extractor")  # what image-to-video adds: SigLIP and its processor
+# Image-to-video: the image's SigLIP tokens in the joint text, its latents in the first frame.
+I2V = Variant(pipeline=I2V_PIPELINE, image="required", image_encoder=True)
 # The guider's settings the denoising loop runs as the pipeline does (its other settings would
 # change the prediction: refused rather than ignored).
 GUIDER_AS_RUN = {"guidance_rescale": 0.0, "use_original_formulation": False, "start": 0.0, "stop": 1.0, "enabled": True}
@@ -53,13 +56,15 @@ def named_parts(transformer_config: dict, vae_config: dict, variant) -> dict:
     return parts
 
 
+# siglip-so400m-patch14-384's vision tower, the image-to-video checkpoints' image_encoder: 27 x 27
+# patch tokens (the pipelines' vision_num_semantic_tokens, 729).
 SIGLIP_SO400M = {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
                  "num_attention_heads": 16, "patch_size": 14, "image_size": 384}  # fmt: skip
 
 
 def dir_variant(path: Path, index: dict, components: dict, configs: dict) -> Variant:
-    """Text-to-video, or image-to-video with its image encoder; a guider the loop would not run
-    as the pipeline does is refused by name."""
+    """Text-to-video, or image-to-video with its SigLIP image encoder and processor; a guider
+    the loop would not run as the pipeline does is refused by name."""
     from basics.user_files import read_json_file
 
     pipeline = index["_class_name"]
@@ -69,10 +74,10 @@ def dir_variant(path: Path, index: dict, components: dict, configs: dict) -> Var
         if key in guider and guider[key] != value:
             raise ModelDirError(f"{guider_file}: {key} {guider[key]!r} is not supported (ditango runs {value!r})")
     if pipeline == I2V_PIPELINE:
-        raise ModelDirError(
-            f"{path}: HunyuanVideo-1.5 image-to-video ({I2V_PIPELINE}) is not supported yet; "
-            f"its text-to-video checkpoints ({T2V_PIPELINE}) are"
-        )
+        missing = [name for name in IMAGE_COMPONENTS if name not in components]
+        if missing:
+            raise ModelDirError(f"{path}/model_index.json: a {I2V_PIPELINE} without {' or '.join(missing)}")
+        return I2V
     if "image_encoder" in components:
         raise ModelDirError(f"{path}/model_index.json: a {T2V_PIPELINE} with an image_encoder")
     return Variant(pipeline=pipeline)

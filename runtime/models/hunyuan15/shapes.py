@@ -4,6 +4,7 @@ need of its transformer (54 dual-stream blocks of joint text-video attention) an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,13 +22,30 @@ PIPELINE_DEFAULTS = {"frames": 121, "fps": 24, "max_text_len": 1000, "negative_p
 DEFAULT_ASPECT = (9, 16)
 
 
-def default_size(target_size: int, folder: Path) -> dict:
-    """{height, width} HunyuanVideo15Pipeline runs without them: of the buckets of about
-    (target_size / s)^2 latent pixels (s: the VAE's spatial compression, from the folder's
-    vae/config.json), the one closest to 16:9 (its video processor's
-    `calculate_default_height_width`). {} where the target size makes no bucket."""
-    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+@dataclass(frozen=True)
+class ImageSizes:
+    """The size the pipelines pick for an aspect ratio: of the buckets of about
+    (target_size / stride)^2 latent pixels (stride: the VAE's spatial compression), the one
+    closest to it (their video processor's `calculate_default_height_width`). Called with an
+    image's (height, width): HunyuanVideo15ImageToVideoPipeline's size for that image, which
+    an image-to-video item takes when it gives neither height nor width (runtime/items.py)."""
 
+    target_size: int
+    stride: int
+
+    def __call__(self, height: int, width: int) -> tuple[int, int]:
+        from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+        processor = HunyuanVideo15ImageProcessor(vae_scale_factor=self.stride)
+        h, w = processor.calculate_default_height_width(height, width, self.target_size)
+        return int(h), int(w)
+
+
+def default_size(target_size: int, folder: Path) -> dict:
+    """{height, width} HunyuanVideo15Pipeline runs without them: the bucket closest to 16:9
+    (`ImageSizes`, with the VAE's stride from the folder's vae/config.json); for an image-to-
+    video folder also `size_of_image`, the size its pipeline picks for each image. {} where the
+    target size makes no bucket."""
     from basics.user_files import read_json_file
 
     file = folder / "vae" / "config.json"
@@ -38,14 +56,19 @@ def default_size(target_size: int, folder: Path) -> dict:
         raise ModelDirError(f"{file}: {exc}") from None
     if round((target_size / s) ** 2) < 1:
         return {}
-    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=s)
-    height, width = processor.calculate_default_height_width(*DEFAULT_ASPECT, target_size)
-    return {"height": int(height), "width": int(width)}
+    sizes = ImageSizes(target_size, s)
+    height, width = sizes(*DEFAULT_ASPECT)
+    found = {"height": height, "width": width}
+    index = folder / "model_index.json"
+    pipeline = read_json_file(index, "model file") if index.is_file() else {}
+    if isinstance(pipeline, dict) and pipeline.get("_class_name") == "HunyuanVideo15ImageToVideoPipeline":
+        found["size_of_image"] = sizes
+    return found
 
 
 FOLDER_DEFAULTS = (
     FolderDefault("guidance", "guider/guider_config.json", "guidance_scale"),
-    FolderDefault("height, width", "transformer/config.json", "target_size", int, derive=default_size),
+    FolderDefault("height, width, size_of_image", "transformer/config.json", "target_size", int, derive=default_size),
 )
 SCHEDULE_BY_SIGMAS = True  # the pipeline sets the sigmas (np.linspace(1, 0, steps + 1)[:-1])
 # Text tokens every block attends besides the video: SigLIP's semantic tokens (masked out in

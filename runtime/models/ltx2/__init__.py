@@ -5,8 +5,9 @@ What the parallel strategies need of this family (runtime/strategies/parallelize
 `install`); diffusers has no context-parallel plan for it:
 - video tokens enter at `rope` and `cross_attn_rope` (cos, sin: [B, N, D] interleaved, or
   [B, heads, N, D] split) and at `proj_in` ([B, N, C]): all sharded to the rank's chunk, in the
-  same frame, row, column order; the output is gathered at `proj_out`, so every rank holds the
-  whole prediction;
+  same frame, row, column order; so are per-token timestep embeddings (image-to-video's, 0 on
+  the image's frame); the output is gathered at `proj_out`, so every rank holds the whole
+  prediction;
 - audio tokens (a few hundred: 25 latent frames a second) stay whole on every rank, and every
   rank computes the audio stream identically: its self-attention, its text cross-attention, its
   feed-forward;
@@ -185,10 +186,21 @@ def install(transformer, ctx) -> tuple[list, list]:
         assert output.shape[1] == ctx.tokens, "rope and video tokens disagree on the token count"
         return ctx.shard(output)
 
+    def shard_per_token(module, args, output):
+        """A timestep embedding's rows: one per batch entry (a step's one timestep) stay whole;
+        one per video token (image-to-video: 0 on the image's frame) go as the tokens go."""
+        rows = output[0].shape[0]
+        if rows < ctx.tokens or rows % ctx.tokens:
+            return output
+        return tuple(ctx.shard(x.unflatten(0, (-1, ctx.tokens))).flatten(0, 1) for x in output)
+
     handles = [
         transformer.rope.register_forward_hook(shard_rope),
         transformer.cross_attn_rope.register_forward_hook(shard_cross_rope),
         transformer.proj_in.register_forward_hook(shard_video),
+        transformer.time_embed.register_forward_hook(shard_per_token),
+        transformer.av_cross_attn_video_scale_shift.register_forward_hook(shard_per_token),
+        transformer.av_cross_attn_video_a2v_gate.register_forward_hook(shard_per_token),
         transformer.proj_out.register_forward_hook(lambda module, args, output: ctx.gather(output)),
     ]
     replaced = []
@@ -253,6 +265,6 @@ def load_model(components: dict, device: torch.device, max_text_len: int, varian
     """The loaded checkpoint as the denoising loop drives it (runtime/models/ltx2/loop.py)."""
     from runtime.models.ltx2.loop import LTX2Model
 
-    if variant is not None and (variant.experts != 1 or variant.expand_timesteps or variant.image != "none"):
+    if variant is not None and (variant.experts != 1 or variant.expand_timesteps or variant.image == "required"):
         raise ValueError(f"LTX-2 has no variant {variant}")
     return LTX2Model(components, device, max_text_len)

@@ -1,9 +1,10 @@
-"""What of an LTX-2 checkpoint directory this tool honours (its text-to-video pipeline, these
+"""What of an LTX-2 checkpoint directory this tool honours (its text- and image-to-video pipelines, these
 components with these classes), and the configs of the public checkpoint's other components,
 which a named model is built from without its weights (runtime/models/meta.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from runtime.errors import ModelDirError
@@ -19,7 +20,9 @@ COMPONENTS: dict[str, tuple[str, ...] | None] = {
     "scheduler": ("FlowMatchEulerDiscreteScheduler",),
 }  # fmt: skip
 REQUIRED = ("tokenizer", "text_encoder", "connectors", "transformer", "vae", "audio_vae", "vocoder", "scheduler")
-T2V = Variant(pipeline=T2V_PIPELINE)
+# One checkpoint makes video from text, or from an image and text (LTX2ImageToVideoPipeline): an
+# item with an image runs the image-to-video path, whichever pipeline the folder names.
+T2V = Variant(pipeline=T2V_PIPELINE, image="optional")
 
 # The public checkpoint's other components (diffusers' scripts/convert_ltx2_to_diffusers.py,
 # version 2.0, and its non-distilled scheduler).
@@ -72,13 +75,8 @@ def named_parts(transformer_config: dict, vae_config: dict, variant) -> dict:
 
 
 def dir_variant(path: Path, index: dict, components: dict, configs: dict) -> Variant:
-    """Text-to-video; image-to-video is refused by name (not yet)."""
-    pipeline = index["_class_name"]
-    if pipeline == I2V_PIPELINE:
-        raise ModelDirError(
-            f"{path}: LTX-2 image-to-video ({I2V_PIPELINE}) is not supported yet; its text-to-video ({T2V_PIPELINE}) is"
-        )
+    """Text or image to video, whichever pipeline the folder names (the same components)."""
     vae = configs.get("vae", {})
     if vae.get("timestep_conditioning"):
         raise ModelDirError(f"{path}/vae/config.json: a timestep-conditioned LTX-2 VAE is not supported")
-    return T2V
+    return replace(T2V, pipeline=index["_class_name"])

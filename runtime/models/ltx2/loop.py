@@ -56,13 +56,15 @@ class LTX2Text:
 @dataclass(frozen=True)
 class LTX2Condition:
     """An item's fixed inputs beside its video latents: the audio noise [1, L, C*M] (drawn after
-    the video's from the item's generator), the audio latent frames and mel bins, and the frame
-    rate its positions are conditioned on."""
+    the video's from the item's generator), the audio latent frames and mel bins, the frame rate
+    its positions are conditioned on, and for image-to-video the image's latents [1, C, 1, H, W]
+    (normalised, float32): the first latent frame, held there while the others are denoised."""
 
     audio_noise: torch.Tensor
     audio_frames: int
     mel_bins: int
     fps: float
+    image_BCFHW: torch.Tensor | None = None
 
 
 @dataclass
@@ -72,6 +74,7 @@ class AudioRun:
     latents: torch.Tensor  # [1, L, C*M] float32
     scheduler: object
     sigmas: torch.Tensor  # the video scheduler's (the same values)
+    image_BCFHW: torch.Tensor | None = None  # image-to-video: the first latent frame (LTX2Condition's)
 
 
 def rescale(guided: torch.Tensor, plain: torch.Tensor, factor: float) -> torch.Tensor:
@@ -84,11 +87,22 @@ def rescale(guided: torch.Tensor, plain: torch.Tensor, factor: float) -> torch.T
     return factor * rescaled + (1 - factor) * guided
 
 
+def with_image(latents_BCFHW: torch.Tensor, image_BCFHW: torch.Tensor | None) -> torch.Tensor:
+    """The video latents as the image-to-video pipeline holds them: the image's latents in the
+    first frame (the pipeline's mix of image and noise by its mask gives exactly these)."""
+    if image_BCFHW is None:
+        return latents_BCFHW
+    return torch.cat([image_BCFHW.to(latents_BCFHW.dtype), latents_BCFHW[:, :, 1:]], dim=2)
+
+
 class LTX2Model:
-    """LTX-2 text-to-video with its audio, as `LTX2Pipeline` runs it (its default guidance)."""
+    """LTX-2 with its audio, as `LTX2Pipeline` runs it (its default guidance), and with an image
+    as `LTX2ImageToVideoPipeline` runs it: the image's latents are the first latent frame, which
+    is never stepped, its tokens at timestep 0 while the others are at the step's."""
 
     def __init__(self, components: dict, device: torch.device, max_text_len: int, guidance: dict | None = None):
         from diffusers import LTX2Pipeline
+        from diffusers.video_processor import VideoProcessor
 
         self.device, self.max_text_len = device, max_text_len
         self.transformers = [components["transformer"]]
@@ -97,6 +111,9 @@ class LTX2Model:
         names = ("scheduler", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "transformer", "vocoder")
         self.pipe = LTX2Pipeline(**{k: components[k] for k in names})
         self.pipe.set_progress_bar_config(disable=True)
+        self.image_processor = VideoProcessor(
+            vae_scale_factor=self.pipe.vae_spatial_compression_ratio, resample="bilinear"
+        )
         self.guidance = {**GUIDANCE, **(guidance or {})}
         self.run: AudioRun | None = None
         # STG perturbs only blocks built with `perturbed_attn` (LTX-2.3's); on others (LTX-2.0's)
@@ -157,8 +174,9 @@ class LTX2Model:
         per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
         return round(frames / fps * per_second)
 
-    def condition(self, seed: int, height: int, width: int, frames: int, fps: float) -> LTX2Condition:
-        """The item's audio noise: drawn from the item's generator after its video noise."""
+    def condition(self, seed: int, height: int, width: int, frames: int, fps: float, image=None) -> LTX2Condition:
+        """The item's audio noise, drawn from the item's generator after its video noise, and its
+        image's latents (`encode_image`) when it has one."""
         generator = torch.Generator("cpu").manual_seed(seed)
         self._video_noise(generator, height, width, frames)
         pipe, length = self.pipe, self.audio_frames(frames, fps)
@@ -166,10 +184,26 @@ class LTX2Model:
         noise = pipe.prepare_audio_latents(
             1, pipe.audio_vae.config.latent_channels, length, mel_bins, 0.0, torch.float32, self.device, generator
         )
-        return LTX2Condition(noise, length, mel_bins // pipe.audio_vae_mel_compression_ratio, float(fps))
+        return LTX2Condition(noise, length, mel_bins // pipe.audio_vae_mel_compression_ratio, float(fps), image)
 
-    def encode_image(self, image, latents_BCFHW, height: int, width: int, frames: int):
-        raise ConfigError("LTX-2 image-to-video is not supported yet; its text-to-video runs")
+    @torch.no_grad()
+    def encode_image(self, image, latents_BCFHW, height: int, width: int, frames: int) -> torch.Tensor:
+        """The first latent frame of an image-to-video item [1, C, 1, H, W] float32, as
+        `LTX2ImageToVideoPipeline` makes it: the image re-compressed as one H.264 frame at the
+        CRF its model was trained with (diffusers' function, through PyAV), resized to height x
+        width, in the text encoder's dtype as the pipeline casts it, VAE-encoded (the mode),
+        normalised by the VAE's latent statistics."""
+        from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf, resolve_default_image_crf
+        from PIL import Image
+
+        pipe, vae = self.pipe, self.vae
+        crf = resolve_default_image_crf(pipe.text_encoder)
+        if crf != 0:
+            image = Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
+        pixels = self.image_processor.preprocess(image, height=height, width=width)
+        pixels = pixels.to(self.device, pipe.text_encoder.dtype).to(vae.dtype)
+        latents = vae.encode(pixels.unsqueeze(2)).latent_dist.mode().float()
+        return pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std)
 
     # -- the schedule ------------------------------------------------------------------------
     def new_scheduler(self, steps: int, sampler=None, latents_BCFHW: torch.Tensor | None = None):
@@ -209,7 +243,9 @@ class LTX2Model:
 
     def begin_run(self, scheduler, condition: LTX2Condition) -> None:
         """The audio stream starts from the item's noise, with its own copy of the schedule."""
-        self.run = AudioRun(condition.audio_noise.clone(), copy.deepcopy(scheduler), scheduler.sigmas)
+        self.run = AudioRun(
+            condition.audio_noise.clone(), copy.deepcopy(scheduler), scheduler.sigmas, condition.image_BCFHW
+        )
 
     def end_run(self, condition: LTX2Condition) -> torch.Tensor:
         """The denoised audio latents [1, C, L, M] float32, de-normalised (the pipeline's
@@ -245,7 +281,8 @@ class LTX2Model:
             audio_hidden_states=audio,
             encoder_hidden_states=text.video,
             audio_encoder_hidden_states=text.audio,
-            timestep=timestep,
+            timestep=self.video_timestep(timestep, latents_BCFHW, condition),
+            audio_timestep=timestep,
             sigma=timestep,
             encoder_attention_mask=text.mask,
             audio_encoder_attention_mask=text.mask,
@@ -264,11 +301,24 @@ class LTX2Model:
         )
         return self.pipe._unpack_latents(v.float(), F, H, W, cfg.patch_size, cfg.patch_size_t), a.float()
 
+    def video_timestep(self, t: torch.Tensor, latents_BCFHW: torch.Tensor, condition: LTX2Condition) -> torch.Tensor:
+        """The video tokens' timesteps: `t` [1], or with an image [1, N] per token, 0 on the
+        first frame's (the pipeline's conditioning mask, packed as the tokens are)."""
+        if condition.image_BCFHW is None:
+            return t
+        cfg = self.transformers[0].config
+        B, _, F, H, W = latents_BCFHW.shape
+        mask = torch.zeros(B, 1, F, H, W, dtype=torch.float32, device=latents_BCFHW.device)
+        mask[:, :, 0] = 1.0
+        packed = self.pipe._pack_latents(mask, cfg.patch_size, cfg.patch_size_t).squeeze(-1)
+        return t.unsqueeze(-1) * (1 - packed)
+
     def guided_noise(self, den, step: int, t: torch.Tensor, latents: torch.Tensor, text: TextEmbeds, scale: float):
         """The step's video velocity under the pipeline's guidance; the audio stream steps here."""
         g, run = self.guidance, self.run
         sigma = run.sigmas[step]
         audio = run.latents
+        latents = with_image(latents, run.image_BCFHW)
 
         def clean(sample, velocity):
             return sample - velocity * sigma
@@ -299,14 +349,17 @@ class LTX2Model:
             guided_a = guided_a + d
         guided_v, guided_a = rescale(guided_v, x_v, g["rescale"]), rescale(guided_a, x_a, g["audio_rescale"])
         run.latents = run.scheduler.step((audio - guided_a) / sigma, t, audio, return_dict=False)[0]
-        return (latents - guided_v) / sigma
+        velocity = (latents - guided_v) / sigma
+        if run.image_BCFHW is not None:  # the image's frame is not stepped (the loop's stays as it was)
+            velocity[:, :, :1] = 0
+        return velocity
 
     def final_latents(self, latents_BCFHW: torch.Tensor, condition) -> torch.Tensor:
-        """The video latents de-normalised: the pipeline's `output_type="latent"` video."""
+        """The video latents (the image's in the first frame) de-normalised: the pipeline's
+        `output_type="latent"` video."""
         vae = self.vae
-        return self.pipe._denormalize_latents(
-            latents_BCFHW, vae.latents_mean, vae.latents_std, vae.config.scaling_factor
-        )
+        latents = with_image(latents_BCFHW, None if condition is None else condition.image_BCFHW)
+        return self.pipe._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
 
     def vae_input(self, latents_BCFHW: torch.Tensor) -> torch.Tensor:
         return latents_BCFHW.to(self.device, dtype=self.vae.dtype)

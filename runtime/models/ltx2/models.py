@@ -27,6 +27,6 @@ VAE_PARAMS = 1_222_479_601
 TEXT = TextEncoders(12_202_563_392 + 1_431_475_200, 224_148_992, 1_443_411_776, 1_431_475_200)
 
 MODELS = (
-    NamedModel("ltx-2-t2v", "LTX-2 19B text-to-video with audio (32x/8x VAE, 24 kHz stereo)", T2V, TRANSFORMER,
+    NamedModel("ltx-2", "LTX-2 19B text- or image-to-video with audio (32x/8x VAE, 24 kHz stereo)", T2V, TRANSFORMER,
                TRANSFORMER_PARAMS, VAE, VAE_PARAMS, TEXT, repo_id="Lightricks/LTX-2"),
 )  # fmt: skip
