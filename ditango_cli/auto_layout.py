@@ -1,6 +1,9 @@
 """`--layout auto`: the layout search (planner/search.py) picks the replicas, the strategy and
 its degrees, CFG over two rank groups and weight sharding for `generate`, `check` and
-`--dry-run`, says its choice in one line, and the report records it (`layout_choice`).
+`--dry-run`, says its choice in one line, and the report records it (`layout_choice`). A run
+on more than one GPU that names none of the options that shape a layout (`--parallel`,
+`--replicas`, `--cfg-parallel`, ...) is laid out so too (`by_default` in the record); naming a
+strategy keeps it, and a launcher's ranks (torchrun) default to ring.
 
 Throughput prices every item of the batch on each layout (its size, steps and CFG scale) and
 schedules them as the run will: with the shared queue (`--queue shared`), every replica of every
@@ -19,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import typer
-
 from basics.errors import ConfigError
 from basics.user_files import printable
 
@@ -31,27 +32,17 @@ def local_profile() -> str:
 
     from planner.reuse import FALLBACK_GPU, device_hardware
 
-    if not torch.cuda.is_available():
-        return FALLBACK_GPU
-    return device_hardware("cuda", torch.cuda.get_device_name(0)).name
+    try:
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except (AssertionError, RuntimeError):  # a CUDA that says it is there and is not (no driver)
+        name = None
+    return FALLBACK_GPU if name is None else device_hardware("cuda", name).name
 
 
-def choose_layout(args, spec, items, array: int = 1, queue: str = "shared"):
-    """`args` (RunOptions) with the search's best layout filled in, and its record for the
-    report; as given, and None, without --layout auto. `array`: the array tasks sharing the
-    batch; `queue`: --queue, shared or static."""
+def layout_flags(args) -> list[str]:
+    """The options given that shape the layout (what --layout auto would choose itself)."""
     parallel, guidance, ditango, memory = args.parallel, args.guidance, args.ditango, args.memory
-    if parallel.layout is None:
-        return args, None
-    from ditango_cli.choices import ParallelChoice
-    from ditango_cli.simulate import plan_source
-    from planner.cost_model import load_hardware
-    from planner.ditango import RUN_DEFAULTS
-    from planner.memory import parse_bytes
-    from planner.precision import attention_pricing
-    from planner.search import Problem, search, why
-
-    given = [
+    return [
         flag
         for flag, on in (
             ("--parallel", parallel.parallel is not None),
@@ -64,7 +55,34 @@ def choose_layout(args, spec, items, array: int = 1, queue: str = "shared"):
         )
         if on
     ]
-    if given:
+
+
+def searched_by_default(args, launched: bool) -> bool:
+    """Whether a run without --layout is laid out by the search: more than one GPU, and none of
+    the options that shape a layout given (naming a strategy keeps it). Not under a launcher's
+    ranks (torchrun: its ranks are one replica, so the strategy defaults to ring there)."""
+    parallel = args.parallel
+    return not launched and parallel.nodes * parallel.gpus_per_node > 1 and not layout_flags(args)
+
+
+def choose_layout(args, spec, items, array: int = 1, queue: str = "shared", launched: bool = False):
+    """`args` (RunOptions) with the search's best layout filled in, its record for the report
+    and the line that says it (said once the run's checks have passed): under --layout auto, or
+    by default (`searched_by_default`); as given, None and None, otherwise. `array`: the array tasks sharing the batch; `queue`: --queue, shared or static;
+    `launched`: the ranks are a launcher's (--executor env)."""
+    parallel, guidance, ditango, memory = args.parallel, args.guidance, args.ditango, args.memory
+    by_default = parallel.layout is None and searched_by_default(args, launched)
+    if parallel.layout is None and not by_default:
+        return args, None, None
+    from ditango_cli.choices import ParallelChoice
+    from ditango_cli.simulate import plan_source
+    from planner.cost_model import load_hardware
+    from planner.ditango import RUN_DEFAULTS
+    from planner.memory import parse_bytes
+    from planner.precision import attention_pricing
+    from planner.search import Problem, search, why
+
+    if given := layout_flags(args):
         raise ConfigError(
             f"--layout auto chooses {', '.join(given)} itself: give --layout auto or {given[0]}, not both"
         )
@@ -98,9 +116,9 @@ def choose_layout(args, spec, items, array: int = 1, queue: str = "shared"):
     )
     choices, notes = search(hw, problem)
     if not choices:
+        name = "the layout search (no --parallel given)" if by_default else "--layout auto"
         raise ConfigError(
-            f"--layout auto: no layout of the model fits {parallel.nodes} x {parallel.gpus_per_node} GPUs: "
-            + "; ".join(notes)
+            f"{name}: no layout of the model fits {parallel.nodes} x {parallel.gpus_per_node} GPUs: " + "; ".join(notes)
         )
     best, reason = choices[0], why(choices, problem)
     lay = best.layout
@@ -113,7 +131,12 @@ def choose_layout(args, spec, items, array: int = 1, queue: str = "shared"):
         memory=replace(memory, shard_weights=best.shard_weights),
     )
     flags = " ".join(best.flags()) or "(one GPU, no flags)"
-    typer.echo(printable(f"layout auto ({problem.objective}, {hw.name}): {flags}; {reason}"), err=True)  # a file's name
+    if by_default:
+        head = f"layout (no --parallel given: the search's best{'' if reuse else ' exact'} one, "
+    else:
+        head = "layout auto ("
+    head += f"{problem.objective}, {hw.name})"
+    tail = "; name a --parallel strategy to choose it yourself" if by_default else ""
     return (
         args,
         {
@@ -123,7 +146,9 @@ def choose_layout(args, spec, items, array: int = 1, queue: str = "shared"):
             "workers": problem.workers,
             "queue": problem.queue,
             "allow_reuse": reuse,
+            "by_default": by_default,  # no --layout auto: no strategy named on more than one GPU
             **best.to_json(),
             "why": reason,
         },
+        printable(f"{head}: {flags}; {reason}{tail}"),  # a file's name
     )

@@ -94,7 +94,7 @@ def _generate(args: RunOptions, run: GenerateArgs, options: dict, given: Given) 
     cfg = replace(cfg, retries=run.retries, queue=QueueSpec(run.queue.value, run.lease))
     if run.join is not None:
         cfg = joining(cfg, run)
-    if note := cfg.layout.idle():
+    if note := cfg.layout.idle(own_group(cfg)):
         say(f"note: {note}")
     if cfg.hybrid is not None and cfg.hybrid.scaled():
         for n in sorted({item.steps for item in cfg.items} - {50}):
@@ -141,6 +141,11 @@ def _generate(args: RunOptions, run: GenerateArgs, options: dict, given: Given) 
             executor.report()  # what finished is in report.json all the same
         return EXIT_FAILED_ITEMS
     return report_summary(executor.report(), cfg.out_dir / "report.json", run.quiet, args.run.json, err)
+
+
+def own_group(cfg: RunConfig) -> str:
+    """DiTango's --own-group of this run (what its layout note says of a single group)."""
+    return "decide" if cfg.ditango is None else cfg.ditango.planner.own_group
 
 
 def joining(cfg: RunConfig, run: GenerateArgs) -> RunConfig:
@@ -268,7 +273,7 @@ def check(args: RunOptions, options: dict, given: Given) -> int:
         + f", strategy {lay.strategy} ({lay.strategy.degrees_text(lay)}, attention {backend})",
         highlight=False,
     )
-    if note := lay.idle():
+    if note := lay.idle(own_group(cfg)):
         console.print(f"note: {note}", highlight=False)
     table = Table("id", "prompt", "seed", "size", "frames", "steps", "guidance", "tokens")
     for it in summary["items"]:

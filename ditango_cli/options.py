@@ -174,7 +174,8 @@ class ParallelArgs:
         _o(
             "--parallel",
             help=f"{', '.join(n for n, s in STRATEGIES.items() if s.runtime)} (docs/strategies.md) "
-            f"[none on 1 rank, {DEFAULT_CP} on more].",
+            f"[none on 1 rank; on more, the layout search's best exact layout (--layout auto); "
+            f"{DEFAULT_CP} under a launcher's ranks].",
             case_sensitive=False,
         ),
     ] = None
@@ -328,7 +329,9 @@ class MemoryArgs:
         bool | None, _o("--vae-parallel/--no-vae-parallel", help="VAE tiles over the ranks [on with > 1 rank].")
     ] = None
     vae_tiling: Annotated[bool, _o("--vae-tiling", help="Tiled VAE decode (diffusers' tiles) on one rank too.")] = False
-    vae_tile: Annotated[int | None, _o("--vae-tile", help="VAE tile side, pixels (stride 3/4) [256].")] = None
+    vae_tile: Annotated[
+        int | None, _o("--vae-tile", help="VAE tile side, pixels, taken to whole latents (stride ~3/4) [256].")
+    ] = None
     shard_weights: Annotated[bool, _o("--shard-weights", help="FSDP2: weights over the ranks.")] = False
     gpu_memory: Annotated[
         str | None, _o("--gpu-memory", help="Pre-flight: memory per GPU, e.g. 80GiB [the GPU's].")

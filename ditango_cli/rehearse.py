@@ -44,6 +44,11 @@ def rehearse(args: RunOptions, run: RehearseArgs, options: dict, given: Given) -
     items, memory = args.items, args.memory
     if items.prompt is None and items.prompts is None:
         items = replace(items, prompt="a rehearsal")  # the text decides nothing: every prompt is the longest
+    named = REGISTRY.get(args.model.model)
+    spec = named if named is not None else resolve_model(args.model.model, args.model.model_root).spec
+    why = getattr(FAMILIES[spec.family], "NOT_REHEARSED", None)  # a family whose rehearsal is not written yet
+    if why:  # before the plan is said
+        raise ConfigError(f"{spec.name} cannot be rehearsed yet: {why}")
     gpu_bytes = parse_bytes(memory.gpu_memory or DEFAULT_GPU, "--gpu-memory")
     args = replace(args, items=items, memory=replace(memory, gpu_memory=memory.gpu_memory or DEFAULT_GPU))
     # No GPU job runs here: the torch build does not matter (`warn` silent), nothing downloads.
@@ -51,9 +56,6 @@ def rehearse(args: RunOptions, run: RehearseArgs, options: dict, given: Given) -
         args, where="sbatch", create_out=False, weights=False, warn=lambda text: None, given=given
     )
     spec = REGISTRY[cfg.model] if resolved is None else resolved.spec
-    why = getattr(FAMILIES[spec.family], "NOT_REHEARSED", None)  # a family whose rehearsal is not written yet
-    if why:
-        raise ConfigError(f"{spec.name} cannot be rehearsed yet: {why}")
     path = None if resolved is None or spec.builtin else resolved.path
     if resolved is None and args.model.model not in REGISTRY:
         path = resolve_model(args.model.model, args.model.model_root).path

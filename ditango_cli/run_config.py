@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 
 import torch
+import typer
 
 from basics.errors import ConfigError
 from basics.user_files import user_path
@@ -98,7 +99,8 @@ def build_run_config(
     from slurm.placement import cpu_only_torch, ranks_device
 
     spec, resolved, items = model_and_items(args, array, warn)
-    args, choice = choose_layout(args, spec, items, array, queue)  # --layout auto, else as given
+    # --layout auto, or no strategy named on several GPUs: the search's; else as given
+    args, choice, chosen = choose_layout(args, spec, items, array, queue, launched=where == "env")
     layout = layout_of(args, spec)
     step_cache = None if args.parallel.step_cache is None else parse_step_cache(args.parallel.step_cache)
     check_own_guidance(spec, layout, args.guidance.hybrid, step_cache)
@@ -160,9 +162,11 @@ def build_run_config(
         check_log_folder(args.output.out)
     check_writable(args.output.out, create=create_out)
     check_item_files(cfg)
-    if not weights and resolved is None:
-        return cfg, None
-    return with_model(cfg, args, spec, resolved, placement, where, warn)
+    if weights or resolved is not None:
+        cfg, resolved = with_model(cfg, args, spec, resolved, placement, where, warn)
+    if chosen is not None:  # the search's choice, said once nothing refused the run
+        typer.echo(chosen, err=True)
+    return cfg, resolved
 
 
 def fp8_device_problem(quantize: str, device: torch.device, where: str) -> str | None:

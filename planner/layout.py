@@ -107,9 +107,10 @@ class ParallelLayout:
         """This layout with the options its strategy leaves to a model of `heads` heads."""
         return self.strategy.with_defaults(self, heads)
 
-    def idle(self) -> str | None:
-        """A note when the strategy asked for changes nothing here (None: it does its work)."""
-        return self.strategy.idle(self)
+    def idle(self, own_group: str = "decide") -> str | None:
+        """A note when the strategy asked for changes nothing here, or less than it may seem
+        (None: it does its work); `own_group`: DiTango's --own-group."""
+        return self.strategy.idle(self, own_group)
 
     def to_json(self) -> dict:
         return {

@@ -76,8 +76,9 @@ class Strategy:
         """`layout` with the options left to the strategy chosen for a model of `heads` heads."""
         return layout
 
-    def idle(self, layout) -> str | None:
-        """A note when this strategy changes nothing on `layout` (None: it does its work)."""
+    def idle(self, layout, own_group: str = "decide") -> str | None:
+        """A note when this strategy changes nothing on `layout` (None: it does its work);
+        `own_group`: DiTango's --own-group, what its own group's other ranks get."""
         if layout.cp_degree == 1:
             return (
                 f"--parallel {self.name} on {layout.world_size} rank(s) splits no sequence (one rank per CFG "

@@ -25,7 +25,7 @@ _MEM = re.compile(r"[0-9]+[KMGT]?")  # sbatch --mem: a number of megabytes, or w
 # sbatch options the tool sets itself: given again through --slurm-arg they would move its logs
 # out of --out or break the one-task-per-rank layout.
 _OWN = {
-    **dict.fromkeys(("output", "error", "chdir", "open-mode", "wckey"),
+    **dict.fromkeys(("output", "error", "chdir", "open-mode"),
                     "ditango sets it (the job's logs and files stay under --out)"),
     **dict.fromkeys(("nodes", "ntasks", "ntasks-per-node", "gpus-per-node", "gpus", "signal"),
                     "ditango sets it from --nodes and --gpus-per-node (one task per rank)"),
@@ -165,6 +165,9 @@ def submitit_parameters(cfg: RunConfig, opts: SlurmOptions, use_gpus: bool, node
         # One failing rank ends the step at once: under NCCL its peers would otherwise spin in
         # their collectives until the watchdog's timeout (slurm/rank.py).
         "srun_args": ["--kill-on-bad-exit=1"],
+        # No --wckey unless asked (--slurm-arg wckey=KEY): submitit's own default, "submitit", is
+        # refused by clusters that enforce workload characterization keys.
+        "wckey": None,
     }
     if use_gpus:  # one GPU per task; each task picks its own by SLURM_LOCALID
         params["gpus_per_node"] = cfg.gpus_per_node

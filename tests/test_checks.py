@@ -283,6 +283,8 @@ def test_more_local_cpu_ranks_than_memory_holds_are_refused_naming_how_many_fit(
         "cpu",
         "--executor",
         "local",
+        "--parallel",
+        "ring",  # every rank used (the layout search may leave some idle)
     ]
     line = one_line_error(runner, [*base, "--gpus-per-node", "100"])
     fits = int(re.search(r"enough for (\d+): use at most \1 ranks", line).group(1))

@@ -316,7 +316,7 @@ def test_existing_output_is_skipped_not_overwritten(runner, tmp_path):
         (["--gpus", "2", "--timeout", "0"], ["--timeout must be a finite number of seconds from 1"]),
         (["--gpus", "2", "--timeout", "1e-9"], ["--timeout must be a finite number of seconds from 1", "1e-09"]),
         (
-            ["--gpus", "2", "--height", "8", "--width", "8", "--frames", "1"],
+            ["--gpus", "2", "--parallel", "ring", "--height", "8", "--width", "8", "--frames", "1"],
             ["1 tokens cannot be split over 2 ranks"],
         ),
         (["--parallel", "ring", "--attention-backend", "flash"], ["--attention flash needs CUDA", "use sdpa"]),

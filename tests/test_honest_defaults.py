@@ -297,6 +297,22 @@ def test_version_and_a_note_for_a_strategy_that_does_nothing(runner):
     assert grammar.exit_code == 2 and "--cache-ratio only applies to --parallel ditango" in grammar.stderr
 
 
+@pytest.mark.parametrize("own_group", ["decide", "fresh"])
+def test_a_single_ditango_group_says_what_its_own_group_option_does(runner, own_group):
+    """One group of 2 ranks: under --own-group decide (the default) the other rank's partitions
+    may be reused (a run reused 28% of its attention so), under fresh nothing is."""
+    base = ["check", "--parallel", "ditango", "--gpus", "2", "--group-size", "2", "--prompt", "a cat"]
+    result = runner.invoke(app, [*base, "--device", "cpu", "--own-group", own_group])
+    assert result.exit_code == 0, result.stderr
+    said = " ".join(result.stdout.split())  # the console wraps at its width
+    note = said[said.index("note: --parallel ditango") :]
+    if own_group == "fresh":
+        assert "--own-group fresh computes every partition fresh (nothing is reused)" in note
+    else:
+        assert "reuses only the partitions of the group's other ranks (--own-group decide" in note
+        assert "nothing is reused" not in said
+
+
 def test_the_examples_are_runs_generate_accepts(runner, tmp_path):
     """examples/: a first run on the built-in model, and the headline cluster run file (its
     cluster options overridden on the command line, which wins), checked with their batches."""

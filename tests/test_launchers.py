@@ -138,6 +138,11 @@ def test_a_dry_run_under_a_launcher_shows_its_ranks(runner, tmp_path, monkeypatc
     assert shown["executor"] == "env" and shown["layout"]["world_size"] == 2 and shown["tasks_per_node"] == 2
     with_replicas = runner.invoke(app, [*args, "--replicas", "2"])
     assert with_replicas.exit_code == 2 and "--replicas with a launcher's ranks" in with_replicas.stderr
+    # No strategy named: the launcher's ranks are one replica, ring over them (no layout search).
+    unnamed = runner.invoke(app, [a for a in args if a not in ("--parallel", "ring")])
+    assert unnamed.exit_code == 0, unnamed.stderr
+    shown = json.loads(unnamed.stdout)
+    assert shown["layout"]["strategy"] == "ring" and shown["layout_choice"] is None
 
 
 def torchrun(out: Path, *extra: str, env: dict | None = None, prompts=PROMPTS, restarts: int = 0):

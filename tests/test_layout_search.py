@@ -222,6 +222,34 @@ def test_layout_auto_refuses_the_options_it_chooses(runner, tmp_path):
     assert record["layout_choice"]["layout"] == record["layout"] and not (tmp_path / "o").exists()
 
 
+def test_several_gpus_and_no_strategy_named_take_the_best_exact_layout(runner, tmp_path):
+    """The issue's plan: 50 videos of wan2.1-14b on 4 x 8 GPUs, no strategy named: the search's
+    best exact layout (the one --layout auto picks, not ring over 32 ranks), said in one line and
+    recorded; --parallel ring keeps ring (tests/test_launchers.py: a launcher's ranks default to it)."""
+    batch = tmp_path / "batch.txt"
+    batch.write_text("".join(f"a red fox number {k} runs through the snow\n" for k in range(50)))
+    base = ["generate", "--model", "wan2.1-14b", "--nodes", "4", "--gpus-per-node", "8", "--prompts", str(batch)]
+    base += ["--dry-run", "--json", "--executor", "local", "--device", "cpu"]
+
+    def dry(*extra: str) -> tuple[dict, str]:
+        result = runner.invoke(app, [*base, *extra, "--out", str(tmp_path / "o")])
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout), result.stderr
+
+    record, said = dry()
+    auto, _ = dry("--layout", "auto")
+    choice = record["layout_choice"]
+    assert choice["by_default"] and not auto["layout_choice"]["by_default"] and not choice["allow_reuse"]
+    assert (record["layout"], choice["flags"]) == (auto["layout"], auto["layout_choice"]["flags"])
+    assert record["layout"]["strategy"] != "ditango" and choice["flags"] != ["--parallel", "ring"]
+    (line,) = [ln for ln in said.splitlines() if ln.startswith("layout (no --parallel given")]
+    assert "the search's best exact one" in line and " ".join(choice["flags"]) in line
+    ring, said = dry("--parallel", "ring")
+    assert ring["layout_choice"] is None and "layout (" not in said
+    assert (ring["layout"]["strategy"], ring["layout"]["cp_degree"]) == ("ring", 32)
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_measured_profile_is_calibrated_and_overlap_prices_hidden_transfers(tmp_path):
     from planner.cost_model import Hardware, estimate
 

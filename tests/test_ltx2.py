@@ -208,6 +208,23 @@ def test_an_image_under_two_ranks_equals_one_process(runner, folder, image, from
     assert (two["audio_latents"] - alone["audio_latents"]).abs().max().item() <= PARITY
 
 
+@pytest.mark.distributed
+@pytest.mark.sweep
+def test_sharded_weights_and_tiles_over_two_ranks_equal_one_process(runner, folder, one_process, tmp_path):
+    """Ring 2 with the weights sharded (FSDP2) and the VAE's 64 px tiles decoded over both ranks:
+    the 1-process latents. Bug guarded: a 64 px tile on the 32x VAE crashed the decode (a last
+    tile one latent wide under its reflect padding, and a 48 px stride between latents)."""
+    alone, _, _ = one_process
+    extra = ["--parallel", "ring", "--gpus", "2", "--shard-weights", "--vae-tile", "64", "--executor", "local"]
+    two, item = _run(runner, folder, tmp_path, *extra)
+    assert (two["latents"] - alone["latents"]).abs().max().item() <= PARITY
+    assert (two["audio_latents"] - alone["audio_latents"]).abs().max().item() <= PARITY
+    decode = item["decode"]
+    assert (decode["mode"], decode["ranks"], decode["tiles"]) == ("tiled", 2, 2) and decode["bytes"] > 0, decode
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["weights"]["shard_degree"] == 2
+
+
 @pytest.mark.parametrize(
     "extra,needle",
     [

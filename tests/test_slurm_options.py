@@ -252,6 +252,8 @@ def test_a_step_srun_cannot_start_is_one_line_after_the_setup_timeout(runner, tm
         str(out),
         "--gpus",
         "2",
+        "--parallel",
+        "ring",
         "--device",
         "cpu",
         "--quiet",
@@ -269,3 +271,17 @@ def test_a_step_srun_cannot_start_is_one_line_after_the_setup_timeout(runner, tm
         "disabled, retrying (Requested nodes are busy)"
     )
     assert not (out / "slurm").exists()  # its folder goes with it
+
+
+def test_no_wckey_unless_asked(tmp_path):
+    """submitit writes --wckey=submitit by default, which clusters that enforce wckeys refuse: the
+    script carries one only when --slurm-arg asks for it."""
+    import submitit
+
+    def script(opts: SlurmOptions) -> list[str]:
+        executor = submitit.SlurmExecutor(folder=tmp_path)
+        executor.update_parameters(**submitit_parameters(config(2, 2), opts, use_gpus=False))
+        return [ln for ln in executor._make_submission_file_text("true", "uid").splitlines() if "--wckey" in ln]
+
+    assert script(SlurmOptions()) == []
+    assert script(SlurmOptions(extra=SlurmOptions.parse_extra(["wckey=proj"]))) == ["#SBATCH --wckey=proj"]

@@ -174,6 +174,22 @@ def test_a_reflect_padded_decoder_gets_no_tile_one_latent_wide():
     assert wan.starts(13) == [0, 3, 6, 9, 12]  # a decoder that takes a thin tile keeps diffusers' grid
 
 
+# (--vae-tile px, the VAE's pixels a latent, (side, stride) px)
+ALIGNED = [(256, 8, (256, 192)), (32, 8, (32, 24)), (16, 8, (16, 8)), (40, 8, (40, 24)), (64, 16, (64, 48)),
+           (64, 32, (64, 32)), (100, 32, (96, 64)), (8, 32, (64, 32)), (512, 32, (512, 384))]  # fmt: skip
+
+
+@pytest.mark.parametrize("px,ratio,want", ALIGNED)
+def test_tiles_and_strides_are_whole_latents(px, ratio, want):
+    """diffusers' grid steps by whole latents while it crops and blends in pixels: --vae-tile's
+    side and its three-quarter stride are taken down to whole latents (two a side, one a stride
+    at least), or the tiles would overlap at the wrong place (16 px on an 8x VAE: 12 px crops of
+    tiles 8 px apart)."""
+    from runtime.models.vae_tiling import aligned
+
+    assert aligned(px, ratio) == want
+
+
 def _decode_on_ranks(rank, world, events):
     from runtime.context import RankContext
 

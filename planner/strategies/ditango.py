@@ -75,13 +75,21 @@ class DiTango(Strategy):
             legal = ", ".join(map(str, divisors(layout.cp_degree)))
             raise ConfigError(f"--group-size {g} must divide the cp degree {layout.cp_degree} (try {legal})")
 
-    def idle(self, layout) -> str | None:
+    def idle(self, layout, own_group: str = "decide") -> str | None:
+        """With one group: under --own-group fresh nothing is reused; under decide (the default)
+        the group's other ranks are the only partitions that may be (decided as a remote group's)."""
         if layout.cp_degree > 1 and layout.groups == 1:
+            if own_group == "fresh":
+                return (
+                    f"--parallel ditango with one group of {layout.group} ranks and --own-group fresh computes every "
+                    "partition fresh (nothing is reused): the exact ring's work; a smaller --group-size reuses"
+                )
             return (
-                f"--parallel ditango with one group of {layout.group} ranks computes every partition fresh (nothing "
-                "is reused): the exact ring's work; a smaller --group-size reuses"
+                f"--parallel ditango with one group of {layout.group} ranks reuses only the partitions of the "
+                "group's other ranks (--own-group decide: decided as a remote group's); a smaller --group-size "
+                "reuses across groups"
             )
-        return super().idle(layout)
+        return super().idle(layout, own_group)
 
     def label(self, layout) -> str:
         return f"ditango {layout.cp_degree}, group {layout.group}"

@@ -18,7 +18,7 @@ class Single(Strategy):
                 f"{layout.world_size} ranks need a context-parallel strategy: add --parallel ring, ulysses or usp"
             )
 
-    def idle(self, layout) -> str | None:
+    def idle(self, layout, own_group: str = "decide") -> str | None:
         return None
 
     def label(self, layout) -> str:
