@@ -49,8 +49,10 @@ def status(out: OutArg) -> int:
     resume = "; the same command resumes the interrupted" if "interrupted" in counts else ""
     console.print(f"items in {out}: {counts}{resume}", highlight=False, soft_wrap=True)
     report = out / "report.json"
+    merged = not alive and merge_if_ended(out, rows)
     if report.is_file():
-        console.print(f"report: {report}", highlight=False, soft_wrap=True)
+        now = " (merged now: every job has ended)" if merged else ""
+        console.print(f"report: {report}{now}", highlight=False, soft_wrap=True)
     elif rows:
         console.print(
             f"report: none yet; `ditango report {out}` merges what the jobs have written",
@@ -68,6 +70,26 @@ def status(out: OutArg) -> int:
     latest = max((r["submitted_at"] for r in rows), default=None)
     failed = [r for r in rows if r["submitted_at"] == latest and failed_state(r["state"]) and not r["cancelled"]]
     return 1 if failed else 0
+
+
+def merge_if_ended(out: Path, rows: list[dict]) -> bool:
+    """After jobs submitted without --wait have all ended (no live job, no live owner of OUT):
+    merge their task reports into report.json, as `ditango report` does, when it is missing or
+    older than one of them. Whether it merged (not where nothing was submitted, no task wrote a
+    report, or the folder cannot be written)."""
+    from runtime.errors import OutputWriteError
+    from slurm.aggregate import aggregate
+    from slurm.supervise import REPORTS
+
+    written = [p.stat().st_mtime for p in (out / REPORTS).glob("*.json") if p.is_file()] if rows else []
+    report = out / "report.json"
+    if not written or (report.is_file() and report.stat().st_mtime >= max(written)):
+        return False
+    try:
+        aggregate(out)
+    except OutputWriteError:  # a read-only folder: `ditango report` shows it without saving
+        return False
+    return True
 
 
 def cancel(out: OutArg) -> int:

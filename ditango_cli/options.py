@@ -168,7 +168,15 @@ class OutputArgs:
 @dataclass
 class ParallelArgs:
     nodes: Annotated[int, _o("--nodes", help="Nodes (locally: virtual nodes for topology and bytes).")] = 1
-    gpus_per_node: Annotated[int, _o("--gpus-per-node", "--gpus", help="Ranks per node.")] = 1
+    gpus_per_node: Annotated[
+        int,
+        _o(
+            "--gpus-per-node",
+            "--gpus",
+            "--ranks",
+            help="Ranks per node: one a GPU, or on CPUs (--device cpu) one a local process.",
+        ),
+    ] = 1
     parallel: Annotated[
         ParallelChoice | None,
         _o(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass, replace
 from typing import Annotated
 
@@ -68,8 +69,12 @@ def rehearse(args: RunOptions, run: RehearseArgs, options: dict, given: Given) -
     err = plain_console(stderr=True, soft_wrap=True)
     world = cfg.layout.world_size
 
+    started = time.monotonic()
+
     def progress(report: dict) -> None:
-        err.print(f"rank {report['rank']}/{world}: {len(report['problems'])} problem(s)", highlight=False)
+        took = time.monotonic() - started
+        said = f"rank {report['rank']}/{world} rehearsed: {len(report['problems'])} problem(s), {took:.0f} s elapsed"
+        err.print(said, highlight=False)
 
     report = run_rehearsal(cfg, spec, path, gpu_bytes, run.all_ranks, progress)
     if args.run.json:

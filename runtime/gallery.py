@@ -1,5 +1,5 @@
 """report.html: one static page beside report.json that shows a batch. A summary (model,
-layout, items done, failed and skipped, videos per hour and GPU-hours from the run's wall
+layout, items done, failed and skipped, videos per hour and GPU-hours (CPU-hours for ranks on CPUs) from the run's wall
 time, load included, and quality against exact where measured), then every item: its video
 (muted, looping while in view, with its poster frame), the exact run's beside it with PSNR and SSIM under
 --reference exact, its prompt and settings, a failed item's error, and its plots. A few lines
@@ -13,6 +13,7 @@ the script reads nothing but numbers from the page."""
 from __future__ import annotations
 
 import html
+import json
 import math
 from pathlib import Path
 from urllib.parse import quote
@@ -147,7 +148,11 @@ def _item(out_dir: Path, item: dict) -> str:
     for name, alt in plots:
         src = _file(out_dir, name)
         if src:
-            parts.append(f'<img class="plot" loading="lazy" src="{src}" alt="{_e(alt)}">')
+            # Small in the card; the link opens it at full size.
+            parts.append(
+                f'<a href="{src}" title="open at full size"><img class="plot" loading="lazy" src="{src}" '
+                f'alt="{_e(alt)}"></a>'
+            )
     parts.append("</article>")
     return "".join(parts)
 
@@ -172,7 +177,8 @@ def summary(report: dict) -> list[tuple[str, str]]:
     if wall:
         rows.append(("wall time", f"{wall:.1f} s, loading included"))
         rows.append(("videos per hour", f"{done / wall * 3600:.1f}"))
-        rows.append(("GPU-hours", f"{gpus * wall / 3600:.3f} ({gpus:g} rank(s) x the wall time)"))
+        unit = "GPU" if str(report.get("device", "cuda")).startswith("cuda") else "CPU"  # ranks on CPUs: CPU-hours
+        rows.append((f"{unit}-hours", f"{gpus * wall / 3600:.3f} ({gpus:g} rank(s) x the wall time)"))
     measured = [(_number(q.get("psnr")), _number(q.get("ssim"))) for q in (_dict(i.get("quality")) for i in items) if q]
     if measured:
         psnrs = [p for p, _ in measured if p is not None]
@@ -183,7 +189,17 @@ def summary(report: dict) -> list[tuple[str, str]]:
         rows.append(("quality", text))
     if speed := _speed(report):
         rows.append(("kernels", speed))
+    if options:  # what made the batch: report.json runs it again
+        rows.append(("command", "ditango generate --config report.json (these settings again)"))
+        rows.append(("settings", "; ".join(f"{k} {_setting(v)}" for k, v in options.items())))
     return rows
+
+
+def _setting(value) -> str:
+    """An option's value as the command line spells it (a flag's on or off)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _speed(report: dict) -> str:

@@ -9,6 +9,8 @@
 #
 #   ./scripts/setup.sh [--cpu | --cuda]     force one build (or DITANGO_TORCH_BUILD=cpu|cuda)
 #   ./scripts/setup.sh --which              say which build it would install, and why; install nothing
+# Once set up, the build is remembered: a later run (scripts/test.sh runs this one) keeps it
+# unless --cpu or --cuda says otherwise. DITANGO_VENV=DIR sets up DIR instead of .venv/.
 #
 # DITANGO_TORCH_INDEX=URL picks the index torch comes from. The CUDA build: PyPI by default (its
 # Linux wheels are CUDA builds), e.g. https://download.pytorch.org/whl/cu126 for an older driver.
@@ -28,7 +30,7 @@ for arg in "$@"; do
         --cpu) build=cpu ;;
         --cuda) build=cuda ;;
         --which) which_only=1 ;;
-        -h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "error: setup.sh takes --cpu or --cuda, got $arg" >&2; exit 2 ;;
     esac
 done
@@ -46,7 +48,22 @@ gpus_here() {
     return 1
 }
 
+# The build an earlier set-up chose is kept (scripts/test.sh runs this again): a machine that
+# looks different now (a Slurm that advertises GPUs) never swaps a working torch behind your back.
+VENV="${DITANGO_VENV:-.venv}"
+remembered="$VENV/.ditango-build"
+installed_build() {
+    "$VENV/bin/python" -c 'import torch; print("cuda" if torch.version.cuda or torch.version.hip else "cpu")' 2>/dev/null || true
+}
 why="asked for"
+if [ -z "$build" ] && [ -f "$remembered" ]; then
+    case "$(cat "$remembered")" in
+        cpu | cuda) build="$(cat "$remembered")"; why="the build $VENV was set up with; --cpu or --cuda to change it" ;;
+    esac
+elif [ -z "$build" ] && [ -f "$VENV/.ditango-setup" ]; then  # set up before the build was remembered
+    build="$(installed_build)"
+    why="the build $VENV has; --cpu or --cuda to change it"
+fi
 if [ -z "$build" ]; then
     if why="$(gpus_here)"; then
         build=cuda
@@ -66,8 +83,8 @@ if [ -n "$which_only" ]; then
     exit 0
 fi
 
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
 fi
 
 if [ "$build" = cpu ]; then
@@ -76,20 +93,19 @@ else
     CONSTRAINTS=""
 fi
 
-# Skip the install when nothing it depends on changed since the last one.
-stamp=.venv/.ditango-setup
+# Skip the install when nothing it depends on changed since the last one, and torch imports
+# as the build chosen (an install cut short leaves no torch, whatever the stamp says).
+stamp="$VENV/.ditango-setup"
 want="$(cat pyproject.toml "${CONSTRAINTS:-/dev/null}" <(echo "$build $INDEX") | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/ditango ]; then
+have="$(installed_build)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/ditango" ] && [ "$have" = "$build" ]; then
     exit 0
 fi
+rm -f "$stamp"  # written again only once this install has finished
 
-installed_build() {
-    .venv/bin/python -c 'import torch; print("cuda" if torch.version.cuda or torch.version.hip else "cpu")' 2>/dev/null || true
-}
-have="$(installed_build)"
 if [ -n "$have" ] && [ "$have" != "$build" ]; then
     echo "setup: replacing the $have build of torch with a $build one"
-    .venv/bin/python -m pip uninstall --quiet --yes torch
+    "$VENV/bin/python" -m pip uninstall --quiet --yes torch
 fi
 
 pip_args=(--quiet --disable-pip-version-check)
@@ -103,8 +119,8 @@ elif [ -n "$INDEX" ]; then
     torch_args+=(--index-url "$INDEX")
 fi
 # torch first, so that no other requirement pulls a different build.
-.venv/bin/python -m pip install "${pip_args[@]}" "${torch_args[@]}" torch
-.venv/bin/python -m pip install "${pip_args[@]}" -e ".[dev]"
+"$VENV/bin/python" -m pip install "${pip_args[@]}" "${torch_args[@]}" torch
+"$VENV/bin/python" -m pip install "${pip_args[@]}" -e ".[dev]"
 if [ "$build" = cuda ] && [ "$(installed_build)" != cuda ]; then
     echo "warning: pip installed a CPU-only torch; pick a CUDA index, e.g." \
         "DITANGO_TORCH_INDEX=https://download.pytorch.org/whl/cu128 ./scripts/setup.sh --cuda" >&2
@@ -112,4 +128,5 @@ elif [ "$build" = cpu ] && [ "$(installed_build)" != cpu ]; then
     echo "warning: pip installed a CUDA build of torch for a CPU machine (it runs, but is GBs larger);" \
         "DITANGO_TORCH_INDEX=https://download.pytorch.org/whl/cpu ./scripts/setup.sh --cpu picks the CPU wheel" >&2
 fi
+echo "$build" > "$remembered"
 echo "$want" > "$stamp"

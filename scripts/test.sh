@@ -3,8 +3,9 @@
 # page left out of it fails) and run the test suite. Extra args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
-.venv/bin/python -m pytest -q --durations=25 "$@"
+bash scripts/setup.sh  # keeps the torch build it was set up with
+VENV="${DITANGO_VENV:-.venv}"
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
+NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
+"$VENV/bin/python" -m pytest -q --durations=25 "$@"

@@ -71,7 +71,11 @@ def test_the_page_is_self_contained_and_shows_every_item(batch):
     report = json.loads((batch / "report.json").read_text())
     (failed,) = [i for i in report["items"] if i["status"] == "failed"]
     assert failed["id"] == "boom" and "NonFiniteLatents" in page and "an item that fails" in page
-    assert "2 done, 1 failed, 0 skipped" in page and "videos per hour" in page and "GPU-hours" in page
+    assert "2 done, 1 failed, 0 skipped" in page and "videos per hour" in page
+    assert "CPU-hours" in page and "GPU-hours" not in page  # its ranks ran on CPUs
+    assert "ditango generate --config report.json" in page and "<td>settings</td>" in page
+    plots = [v for tag, key, v in parser.links if tag == "img" and key == "src"]
+    assert plots and set(plots) <= {v for tag, key, v in parser.links if tag == "a" and key == "href"}
     for item in (i for i in report["items"] if i["status"] == "done"):
         assert item["quality"]["video"] == f"{item['id']}.exact.mp4" and (batch / item["steps_png"]).is_file()
         errors = item["quality"]["rel_err_per_step"]  # the latents' distance from the exact run, step by step
@@ -188,6 +192,7 @@ def test_the_summary_counts_the_gpus_of_every_replica():
     from runtime.gallery import summary
 
     report = {
+        "device": "cuda:0",
         "layout": {"world_size": 2, "strategy": "ring", "nodes": 1},
         "options": {"replicas": 1},
         "wall_s": 1800.0,
@@ -197,6 +202,12 @@ def test_the_summary_counts_the_gpus_of_every_replica():
     assert rows["videos per hour"] == "12.0" and rows["GPU-hours"].startswith("1.000 (2 rank(s)")
     report["layout_choice"] = {"replicas": 4}  # --layout auto chose them: the options say 1
     assert dict(summary(report))["GPU-hours"].startswith("4.000 (8 rank(s)")
+    assert rows["command"].startswith("ditango generate --config report.json")
+    report["options"] = {"replicas": 1, "prompt": "a <b>red</b> ball", "cfg_parallel": False, "lease": 60.0}
+    assert dict(summary(report))["settings"] == "replicas 1; prompt a <b>red</b> ball; cfg_parallel off; lease 60.0"
+    report["device"] = "cpu"  # ranks on CPUs: the same figure, named for what it counts
+    rows = dict(summary(report))
+    assert "GPU-hours" not in rows and rows["CPU-hours"].startswith("4.000 (8 rank(s)")
 
 
 def test_the_summary_says_the_kernel_the_compile_and_the_quantization():

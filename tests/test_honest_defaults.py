@@ -206,6 +206,43 @@ def test_status_tables_keep_job_ids_whole(runner, tmp_path, monkeypatch):
     assert shown.exit_code == 1  # a failed job
 
 
+def test_status_merges_the_report_once_every_job_has_ended(runner, tmp_path, monkeypatch):
+    """Jobs submitted without --wait: while one is live the report is left to them; once all
+    have ended, status merges their task reports into report.json itself (and again only when
+    a task report is newer than it)."""
+    import slurm.job_errors
+    from runtime.outputs import state_dir
+
+    out = tmp_path / "out"
+    (state_dir(out) / "reports").mkdir(parents=True)
+    (state_dir(out) / "jobs.json").write_text(
+        json.dumps([{"submitted_at": "20261203T093000123456", "folder": "/x", "job_ids": ["7_0", "7_1"], "tasks": 2}])
+    )
+    for task, item in enumerate(("a", "b")):
+        report = {"schema": 1, "started_at": f"2026-12-03T09:3{task}:00", "layout": {"nodes": 1}}
+        report["items"] = [{"schema": 1, "id": item, "status": "done"}]
+        (state_dir(out) / "reports" / f"task-{task}.json").write_text(json.dumps(report))
+    states = {"7_0": "COMPLETED", "7_1": "RUNNING"}
+
+    def rows(out_dir):
+        return [
+            {"job_id": j, "state": s, "submitted_at": "20261203T093000123456", "cancelled": False, "error": None}
+            for j, s in states.items()
+        ]
+
+    monkeypatch.setattr(slurm.job_errors, "job_states", rows)
+    live = runner.invoke(app, ["status", str(out)])
+    assert live.exit_code == 0 and "report: none yet" in live.stdout and not (out / "report.json").exists()
+    states["7_1"] = "COMPLETED"
+    ended = runner.invoke(app, ["status", str(out)])
+    said = " ".join(ended.stdout.split())
+    assert ended.exit_code == 0 and f"report: {out / 'report.json'} (merged now: every job has ended)" in said
+    merged = json.loads((out / "report.json").read_text())
+    assert merged["counts"]["done"] == 2 and [i["id"] for i in merged["items"]] == ["a", "b"]
+    again = runner.invoke(app, ["status", str(out)])
+    assert "merged now" not in again.stdout  # nothing newer to merge
+
+
 def test_a_job_the_user_cancelled_is_said_so_and_its_item_interrupted(tmp_path, monkeypatch):
     import slurm.job_errors
     import slurm.jobs
@@ -345,3 +382,10 @@ def test_the_examples_are_runs_generate_accepts(runner, tmp_path):
         ],
     )
     assert cluster.exit_code == 0 and "ok: 3 item(s)" in cluster.stdout, cluster.stderr
+
+
+def test_local_cpu_ranks_can_be_named_ranks(runner):
+    """--ranks: --gpus-per-node's name for local processes on CPUs, the same option."""
+    base = ["check", "--prompt", "a cat", "--device", "cpu", "--parallel", "ring", "--json"]
+    ranks, gpus = (json.loads(runner.invoke(app, [*base, flag, "2"]).stdout) for flag in ("--ranks", "--gpus"))
+    assert ranks["layout"] == gpus["layout"] and ranks["layout"]["world_size"] == 2

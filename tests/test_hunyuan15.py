@@ -185,6 +185,10 @@ def test_a_rehearsal_runs_the_forwards_text_reorder(runner, folder):
         assert set(rank["phases"]) == {"load", "encode", "denoise", "decode"} and rank["peak"] is not None
         reads = [r for r in rank["host_reads"] if "transformer_hunyuan_video15" in r["site"]]
         assert len(reads) >= 6 and all(r["count"] == 4 for r in reads), reads
+    # A line per rank as it finishes, with the time so far (a long rehearsal is not silent).
+    said = [ln for ln in result.stderr.splitlines() if " rehearsed: " in ln]
+    assert [ln.split(" rehearsed")[0] for ln in said] == [f"rank {r['rank']}/2" for r in report["ranks"]], said
+    assert all(ln.endswith(" s elapsed") for ln in said), said
 
 
 def test_the_vae_shape_holds_each_resolutions_own_width():
