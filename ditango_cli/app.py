@@ -6,10 +6,11 @@ written (a full disk) one line and exit 1."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from basics.errors import ConfigError
 from ditango_cli import generate, jobs, models, rehearse, simulate
@@ -18,12 +19,38 @@ from runtime.errors import OutputWriteError
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+# Below this many columns a command's --help is the plain layout: typer's panels share the width
+# among six columns and cut option names ("--cache-memory-l…") in a 100-column terminal.
+PANELS_FROM = 120
 
 
 def _is_click_exception(exc: BaseException) -> bool:
     # Typer >= 0.25 vendors click (typer._click), older releases use click itself:
     # recognise either by class name rather than importing a private module.
     return any(cls.__name__ == "ClickException" for cls in type(exc).__mro__)
+
+
+class FitsTheTerminal(TyperCommand):
+    """A command whose --help fits the terminal: typer's option panels where it is wide enough,
+    else click's plain layout, which wraps each option's help and never cuts its name. Flags show
+    no value placeholder in either (typer's panels would write `<bool>`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    def format_help(self, ctx, formatter) -> None:
+        if shutil.get_terminal_size().columns >= PANELS_FROM:
+            return super().format_help(ctx, formatter)
+        return super(TyperCommand, self).format_help(ctx, formatter)  # click's own layout
 
 
 class OneLineErrors(TyperGroup):
@@ -95,7 +122,7 @@ for fn in (
     simulate.simulate,
     rehearse.rehearse,
 ):
-    app.command(fn.__name__)(fn)
+    app.command(fn.__name__, cls=FitsTheTerminal)(fn)
 
 
 def main() -> None:

@@ -169,13 +169,7 @@ class OutputArgs:
 class ParallelArgs:
     nodes: Annotated[int, _o("--nodes", help="Nodes (locally: virtual nodes for topology and bytes).")] = 1
     gpus_per_node: Annotated[
-        int,
-        _o(
-            "--gpus-per-node",
-            "--gpus",
-            "--ranks",
-            help="Ranks per node: one a GPU, or on CPUs (--device cpu) one a local process.",
-        ),
+        int, _o("--gpus-per-node", "--gpus", "--ranks", help="Ranks per node: GPUs, or local processes on CPUs.")
     ] = 1
     parallel: Annotated[
         ParallelChoice | None,

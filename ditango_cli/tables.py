@@ -2,8 +2,9 @@
 
 rich shrinks a table to the console, cutting cells with "…". Here every column is as wide as
 its widest cell, except the free-text ones (`WRAPPED`: prompts, errors, paths, lists), which
-wrap; when even that is wider than the console, the table is drawn at the width it needs
-(the terminal wraps its long lines), never cut. `--json` gives every value too.
+wrap; when even that is wider than the console, each row is stacked instead: its first cell on
+a line, then one `header: value` line per other cell, as wide as the console. Nothing is cut;
+`--json` gives every value too.
 """
 
 from __future__ import annotations
@@ -50,7 +51,24 @@ def print_tables(console: Console, *tables: Table) -> None:
                 column.no_wrap = True
                 column.min_width = max(console.measure(c).maximum for c in cells)
         need = Measurement.get(console, console.options.update(max_width=10**6), table).minimum
-        target = console
-        if need > console.width:  # the same stream, as wide as the table needs
-            target = plain_console(file=console.file, width=need, soft_wrap=True)
-        target.print(table)
+        if need > console.width:
+            print_stacked(console, table)
+        else:
+            console.print(table)
+
+
+def print_stacked(console: Console, table: Table) -> None:
+    """`table`'s rows one under the other: the first cell, then `header: value` lines, indented."""
+    columns = [(str(c.header), list(c.cells)) for c in table.columns]
+    rows = len(columns[0][1]) if columns else 0
+    for r in range(rows):
+        (first, cells), *rest = columns
+        lines = [f"{first} {_plain(cells[r])}".strip()]
+        lines += [f"  {header}: {_plain(cells_[r])}" for header, cells_ in rest if _plain(cells_[r])]
+        for line in lines:
+            console.print(line, highlight=False, markup=False)
+
+
+def _plain(cell) -> str:
+    """A table cell's text (a string, or rich Text)."""
+    return getattr(cell, "plain", None) or str(cell or "")

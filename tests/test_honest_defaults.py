@@ -389,3 +389,36 @@ def test_local_cpu_ranks_can_be_named_ranks(runner):
     base = ["check", "--prompt", "a cat", "--device", "cpu", "--parallel", "ring", "--json"]
     ranks, gpus = (json.loads(runner.invoke(app, [*base, flag, "2"]).stdout) for flag in ("--ranks", "--gpus"))
     assert ranks["layout"] == gpus["layout"] and ranks["layout"]["world_size"] == 2
+
+
+@pytest.mark.parametrize("columns", [80, 100, 200])
+def test_help_fits_the_terminal_and_shows_every_option_name_whole(runner, columns):
+    """Below 120 columns typer's panels cut option names (`--cache-memory-l…`): --help is click's
+    plain layout there, the panels on a wider terminal; no line is wider than the terminal, no
+    name is cut, and a flag shows no `<bool>` placeholder as if it took a value."""
+    from ditango_cli.manual import commands
+
+    for name, command, ctx in commands(app):
+        shown = runner.invoke(app, [*name.split(), "--help"], env={"COLUMNS": str(columns)})
+        assert shown.exit_code == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        assert max(len(ln) for ln in lines) <= columns, (name, columns)
+        assert "<bool>" not in shown.stdout and "…" not in shown.stdout, (name, columns)
+        assert ("╭" in shown.stdout) == (columns >= 120), (name, columns)  # panels only where they fit
+        words = set(shown.stdout.replace(",", " ").replace("/", " ").split())
+        for param in command.params:
+            if param.param_type_name == "option" and param.get_help_record(ctx) is not None:
+                assert set(param.opts + param.secondary_opts) <= words, (name, param.opts)
+
+
+def test_a_table_wider_than_the_terminal_is_stacked_not_cut(runner):
+    """simulate's ranking is 169 columns wide: in a 100-column terminal each row is stacked
+    (its rank, then `header: value` lines), nothing cut; at 200 columns it stays a table."""
+    args = ["simulate", "--model", "wan2.1-14b", "--nodes", "4", "--gpus-per-node", "8", "--batch", "50"]
+    narrow = runner.invoke(app, args, env={"COLUMNS": "100"})
+    assert narrow.exit_code == 0, narrow.stderr
+    assert max(len(ln) for ln in narrow.stdout.splitlines()) <= 100
+    flags = json.loads(runner.invoke(app, [*args, "--json"]).stdout)["ranking"][0]["flags"]
+    assert f"  generate flags: {' '.join(flags)}" in narrow.stdout.splitlines() and "…" not in narrow.stdout
+    wide = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert "┃ layout" in wide.stdout and "  generate flags:" not in wide.stdout
