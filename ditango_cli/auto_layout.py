@@ -68,8 +68,9 @@ def searched_by_default(args, launched: bool) -> bool:
 def choose_layout(args, spec, items, array: int = 1, queue: str = "shared", launched: bool = False):
     """`args` (RunOptions) with the search's best layout filled in, its record for the report
     and the line that says it (said once the run's checks have passed): under --layout auto, or
-    by default (`searched_by_default`); as given, None and None, otherwise. `array`: the array tasks sharing the batch; `queue`: --queue, shared or static;
-    `launched`: the ranks are a launcher's (--executor env)."""
+    by default (`searched_by_default`); as given, None and None, otherwise. `array`: the array
+    tasks sharing the batch; `queue`: --queue, shared or static; `launched`: the ranks are a
+    launcher's (--executor env)."""
     parallel, guidance, ditango, memory = args.parallel, args.guidance, args.ditango, args.memory
     by_default = parallel.layout is None and searched_by_default(args, launched)
     if parallel.layout is None and not by_default:
