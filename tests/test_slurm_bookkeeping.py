@@ -143,6 +143,7 @@ def test_a_step_srun_refuses_is_one_line_and_leaves_no_steps_folder(runner, tmp_
         monkeypatch.setenv("SLURM_JOB_ID", allocation)
         out = tmp_path / "out"
         args = ["generate", "--prompt", "a red ball", "--out", str(out), *SMALL, "--nodes", "2", "--gpus", "2"]
+        args += ["--parallel", "ring"]  # a layout given: no search, whose plan line would come first
         result = runner.invoke(app, [*args, "--executor", "slurm"])
     finally:
         subprocess.run(["scancel", allocation], capture_output=True, timeout=30)
