@@ -60,9 +60,10 @@ def print_tables(console: Console, *tables: Table) -> None:
 def print_stacked(console: Console, table: Table) -> None:
     """`table`'s rows one under the other: the first cell, then `header: value` lines, indented."""
     columns = [(str(c.header), list(c.cells)) for c in table.columns]
-    rows = len(columns[0][1]) if columns else 0
-    for r in range(rows):
-        (first, cells), *rest = columns
+    if not columns:
+        return
+    (first, cells), *rest = columns
+    for r in range(len(cells)):
         lines = [f"{first} {_plain(cells[r])}".strip()]
         lines += [f"  {header}: {_plain(cells_[r])}" for header, cells_ in rest if _plain(cells_[r])]
         for line in lines:

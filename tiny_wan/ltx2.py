@@ -74,6 +74,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
+from runtime.models.ltx2 import checkpoint  # the public checkpoint's configs
 from tiny_wan.build import VOCAB_WORDS
 
 # The real Lightricks/LTX-2 configs, as diffusers' scripts/convert_ltx2_to_diffusers.py writes them for
@@ -128,23 +129,12 @@ REAL_TRANSFORMER_CONFIG = MappingProxyType(
 )
 REAL_CONNECTORS_CONFIG = MappingProxyType(
     {
-        "caption_channels": 3840,
-        "text_proj_in_factor": 49,
-        "video_connector_num_attention_heads": 30,
-        "video_connector_attention_head_dim": 128,
-        "video_connector_num_layers": 2,
-        "video_connector_num_learnable_registers": 128,
+        **checkpoint.CONNECTORS,
         "video_gated_attn": False,
-        "audio_connector_num_attention_heads": 30,
-        "audio_connector_attention_head_dim": 128,
-        "audio_connector_num_layers": 2,
-        "audio_connector_num_learnable_registers": 128,
         "audio_gated_attn": False,
-        "connector_rope_base_seq_len": 4096,
         "rope_theta": 10000.0,
         "rope_double_precision": True,
         "causal_temporal_positioning": False,
-        "rope_type": "split",
         "per_modality_projections": False,
         "proj_bias": False,
     }
@@ -179,53 +169,19 @@ REAL_VIDEO_VAE_CONFIG = MappingProxyType(
     }
 )
 REAL_AUDIO_VAE_CONFIG = MappingProxyType(
-    {
-        "base_channels": 128,
-        "output_channels": 2,
-        "ch_mult": (1, 2, 4),
-        "num_res_blocks": 2,
-        "attn_resolutions": None,
-        "in_channels": 2,
-        "resolution": 256,
-        "latent_channels": 8,
-        "norm_type": "pixel",
-        "causality_axis": "height",
-        "dropout": 0.0,
-        "mid_block_add_attention": False,
-        "sample_rate": 16000,
-        "mel_hop_length": 160,
-        "is_causal": True,
-        "mel_bins": 64,
-        "double_z": True,
-    }
+    {**checkpoint.AUDIO_VAE, "attn_resolutions": None, "resolution": 256, "dropout": 0.0}
 )
 REAL_VOCODER_CONFIG = MappingProxyType(
     {
-        "in_channels": 128,
-        "hidden_channels": 1024,
-        "out_channels": 2,
-        "upsample_kernel_sizes": [16, 15, 8, 4, 4],
-        "upsample_factors": [6, 5, 2, 2, 2],
-        "resnet_kernel_sizes": [3, 7, 11],
-        "resnet_dilations": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+        **checkpoint.VOCODER,
         "act_fn": "leaky_relu",
         "leaky_relu_negative_slope": 0.1,
         "antialias": False,
         "final_act_fn": "tanh",
         "final_bias": True,
-        "output_sampling_rate": 24000,
     }
 )
-REAL_SCHEDULER_CONFIG = MappingProxyType(
-    {
-        "use_dynamic_shifting": True,
-        "base_shift": 0.95,
-        "max_shift": 2.05,
-        "base_image_seq_len": 1024,
-        "max_image_seq_len": 4096,
-        "shift_terminal": 0.1,
-    }
-)
+REAL_SCHEDULER_CONFIG = MappingProxyType(dict(checkpoint.SCHEDULER))
 STG_BLOCKS = (1,)  # the tiny transformer's last block; the pipeline's default [28] does not exist here
 # Gemma's special tokens in Gemma's id order, then the image markers Gemma3ForConditionalGeneration names.
 GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_image>", "<end_of_image>", "<image_soft_token>")
